@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine with Python 3.11 and pip:
+#   make demo   - set up .venv and run the main job (small end-to-end training run on CPU)
+#   make test   - set up .venv and run lint + the test suite
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean-venv
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first, pinned to the local CPU wheel, so no dependency pulls a multi-GB CUDA build.
+$(STAMP): $(BIN)/python setup.py
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m recipes.quickstart
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_dataproto
+	$(BIN)/python -m benchmarks.bench_dispatch
+
+clean-venv:
+	rm -rf $(VENV)

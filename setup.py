@@ -1,0 +1,38 @@
+"""hyflow: a HybridFlow-style single-controller engine for RL post-training of language models."""
+
+from setuptools import find_packages, setup
+
+PACKAGES = ["dataproto", "resource_pools", "controller", "algorithms", "workers", "recipes"]
+
+setup(
+    name="hyflow",
+    version="0.1.0",
+    description="Single-controller RL post-training with Ray WorkerGroups and RLM-REPL environments",
+    python_requires=">=3.11",
+    packages=find_packages(include=[name for p in PACKAGES for name in (p, f"{p}.*")]),
+    include_package_data=True,
+    package_data={"recipes": ["*.yaml", "config/*.yaml"]},
+    install_requires=[
+        # torch is installed first by the Makefile from the local CPU wheel (torch==2.13.0);
+        # a range that it satisfies keeps pip from pulling a CUDA build.
+        "torch>=2.6",
+        "numpy>=1.26",
+        "ray==2.60.0",
+        "transformers>=4.51",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "omegaconf>=2.3",
+        "pyarrow>=15",
+        "pandas>=2.1",
+        "tqdm>=4.66",
+        "tensorboard>=2.15",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        # GPU cluster only: SGLang's kernels are CUDA wheels; megatron-core needs CUDA for its optimizers.
+        "sglang": ["sglang>=0.5"],
+        "megatron": ["megatron-core>=0.12,<0.17"],
+        "wandb": ["wandb"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6"],
+    },
+)
