@@ -1,0 +1,5 @@
+"""The batch type that crosses process boundaries (see dataproto/BATCH_LAYOUT.md for shared keys)."""
+
+from dataproto.proto import DataProto, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
+
+__all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto"]

@@ -1,0 +1,79 @@
+"""Small helpers shared by the benchmarks: timing, a printed table, and a JSON record."""
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+OUTPUT_DIR = "outputs"
+
+
+def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 2) -> dict:
+    """Median and p90 wall time of ``fn`` in seconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return _summary(samples)
+
+
+def time_paired(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, dict]:
+    """Like time_calls for several contenders, alternating them call by call so that machine noise
+    (other processes on a shared 2-core box) hits all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: _summary(s) for name, s in samples.items()}
+
+
+def _summary(samples: list[float]) -> dict:
+    samples = sorted(samples)
+    return {
+        "median_s": statistics.median(samples),
+        "p90_s": samples[min(len(samples) - 1, int(0.9 * len(samples)))],
+        "repeats": len(samples),
+    }
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    print("  ".join("-" * widths[c] for c in columns))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def machine_info() -> dict:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(name: str, payload: dict) -> str:
+    os.makedirs(OUTPUT_DIR, exist_ok=True)
+    path = os.path.join(OUTPUT_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine_info(), **payload}, f, indent=2)
+    return path
