@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine with Python 3.11 and pip:
 #   make demo   - set up .venv and run the main job (small end-to-end training run on CPU)
 #   make test   - set up .venv and run lint + the test suite
-PY ?= python3.11
+PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

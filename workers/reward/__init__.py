@@ -1,0 +1,12 @@
+"""Rule-based reward scorers registered by data_source, and the batched scoring they feed."""
+
+from workers.reward.scorers import (
+    SCORERS,
+    ScoreResult,
+    extract_boxed,
+    get_scorer,
+    register_scorer,
+    score_batch,
+)
+
+__all__ = ["SCORERS", "ScoreResult", "extract_boxed", "get_scorer", "register_scorer", "score_batch"]
