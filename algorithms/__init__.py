@@ -1,0 +1,101 @@
+"""hyflow algorithms: pure tensor math for RL post-training (imports torch and numpy only).
+
+Names and semantics follow verl's ``core_algos`` (also importable as ``algorithms.core_algos``):
+
+* masked helpers: ``masked_sum``, ``masked_mean``, ``masked_var``, ``masked_whiten``
+* advantage estimators, by name through ``get_adv_estimator_fn`` / ``run_adv_estimator``:
+  ``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``;
+  add more with ``@register_adv_est("name")``
+* policy losses, by name through ``get_policy_loss_fn``: ``vanilla`` (PPO clip, dual-clip), ``gspo``;
+  add more with ``@register_policy_loss("name")``
+* ``compute_value_loss``, ``compute_entropy_loss``, ``entropy_from_logits``
+* KL: ``kl_penalty``, ``compute_kl_loss``, ``apply_kl_penalty``, ``FixedKLController``,
+  ``AdaptiveKLController``, ``get_kl_controller``
+* loss aggregation: ``agg_loss`` and ``make_global_batch_info``; read ``algorithms.aggregation``'s
+  docstring for the micro-batch / data-parallel convention (sum over micro-batches, AVG over DP).
+"""
+
+from algorithms.advantages import (
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+    group_ids,
+    run_adv_estimator,
+)
+from algorithms.aggregation import GLOBAL_BATCH_INFO_KEYS, LOSS_AGG_MODES, agg_loss, make_global_batch_info
+from algorithms.entropy import compute_entropy_loss, entropy_from_logits
+from algorithms.kl import (
+    KL_PENALTY_NAMES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    compute_kl_loss,
+    compute_rewards,
+    get_kl_controller,
+    kl_penalty,
+)
+from algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from algorithms.policy_loss import (
+    GSPO_CLIP_RATIO_HIGH,
+    GSPO_CLIP_RATIO_LOW,
+    compute_policy_loss_gspo,
+    compute_policy_loss_vanilla,
+)
+from algorithms.registry import (
+    ADV_ESTIMATOR_REGISTRY,
+    POLICY_LOSS_REGISTRY,
+    AdvantageEstimator,
+    get_adv_estimator_fn,
+    get_policy_loss_fn,
+    list_adv_estimators,
+    list_policy_losses,
+    register_adv_est,
+    register_policy_loss,
+)
+from algorithms.value_loss import compute_value_loss
+
+__all__ = [
+    "ADV_ESTIMATOR_REGISTRY",
+    "GLOBAL_BATCH_INFO_KEYS",
+    "GSPO_CLIP_RATIO_HIGH",
+    "GSPO_CLIP_RATIO_LOW",
+    "KL_PENALTY_NAMES",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSS_REGISTRY",
+    "AdaptiveKLController",
+    "AdvantageEstimator",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_entropy_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_kl_loss",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rewards",
+    "compute_rloo_outcome_advantage",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_adv_estimator_fn",
+    "get_kl_controller",
+    "get_policy_loss_fn",
+    "group_ids",
+    "kl_penalty",
+    "list_adv_estimators",
+    "list_policy_losses",
+    "make_global_batch_info",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
+    "run_adv_estimator",
+]
