@@ -1,0 +1,48 @@
+"""The interface every rollout engine (native torch engine, SGLang adapter) implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.rollout.sampling import GenerationOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from dataproto import DataProto
+
+
+class RolloutEngine(ABC):
+    """Generation for the controller (a batch of left-padded prompts) and for agents (one async request).
+
+    Life cycle in a colocated RL step: ``resume_memory()`` -> ``update_weights(actor weights)`` ->
+    ``generate_sequences`` / many concurrent ``generate`` calls -> ``release_memory()``.
+    """
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Left-padded ``input_ids``/``attention_mask``/``position_ids`` (+ sampling settings in ``meta_info``)
+        -> ``prompts``, ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``,
+        ``rollout_log_probs`` as laid out in ``dataproto/BATCH_LAYOUT.md``."""
+
+    @abstractmethod
+    async def generate(
+        self, prompt_ids: list[int], sampling_params: SamplingParams | None = None
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """One request; concurrent calls are batched together. A list of ``n`` outputs when
+        ``sampling_params.n > 1``, else one output."""
+
+    @abstractmethod
+    def release_memory(self, weights: bool = False) -> None:
+        """Free the KV cache (and the weights when ``weights``) between rollouts."""
+
+    @abstractmethod
+    def resume_memory(self) -> None:
+        """Re-allocate what ``release_memory`` freed (released weights must then be refilled by
+        ``update_weights``)."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the engine's weights in place; unknown names raise."""
