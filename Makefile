@@ -19,7 +19,7 @@ $(STAMP): $(BIN)/python setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m recipes.quickstart
+	$(BIN)/python -m benchmarks.bench_dispatch
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,42 @@
+"""Single controller: Worker base, @register dispatch/collect modes, RayWorkerGroup, colocation, futures."""
+
+from controller.colocate import create_colocated_worker_cls
+from controller.decorator import MethodSpec, register, registered_methods
+from controller.dispatch import (
+    Dispatch,
+    Dispatched,
+    DispatchMode,
+    Execute,
+    get_dispatch_mode,
+    make_nd_compute_dataproto_dispatch_fn,
+    register_dispatch_mode,
+)
+from controller.errors import DispatchError, WorkerGroupError, WorkerGroupTimeoutError
+from controller.future import DataProtoFuture
+from controller.ray_class import RayClassWithInitArgs
+from controller.timing import CallTimings
+from controller.worker import Worker
+from controller.worker_group import GroupMethod, RayWorkerGroup
+
+__all__ = [
+    "CallTimings",
+    "DataProtoFuture",
+    "Dispatch",
+    "DispatchError",
+    "DispatchMode",
+    "Dispatched",
+    "Execute",
+    "GroupMethod",
+    "MethodSpec",
+    "RayClassWithInitArgs",
+    "RayWorkerGroup",
+    "Worker",
+    "WorkerGroupError",
+    "WorkerGroupTimeoutError",
+    "create_colocated_worker_cls",
+    "get_dispatch_mode",
+    "make_nd_compute_dataproto_dispatch_fn",
+    "register",
+    "register_dispatch_mode",
+    "registered_methods",
+]

@@ -1,0 +1,255 @@
+"""Dispatch modes: how one controller call becomes per-rank calls, and how the outputs come back.
+
+A mode is a pair of functions:
+  * ``dispatch_fn(worker_group, *args, **kwargs)`` returns ``(args, kwargs)`` (or a ``Dispatched``)
+    where every positional argument and every keyword value is a list with one entry per rank;
+  * ``collect_fn(worker_group, outputs)`` turns the list of per-rank outputs into the call's result.
+Chunked modes (DP_COMPUTE_PROTO, n-D mesh) instead name the ranks whose outputs, concatenated in that
+order, are the result; their futures can then be chained into another group chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import ray
+import torch
+
+from controller.future import DataProtoFuture
+from dataproto import DataProto, pad_dataproto_to_divisor
+
+
+class Dispatch(Enum):
+    ONE_TO_ALL = "one_to_all"  # same arguments to every rank; list of outputs
+    ALL_TO_ALL = "all_to_all"  # every argument is a list, entry r goes to rank r; list of outputs
+    DP_COMPUTE = "dp_compute"  # as ALL_TO_ALL, for data-parallel work split by the caller
+    DP_COMPUTE_PROTO = "dp_compute_proto"  # DataProto split into world_size chunks; outputs concatenated
+    RANK_ZERO = "rank_zero"  # only rank 0 is called; its output is the result
+
+
+class Execute(Enum):
+    ALL = "all"
+    RANK_ZERO = "rank_zero"
+
+
+@dataclass
+class Dispatched:
+    """Per-rank arguments: ``args[i][r]`` is positional argument i for rank r."""
+
+    args: list[list]
+    kwargs: dict[str, list]
+    pad_size: int = 0  # rows appended to reach a multiple of the chunk count; stripped after collect
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    name: str
+    dispatch_fn: Callable
+    collect_fn: Callable | None = None
+    # Chunked modes: ranks whose outputs, concatenated in this order, form the result.
+    chunk_ranks_fn: Callable | None = field(default=None)
+    accepts_futures: bool = False  # False: DataProtoFuture arguments are resolved before dispatch
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_ranks_fn is not None
+
+    def collect(self, wg, outputs: list):
+        if self.chunk_ranks_fn is None:
+            return self.collect_fn(wg, outputs)
+        ranks = self.chunk_ranks_fn(wg)
+        return concat_chunks(wg, [outputs[r] for r in ranks], ranks, self.name)
+
+
+def concat_chunks(wg, chunks: list, ranks: list[int], mode_name: str) -> DataProto:
+    for chunk, rank in zip(chunks, ranks):
+        if not isinstance(chunk, DataProto):
+            raise TypeError(
+                f"{mode_name}: rank {rank} of worker group {wg.name!r} returned {type(chunk).__name__}; "
+                "this mode concatenates DataProto outputs"
+            )
+    return DataProto.concat(chunks)
+
+
+# ---------------------------------------------------------------------- registry
+_MODES: dict[str, DispatchMode] = {}
+
+
+def register_dispatch_mode(
+    name: str, dispatch_fn: Callable, collect_fn: Callable, override: bool = False
+) -> DispatchMode:
+    """Register a user dispatch/collect pair; use it as ``@register(dispatch_mode=name)``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"dispatch mode name must be a non-empty string, got {name!r}")
+    if name in _MODES and not override:
+        raise ValueError(f"dispatch mode {name!r} is already registered (pass override=True to replace it)")
+    if not callable(dispatch_fn) or not callable(collect_fn):
+        raise TypeError(f"dispatch mode {name!r}: dispatch_fn and collect_fn must be callable")
+    mode = DispatchMode(name, dispatch_fn, collect_fn)
+    _MODES[name] = mode
+    return mode
+
+
+def get_dispatch_mode(key: Dispatch | str | DispatchMode) -> DispatchMode:
+    if isinstance(key, DispatchMode):
+        return key
+    name = key.value if isinstance(key, Dispatch) else key
+    if name not in _MODES:
+        raise KeyError(f"unknown dispatch mode {name!r}; registered: {sorted(_MODES)}")
+    return _MODES[name]
+
+
+def normalize_dispatched(out, wg, mode_name: str) -> Dispatched:
+    """Accept ``(args, kwargs)`` or a Dispatched and check every entry has one value per rank."""
+    if isinstance(out, Dispatched):
+        d = out
+    elif isinstance(out, tuple) and len(out) == 2:
+        d = Dispatched(list(out[0]), dict(out[1]))
+    else:
+        raise TypeError(f"dispatch mode {mode_name!r} must return (args, kwargs), got {type(out).__name__}")
+    n = wg.world_size
+    for label, values in [(f"positional arg {i}", v) for i, v in enumerate(d.args)] + list(d.kwargs.items()):
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            raise ValueError(
+                f"dispatch mode {mode_name!r} produced {label} with "
+                f"{len(values) if isinstance(values, (list, tuple)) else type(values).__name__} entries; "
+                f"worker group {wg.name!r} has {n} ranks"
+            )
+    return d
+
+
+# ---------------------------------------------------------------------- built-in modes
+def _broadcast(wg, value) -> list:
+    # Large values go to the object store once instead of once per rank.
+    if wg.world_size > 1 and isinstance(value, (DataProto, torch.Tensor, np.ndarray)):
+        value = ray.put(value)
+    return [value] * wg.world_size
+
+
+def dispatch_one_to_all(wg, *args, **kwargs):
+    return [_broadcast(wg, a) for a in args], {k: _broadcast(wg, v) for k, v in kwargs.items()}
+
+
+def dispatch_per_rank(wg, *args, **kwargs):
+    n = wg.world_size
+    for label, value in [(f"positional arg {i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            got = f"a list of {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"{label} must be a list with one entry per rank ({n}), got {got}")
+    return [list(a) for a in args], {k: list(v) for k, v in kwargs.items()}
+
+
+def dispatch_rank_zero(wg, *args, **kwargs):
+    # Only rank 0 runs; the other entries are never sent.
+    return [[a] * wg.world_size for a in args], {k: [v] * wg.world_size for k, v in kwargs.items()}
+
+
+def collect_list(wg, outputs: list) -> list:
+    return list(outputs)
+
+
+def collect_rank_zero(wg, outputs: list):
+    return outputs[0]
+
+
+def chunk_proto_args(num_chunks: int, args: tuple, kwargs: dict):
+    """Split every DataProto argument into ``num_chunks`` object refs, each chunk put once.
+
+    A DataProtoFuture already made of ``num_chunks`` chunks is passed through ref by ref; any other
+    future is resolved on the controller first. Returns (per-arg chunk refs, per-kwarg chunk refs, pad).
+    """
+    pads: dict[str, int] = {}
+    lengths: dict[str, int] = {}
+
+    def split(label: str, value) -> list:
+        if isinstance(value, DataProtoFuture):
+            if value.num_chunks == num_chunks:
+                pads[label] = value.pad_size
+                return value.chunk_refs()
+            value = value.get()
+        if not isinstance(value, DataProto):
+            raise TypeError(f"{label} must be a DataProto or DataProtoFuture, got {type(value).__name__}")
+        lengths[label] = len(value)
+        padded, pads[label] = pad_dataproto_to_divisor(value, num_chunks)
+        return [ray.put(chunk) for chunk in padded.chunk(num_chunks)]
+
+    arg_chunks = [split(f"positional arg {i}", a) for i, a in enumerate(args)]
+    kw_chunks = {k: split(f"keyword arg {k!r}", v) for k, v in kwargs.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"DataProto arguments have different lengths: {lengths}")
+    if len(set(pads.values())) > 1:
+        raise ValueError(f"DataProto arguments need different padding (rows added per argument: {pads})")
+    return arg_chunks, kw_chunks, next(iter(pads.values()), 0)
+
+
+def dispatch_dp_compute_proto(wg, *args, **kwargs) -> Dispatched:
+    arg_chunks, kw_chunks, pad = chunk_proto_args(wg.world_size, args, kwargs)
+    return Dispatched(arg_chunks, kw_chunks, pad)
+
+
+def _all_ranks(wg) -> list[int]:
+    return list(range(wg.world_size))
+
+
+# ---------------------------------------------------------------------- n-D mesh modes
+def mesh_layout(wg, mesh_name: str) -> tuple[list[int], list[int]]:
+    """(dp rank of every rank, collecting rank of every dp rank) from the workers' registered info."""
+    info = wg.dispatch_info(mesh_name)
+    dp_of_rank = [dp for dp, _ in info]
+    dp_size = max(dp_of_rank) + 1
+    collectors: dict[int, list[int]] = {}
+    for rank, (dp, is_collect) in enumerate(info):
+        if is_collect:
+            collectors.setdefault(dp, []).append(rank)
+    missing = sorted(set(range(dp_size)) - set(dp_of_rank))
+    bad = {dp: ranks for dp, ranks in collectors.items() if len(ranks) != 1}
+    no_collector = sorted(set(range(dp_size)) - set(collectors))
+    if missing or bad or no_collector:
+        raise ValueError(
+            f"mesh {mesh_name!r} of worker group {wg.name!r} is inconsistent: dp ranks per rank {dp_of_rank}; "
+            f"dp ranks missing {missing}, dp ranks with several collect ranks {bad}, "
+            f"dp ranks with no collect rank {no_collector}"
+        )
+    return dp_of_rank, [collectors[dp][0] for dp in range(dp_size)]
+
+
+def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
+    """Mode for workers on a named (dp x tp x pp ...) mesh: chunk by dp size, every replica of a dp rank
+    gets the same chunk ref, outputs come only from the ranks registered with ``is_collect=True``."""
+    name = f"nd_compute_dataproto[{mesh_name}]"
+    if name in _MODES:
+        return _MODES[name]
+
+    def dispatch(wg, *args, **kwargs) -> Dispatched:
+        dp_of_rank, collect_ranks = mesh_layout(wg, mesh_name)
+        arg_chunks, kw_chunks, pad = chunk_proto_args(len(collect_ranks), args, kwargs)
+        return Dispatched(
+            [[chunks[dp] for dp in dp_of_rank] for chunks in arg_chunks],
+            {k: [chunks[dp] for dp in dp_of_rank] for k, chunks in kw_chunks.items()},
+            pad,
+        )
+
+    def chunk_ranks(wg) -> list[int]:
+        return mesh_layout(wg, mesh_name)[1]
+
+    mode = DispatchMode(name, dispatch, chunk_ranks_fn=chunk_ranks, accepts_futures=True)
+    _MODES[name] = mode
+    return mode
+
+
+for _mode in [
+    DispatchMode(Dispatch.ONE_TO_ALL.value, dispatch_one_to_all, collect_list),
+    DispatchMode(Dispatch.ALL_TO_ALL.value, dispatch_per_rank, collect_list),
+    DispatchMode(Dispatch.DP_COMPUTE.value, dispatch_per_rank, collect_list),
+    DispatchMode(Dispatch.RANK_ZERO.value, dispatch_rank_zero, collect_rank_zero),
+    DispatchMode(
+        Dispatch.DP_COMPUTE_PROTO.value,
+        dispatch_dp_compute_proto,
+        chunk_ranks_fn=_all_ranks,
+        accepts_futures=True,
+    ),
+]:
+    _MODES[_mode.name] = _mode

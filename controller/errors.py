@@ -1,0 +1,49 @@
+"""Errors a worker-group call raises on the controller."""
+
+from __future__ import annotations
+
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker raised, died or timed out during a group call.
+
+    ``role`` is the group's name (its name_prefix), ``rank`` the first failing rank, ``method`` the
+    worker method, ``remote_traceback`` the worker-side traceback (or Ray's death report).
+    """
+
+    def __init__(self, role: str, rank: int | None, method: str, reason: str, remote_traceback: str = ""):
+        self.role, self.rank, self.method = role, rank, method
+        self.reason = reason
+        self.remote_traceback = _ANSI.sub("", remote_traceback)
+        where = f"rank {rank}" if rank is not None else "group"
+        msg = f"worker group {role!r} {where} failed in {method!r}: {reason}"
+        if self.remote_traceback:
+            msg += f"\n--- remote ({role} rank {rank}) ---\n{self.remote_traceback}"
+        super().__init__(msg)
+
+    def __reduce__(self):
+        return type(self), (self.role, self.rank, self.method, self.reason, self.remote_traceback)
+
+
+class WorkerGroupTimeoutError(WorkerGroupError):
+    """Some ranks did not answer within the call's timeout."""
+
+    def __init__(self, role: str, method: str, pending_ranks: list[int], timeout_s: float):
+        self.pending_ranks = list(pending_ranks)
+        self.timeout_s = timeout_s
+        super().__init__(
+            role,
+            self.pending_ranks[0] if self.pending_ranks else None,
+            method,
+            f"no result after {timeout_s:g}s from rank(s) {self.pending_ranks}",
+        )
+
+    def __reduce__(self):
+        return type(self), (self.role, self.method, self.pending_ranks, self.timeout_s)
+
+
+class DispatchError(ValueError):
+    """The arguments of a group call cannot be dispatched (wrong type, length, mesh info...)."""

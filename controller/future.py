@@ -1,0 +1,79 @@
+"""DataProtoFuture: the result of a ``blocking=False`` group call.
+
+It holds one object ref per called rank and knows how to collect them. When the call's result is a
+concatenation of per-rank DataProto chunks (DP_COMPUTE_PROTO, n-D mesh modes), ``chunk_refs`` are those
+chunks in order; a receiving group with that many dp ranks hands chunk i straight to dp rank i without
+the data passing through the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import ray
+
+from controller.timing import CallTimings
+from controller.wait import wait_for_results
+from dataproto import DataProto, unpad_dataproto
+
+
+class DataProtoFuture:
+    def __init__(
+        self,
+        role: str,
+        method: str,
+        refs: Sequence[ray.ObjectRef],
+        ranks: Sequence[int],
+        collect: Callable[[list], object],
+        pad_size: int = 0,
+        chunk_positions: Sequence[int] | None = None,
+        timeout_s: float | None = None,
+        timings: CallTimings | None = None,
+        started: float | None = None,
+    ):
+        self.role, self.method = role, method
+        self.refs, self.ranks = list(refs), list(ranks)
+        self.pad_size = pad_size
+        self._collect = collect
+        self._chunk_positions = None if chunk_positions is None else list(chunk_positions)
+        self._timeout_s = timeout_s
+        self._timings = timings
+        self._started = time.perf_counter() if started is None else started
+        self._result = None
+        self.resolved = False  # True once the controller fetched and collected the outputs
+
+    @property
+    def num_chunks(self) -> int | None:
+        """Number of DataProto chunks the result is made of, or None if it is not chunked."""
+        return None if self._chunk_positions is None else len(self._chunk_positions)
+
+    def chunk_refs(self) -> list[ray.ObjectRef]:
+        """Refs of the output chunks in order (padding rows, ``pad_size`` of them, sit in the last ones)."""
+        if self._chunk_positions is None:
+            raise TypeError(f"the result of {self.role}.{self.method} is not made of DataProto chunks")
+        return [self.refs[i] for i in self._chunk_positions]
+
+    def get(self, timeout_s: float | None = None):
+        """Wait for every rank, collect on the controller and strip padding (cached)."""
+        if not self.resolved:
+            timeout = self._timeout_s if timeout_s is None else timeout_s
+            outputs = wait_for_results(self.refs, self.ranks, self.role, self.method, timeout)
+            result = self._collect(outputs)
+            if self.pad_size:
+                if not isinstance(result, DataProto):
+                    raise TypeError(
+                        f"{self.role}.{self.method}: padded call returned {type(result).__name__}, "
+                        "expected a DataProto to strip padding from"
+                    )
+                result = unpad_dataproto(result, self.pad_size)
+            self._result, self.resolved = result, True
+            if self._timings is not None:
+                self._timings.record(self.method, time.perf_counter() - self._started)
+        return self._result
+
+    def __repr__(self) -> str:
+        return (
+            f"DataProtoFuture({self.role}.{self.method}, ranks={self.ranks}, chunks={self.num_chunks}, "
+            f"pad_size={self.pad_size}, resolved={self.resolved})"
+        )

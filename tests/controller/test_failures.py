@@ -1,0 +1,139 @@
+"""A worker that raises, one that dies mid-call while its peer is blocked, one that is too slow, and one
+whose constructor raises: the controller raises WorkerGroupError naming role, rank and method, promptly."""
+
+import os
+import sys
+import time
+
+import pytest
+import ray
+import torch
+
+from controller import (
+    Dispatch,
+    RayClassWithInitArgs,
+    RayWorkerGroup,
+    Worker,
+    WorkerGroupError,
+    WorkerGroupTimeoutError,
+    register,
+)
+from dataproto import DataProto
+from resource_pools import ResourcePool
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class FlakyWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def boom(self):
+        if self.rank == 1:
+            raise ValueError("bad input on rank 1 (marker-7f3a)")
+        return self.rank
+
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def boom_async(self, data):
+        if self.rank == 1:
+            raise KeyError("missing key 'values' (marker-19c2)")
+        return data
+
+    @register(Dispatch.ONE_TO_ALL)
+    def nap(self, seconds):
+        time.sleep(seconds * (self.rank + 1))
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def die(self):
+        if self.rank == 1:
+            os._exit(7)
+        time.sleep(120)  # stands in for a rank blocked in a collective on the dead peer
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self):
+        return os.getpid()
+
+
+class BrokenInitWorker(Worker):
+    def __init__(self):
+        if self.rank == 1:
+            raise RuntimeError("cannot load weights (marker-c0de)")
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session):
+    # Three groups share the same two bundles (a third of a CPU each).
+    pool = ResourcePool([2], max_colocate_count=3, name="test_failures_pool")
+    yield pool
+    pool.remove()
+
+
+@pytest.fixture(scope="module")
+def flaky(pool):
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(FlakyWorker), name_prefix="flaky")
+    yield wg
+    wg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_worker_exception_names_role_rank_method_and_traceback(flaky):
+    with pytest.raises(WorkerGroupError) as info:
+        flaky.boom()
+    err = info.value
+    assert (err.role, err.rank, err.method) == ("flaky", 1, "boom")
+    assert "ValueError: bad input on rank 1 (marker-7f3a)" in err.reason
+    assert "in boom" in err.remote_traceback and "marker-7f3a" in err.remote_traceback
+    assert "worker group 'flaky' rank 1 failed in 'boom'" in str(err)
+    assert flaky.nap(0) == [0, 1]  # a raising method leaves the actors usable
+
+
+@pytest.mark.timeout(60)
+def test_failed_future_raises_on_get(flaky):
+    fut = flaky.boom_async(DataProto.from_dict({"x": torch.arange(4)}))
+    with pytest.raises(WorkerGroupError, match=r"'flaky' rank 1 failed in 'boom_async'.*marker-19c2"):
+        fut.get()
+
+
+@pytest.mark.timeout(60)
+def test_call_timeout_names_pending_ranks(flaky):
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupTimeoutError) as info:
+        flaky.nap.with_options(timeout_s=1.0)(1.5)  # rank 0 sleeps 1.5 s, rank 1 3 s
+    assert time.monotonic() - start < 2.0
+    assert info.value.pending_ranks == [0, 1] and info.value.method == "nap"
+    assert "no result after 1s from rank(s) [0, 1]" in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_worker_killed_mid_call_fails_fast(pool):
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(FlakyWorker), name_prefix="doomed")
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError) as info:
+            wg.die()  # rank 1 exits, rank 0 would block for 120 s
+        assert time.monotonic() - start < 20
+        err = info.value
+        assert (err.role, err.rank, err.method) == ("doomed", 1, "die")
+        assert err.reason == "the worker actor died" and "died" in err.remote_traceback
+        with pytest.raises(WorkerGroupError, match="rank 1 failed in 'pid': the worker actor died"):
+            wg.pid()
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_ray_kill_mid_call_fails_fast(flaky):
+    pending = flaky.nap.with_options(blocking=False)(30)
+    ray.kill(flaky.actors[0])
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError, match="'flaky' rank 0 failed in 'nap': the worker actor died"):
+        pending.get()
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.timeout(60)
+def test_constructor_error_names_rank_and_init(pool):
+    with pytest.raises(WorkerGroupError) as info:
+        RayWorkerGroup(pool, RayClassWithInitArgs(BrokenInitWorker), name_prefix="broken")
+    err = info.value
+    assert (err.role, err.rank, err.method) == ("broken", 1, "__init__")
+    assert err.reason == "the worker's constructor raised" and "marker-c0de" in err.remote_traceback
