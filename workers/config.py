@@ -1,0 +1,83 @@
+"""Configs of the role workers. Recipes build these from their YAML (names follow verl's where they overlap,
+so a verl user finds ``actor.ppo_mini_batch_size`` where they expect it); workers never import recipes."""
+
+from dataclasses import dataclass, field
+
+from workers.engine.fsdp_engine import OptimConfig
+
+
+@dataclass
+class ModelConfig:
+    path: str  # local Hugging Face directory (config.json, weights, tokenizer)
+    dtype: str = "float32"  # parameter dtype of the training engine
+    attn_implementation: str = "auto"
+    activation_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp"  # "fsdp" (FSDP2); "megatron" once that engine exists
+    ppo_mini_batch_size: int = 8  # prompts per optimizer step (multiplied by rollout.n, as in verl)
+    ppo_micro_batch_size_per_gpu: int | None = 4  # rows per forward/backward when use_dynamic_bsz is off
+    use_dynamic_bsz: bool = True  # micro-batches by token budget instead of row count
+    ppo_max_token_len_per_gpu: int = 4096  # token budget per micro-batch (dynamic batch size)
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    policy_loss: str = "vanilla"  # algorithms registry: "vanilla" (PPO clip), "gspo", ...
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # None: clip_ratio
+    clip_ratio_high: float | None = None  # None: clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False  # KL to the reference as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    seed: int = 0
+
+
+@dataclass
+class CriticConfig:
+    strategy: str = "fsdp"
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size_per_gpu: int | None = 4
+    use_dynamic_bsz: bool = True
+    ppo_max_token_len_per_gpu: int = 4096
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "native"  # "native" (our torch engine) or "sglang"
+    n: int = 1  # samples per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    prompt_length: int = 256  # longest prompt kept by the data loader
+    response_length: int = 256  # max new tokens; responses are right-padded to this
+    max_num_seqs: int = 64  # concurrent sequences in the engine
+    log_prob_micro_batch_size_per_gpu: int | None = 8  # for old/ref log-prob passes
+    log_prob_use_dynamic_bsz: bool = True
+    log_prob_max_token_len_per_gpu: int = 8192
+    weight_bucket_mb: int = 64  # weight-sync bucket size (disaggregated broadcast, SGLang)
+    free_cache_engine: bool = True  # release KV cache between rollouts (time-sharing with training)
+    tensor_parallel_size: int = 1  # SGLang only for now
+    gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
+    seed: int = 0
+    # validation sampling: greedy by default so held-out accuracy is deterministic
+    val_temperature: float = 0.0
+    val_n: int = 1
+
+
+@dataclass
+class RewardConfig:
+    default_scorer: str | None = None  # scorer for data sources without a registered one (None: error)
+    # "outcome": the score sits on the last response token
+    reward_manager: str = "outcome"

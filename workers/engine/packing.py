@@ -1,0 +1,235 @@
+"""Padding removal, sequence packing, token-budget micro-batching and log-prob math.
+
+Pure tensor code (no model, no process group), so each piece has a direct unit test.
+
+Layout (dataproto/BATCH_LAYOUT.md): ``input_ids``/``attention_mask`` are [B, P+R] with prompts left-padded and
+responses right-padded; ``responses`` is [B, R]. The token at padded position ``P + j`` (response token j) is
+predicted by the logits at position ``P + j - 1``. A packed micro-batch is one row holding only the real tokens of
+its sequences, one after another, with ``position_ids`` restarting at 0 for each sequence.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------------------
+# Balanced partitioning
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def karmarkar_karp(weights: list[int], k: int) -> list[list[int]]:
+    """Split item indices into ``k`` groups with nearly equal weight sums (largest differencing method).
+
+    Each item starts as a k-tuple of groups (itself in one group, the others empty). Repeatedly the two tuples
+    with the largest spread (max sum - min sum) are merged by pairing the heaviest group of one with the
+    lightest group of the other, which cancels their differences. Returns k lists of indices (some may be
+    empty when there are fewer items than groups), each sorted ascending.
+    """
+    if k < 1:
+        raise ValueError(f"karmarkar_karp: k must be >= 1, got {k}")
+    if not weights:
+        return [[] for _ in range(k)]
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for counter, (i, w) in enumerate(sorted(enumerate(weights), key=lambda x: (-x[1], x[0]))):
+        groups = [(w, [i])] + [(0, []) for _ in range(k - 1)]
+        # heap key: -spread (largest first); counter breaks ties deterministically
+        heapq.heappush(heap, (-w, counter, groups))
+    counter = len(weights)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        a_sorted = sorted(a, key=lambda g: -g[0])  # heaviest first
+        b_sorted = sorted(b, key=lambda g: g[0])  # lightest first
+        merged = [(ga[0] + gb[0], ga[1] + gb[1]) for ga, gb in zip(a_sorted, b_sorted)]
+        sums = [g[0] for g in merged]
+        heapq.heappush(heap, (-(max(sums) - min(sums)), counter, merged))
+        counter += 1
+    groups = heap[0][2]
+    parts = [sorted(g[1]) for g in groups]
+    # deterministic order: heaviest group first, ties by first index
+    parts.sort(key=lambda p: (-sum(weights[i] for i in p), p[0] if p else math.inf))
+    return parts
+
+
+def plan_micro_batches(
+    lengths: list[int],
+    *,
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+    min_num_micro_batches: int = 1,
+) -> list[list[int]]:
+    """Row indices of each micro-batch.
+
+    - ``max_token_len`` (dynamic batch size): the fewest micro-batches (at least ``min_num_micro_batches``)
+      such that a Karmarkar-Karp split of the rows by token count keeps every micro-batch within
+      ``max_token_len`` tokens. A single row longer than the budget is an error.
+    - else ``micro_batch_size`` rows per micro-batch in order (the last may be smaller); with
+      ``min_num_micro_batches`` larger than that count, the rows are spread over that many groups.
+    - neither: one micro-batch with every row.
+
+    Micro-batches may be empty only when ``min_num_micro_batches`` exceeds the number of rows (DP ranks
+    must run the same number of forward passes; the engine runs an empty micro-batch as a dummy pass).
+    """
+    n = len(lengths)
+    if max_token_len is not None:
+        if max_token_len < 1:
+            raise ValueError(f"max_token_len must be >= 1, got {max_token_len}")
+        longest = max(lengths, default=0)
+        if longest > max_token_len:
+            raise ValueError(
+                f"max_token_len={max_token_len} is smaller than the longest sequence ({longest} tokens); "
+                "raise max_token_len (it must be >= prompt + response length)"
+            )
+        k = max(min_num_micro_batches, math.ceil(sum(lengths) / max_token_len), 1)
+        while True:
+            parts = karmarkar_karp(lengths, k)
+            if all(sum(lengths[i] for i in p) <= max_token_len for p in parts) or k >= n:
+                break
+            k += 1
+        return parts
+    if micro_batch_size is not None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        k = max(math.ceil(n / micro_batch_size), 1)
+        if k >= min_num_micro_batches:
+            return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)] or [
+                []
+            ]
+        k = min_num_micro_batches
+    else:
+        k = min_num_micro_batches
+    # spread n rows over k groups in order, sizes differing by at most one
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+
+
+def restore_order(chunks: list[torch.Tensor], parts: list[list[int]]) -> torch.Tensor:
+    """Concatenate per-micro-batch results (rows in ``parts`` order) back into the original row order."""
+    order = [i for p in parts for i in p]
+    cat = torch.cat([c for c, p in zip(chunks, parts) if p], dim=0)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    return cat[inverse.to(cat.device)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch with padding removed, ready for ``model(input_ids, position_ids, ...)``."""
+
+    input_ids: torch.Tensor  # [1, T] real tokens of all sequences, back to back
+    position_ids: torch.Tensor  # [1, T] 0..len-1 for each sequence
+    cu_seqlens: torch.Tensor  # [b + 1] int32 cumulative sequence lengths
+    max_seqlen: int
+    keep_index: torch.Tensor  # [n] packed positions whose logits predict a real response token
+    labels: torch.Tensor  # [n] the response tokens those logits predict
+    response_valid: torch.Tensor  # [b, R] bool, True on real response tokens (attention_mask of the response)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def model_kwargs(self) -> dict:
+        """Keyword arguments for an HF forward: no 2D mask, no cache, FlashAttention-style varlen metadata."""
+        return dict(
+            input_ids=self.input_ids,
+            position_ids=self.position_ids,
+            attention_mask=None,
+            use_cache=False,
+            cu_seq_lens_q=self.cu_seqlens,
+            cu_seq_lens_k=self.cu_seqlens,
+            max_length_q=self.max_seqlen,
+            max_length_k=self.max_seqlen,
+        )
+
+
+def pack_sequences(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> PackedBatch:
+    """Remove padding from [b, P+R] ``input_ids`` and pack the b sequences into one row.
+
+    Every response token j of row i with ``attention_mask[i, P+j] == 1`` must be preceded by a real token
+    (a non-empty prompt), since its log-prob comes from the logits at ``P + j - 1``.
+    """
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ in shape"
+        )
+    b, total = input_ids.shape
+    prompt_len = total - response_length
+    if prompt_len < 1:
+        raise ValueError(f"response length {response_length} leaves no prompt in input_ids of width {total}")
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    if b and int(lengths.min()) == 0:
+        raise ValueError("a row of the micro-batch has no real token (attention_mask all zero)")
+    cum = mask.long().cumsum(dim=1)  # 1-based index of each real token within its row
+    offsets = torch.zeros(b, dtype=torch.long, device=input_ids.device)
+    if b > 1:
+        offsets[1:] = lengths.cumsum(0)[:-1]
+    flat_ids = input_ids[mask]
+    positions = (cum - 1)[mask]
+    response_valid = mask[:, prompt_len:]
+    pred_pos = (
+        cum[:, prompt_len - 1 : total - 1] - 1 + offsets[:, None]
+    )  # packed index of the predicting token
+    if bool((response_valid & ~mask[:, prompt_len - 1 : total - 1]).any()):
+        raise ValueError(
+            "a response token follows a padding position (empty prompt, or a response that is not right-padded); "
+            "cannot compute its log-prob"
+        )
+    keep_index = pred_pos[response_valid]
+    labels = input_ids[:, prompt_len:][response_valid]
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
+    cu[1:] = lengths.cumsum(0)
+    return PackedBatch(
+        input_ids=flat_ids[None],
+        position_ids=positions[None],
+        cu_seqlens=cu,
+        max_seqlen=int(lengths.max()) if b else 0,
+        keep_index=keep_index,
+        labels=labels,
+        response_valid=response_valid,
+    )
+
+
+def scatter_response(values: torch.Tensor, response_valid: torch.Tensor) -> torch.Tensor:
+    """Place [n] values of the real response tokens into a zero [b, R] tensor (differentiable)."""
+    out = values.new_zeros(response_valid.shape)
+    return out.masked_scatter(response_valid, values)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Log-probs and entropy
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] in fp32; logits [..., V], labels [...]."""
+    logits = logits.float()
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) in fp32: logsumexp(l) - sum(p * l)."""
+    logits = logits.float()
+    p = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
+
+
+def padded_response_log_probs(
+    logits: torch.Tensor, responses: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Reference path: log-probs of ``responses`` [B, R] from the logits of a padded forward [B, P+R, V]."""
+    r = responses.shape[1]
+    resp_logits = logits[:, -r - 1 : -1].float() / temperature
+    return log_probs_from_logits(resp_logits, responses)
