@@ -1,0 +1,229 @@
+"""ActorWorker: the policy being trained -- old log-probs, PPO updates, supervised warm-start steps, checkpoints.
+
+One instance per rank of the actor's worker group; ``init_model`` joins the group's process group and builds
+an `FSDPEngine` (FSDP2 over all ranks when the group has more than one). The data methods use
+``Dispatch.DP_COMPUTE_PROTO``: each rank gets a contiguous chunk of the batch and the outputs are
+concatenated back in order. `workers.roles.actor_rollout` subclasses this class to add generation and
+weight sync; the attributes it relies on are ``engine``, ``tokenizer``, ``model_config``, ``actor_config``
+and ``rollout_config``.
+
+Loss of `update_actor`, per PPO mini-batch (``actor.ppo_mini_batch_size * rollout.n`` rows over the group)::
+
+    policy_loss(old_log_probs, log_probs, advantages, response_mask)      # registry name actor.policy_loss
+      - entropy_coeff * agg(entropy)
+      + kl_loss_coef * agg(kl_penalty(log_probs, ref_log_prob))            # if actor.use_kl_loss
+
+every term aggregated by ``actor.loss_agg_mode`` over the *global* mini-batch (``ctx.global_batch_info``),
+so the gradient does not depend on the micro-batch size or the number of ranks.
+"""
+
+from __future__ import annotations
+
+from algorithms import KL_PENALTY_NAMES, LOSS_AGG_MODES, agg_loss, compute_kl_loss, get_policy_loss_fn
+from controller import Dispatch, register
+from dataproto import DataProto
+from workers.config import ActorConfig, ModelConfig, RolloutConfig
+from workers.engine import FSDPEngine, LossContext
+from workers.models import load_tokenizer
+from workers.roles.common import (
+    FORWARD_KEYS,
+    EngineRoleWorker,
+    StepMetrics,
+    engine_config,
+    log_prob_settings,
+    micro_batch_kwargs,
+    token_share,
+)
+
+UPDATE_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages")
+# Optional per-token weights (rollout importance-sampling correction) passed to the policy loss when present.
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+
+
+class ActorWorker(EngineRoleWorker):
+    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig):
+        self.model_config = model
+        self.actor_config = actor
+        self.rollout_config = rollout
+        self.engine: FSDPEngine | None = None
+        self.tokenizer = None
+        self._check_config()
+
+    def _check_config(self) -> None:
+        a = self.actor_config
+        get_policy_loss_fn(a.policy_loss)  # unknown name: ValueError listing the registered ones
+        if a.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"{self.tag}: actor.loss_agg_mode={a.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}"
+            )
+        if a.use_kl_loss and a.kl_loss_type not in KL_PENALTY_NAMES:
+            raise ValueError(
+                f"{self.tag}: actor.kl_loss_type={a.kl_loss_type!r} is not one of {list(KL_PENALTY_NAMES)}"
+            )
+        if a.ppo_epochs < 1:
+            raise ValueError(f"{self.tag}: actor.ppo_epochs must be >= 1, got {a.ppo_epochs}")
+        rows = a.ppo_mini_batch_size * self.rollout_config.n
+        if rows < 1 or rows % self.world_size:
+            raise ValueError(
+                f"{self.tag}: actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size} * "
+                f"{self.rollout_config.n} = {rows} rows per optimizer step must be a positive multiple of the "
+                f"group size {self.world_size}"
+            )
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Join the process group, build the engine (model + AdamW + LR schedule) and load the tokenizer."""
+        self.init_distributed()
+        cfg = engine_config(self.model_config, optim=self.actor_config.optim, seed=self.actor_config.seed)
+        self.engine = FSDPEngine(cfg)
+        self.tokenizer = load_tokenizer(
+            self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
+        )
+
+    # -- forward ----------------------------------------------------------------------------------------------
+
+    def _log_probs(self, data: DataProto, method: str, calculate_entropy: bool) -> tuple[dict, float]:
+        engine = self._require_engine(method)
+        self._require_keys(data, FORWARD_KEYS, method)
+        temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
+        out = engine.compute_log_prob(
+            self._select(data, FORWARD_KEYS),
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+            **micro,
+        )
+        return out, temperature
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` [B, R] (and ``entropys`` unless ``meta_info["calculate_entropy"]`` is False) of the
+        responses at ``meta_info["temperature"]`` (default rollout.temperature); zeros on response padding.
+        Micro-batching: rollout.log_prob_* (meta_info use_dynamic_bsz / max_token_len / micro_batch_size win)."""
+        calc_entropy = bool(data.meta_info.get("calculate_entropy", True))
+        out, temperature = self._log_probs(data, "compute_log_prob", calc_entropy)
+        tensors = {"old_log_probs": out["log_probs"]}
+        if calc_entropy:
+            tensors["entropys"] = out["entropy"]
+        return DataProto.from_dict(tensors, meta_info={"temperature": temperature})
+
+    # -- training ---------------------------------------------------------------------------------------------
+
+    def _train_micro(self) -> dict:
+        a = self.actor_config
+        return micro_batch_kwargs(
+            a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu
+        )
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over mini-batches of this rank's chunk; returns ``DataProto(meta_info={"metrics": ...})``
+        with verl's names (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
+        ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``, ``actor/lr``, ``actor/skipped_steps``).
+        Loss metrics are global (all ranks) and averaged over the call's optimizer steps."""
+        engine = self._require_engine("update_actor")
+        a = self.actor_config
+        keys = list(UPDATE_KEYS) + (["ref_log_prob"] if a.use_kl_loss else [])
+        self._require_keys(data, keys, "update_actor")
+        temperature, _ = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
+        mbs = self._local_mini_batch_rows(
+            a.ppo_mini_batch_size * self.rollout_config.n,
+            len(data),
+            "update_actor",
+            "actor.ppo_mini_batch_size * rollout.n",
+        )
+        batch = self._select(data, [*keys, ROLLOUT_IS_WEIGHTS])
+        policy_loss_fn = get_policy_loss_fn(a.policy_loss)
+        names = ["pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "entropy"]
+        if a.use_kl_loss:
+            names.append("kl_loss")
+        metrics = StepMetrics(names, num_mini_batches=len(data) // mbs, epochs=a.ppo_epochs)
+
+        def loss_fn(outputs: dict, micro: dict, ctx: LossContext):
+            log_prob, entropy = outputs["log_probs"], outputs["entropy"]
+            mask = micro["response_mask"]
+            info = ctx.global_batch_info
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
+                micro["old_log_probs"],
+                log_prob,
+                micro["advantages"],
+                mask,
+                a.loss_agg_mode,
+                clip_ratio=a.clip_ratio,
+                clip_ratio_low=a.clip_ratio_low,
+                clip_ratio_high=a.clip_ratio_high,
+                clip_ratio_c=a.clip_ratio_c,
+                global_batch_info=info,
+                rollout_is_weights=micro.get(ROLLOUT_IS_WEIGHTS),
+            )
+            if not a.entropy_coeff:
+                entropy = entropy.detach()  # metric only: no graph through the softmax
+            entropy_loss = agg_loss(entropy, mask, a.loss_agg_mode, global_batch_info=info)
+            loss = pg_loss - a.entropy_coeff * entropy_loss if a.entropy_coeff else pg_loss
+            parts = dict(
+                pg_loss=pg_loss.detach(),
+                pg_clipfrac=token_share(clipfrac, mask, ctx),
+                ppo_kl=token_share(ppo_kl, mask, ctx),
+                pg_clipfrac_lower=token_share(clipfrac_lower, mask, ctx),
+                entropy=entropy_loss.detach(),
+            )
+            if a.use_kl_loss:
+                kl_loss = compute_kl_loss(
+                    log_prob, micro["ref_log_prob"], mask, a.kl_loss_type, a.loss_agg_mode, info
+                )
+                loss = loss + a.kl_loss_coef * kl_loss
+                parts["kl_loss"] = kl_loss.detach()
+            metrics.add(ctx, **parts)
+            return loss
+
+        m = engine.train_step(
+            batch,
+            loss_fn,
+            mini_batch_size=mbs,
+            epochs=a.ppo_epochs,
+            shuffle=a.shuffle,
+            temperature=temperature,
+            calculate_entropy=True,
+            **self._train_micro(),
+        )
+        out = {f"actor/{k}": v for k, v in metrics.reduce(engine).items()}
+        if a.use_kl_loss:
+            out["actor/kl_coef"] = float(a.kl_loss_coef)
+        out.update(
+            {
+                "actor/grad_norm": float(m["grad_norm"]),
+                "actor/lr": float(m["lr"]),
+                "actor/skipped_steps": float(engine.skipped_steps),
+            }
+        )
+        self._warn_skipped("update_actor", m)
+        return DataProto(meta_info={"metrics": out})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def sft_step(self, data: DataProto) -> DataProto:
+        """One supervised optimizer step on the whole batch: token-mean negative log-likelihood (temperature 1)
+        of ``responses`` where ``response_mask`` is 1, over all ranks. Metrics ``sft/loss``, ``sft/grad_norm``,
+        ``sft/lr``, ``sft/skipped_steps``."""
+        engine = self._require_engine("sft_step")
+        keys = [*FORWARD_KEYS, "response_mask"]
+        self._require_keys(data, keys, "sft_step")
+
+        def loss_fn(outputs: dict, micro: dict, ctx: LossContext):
+            nll = -outputs["log_probs"]
+            return agg_loss(
+                nll, micro["response_mask"], "token-mean", global_batch_info=ctx.global_batch_info
+            )
+
+        m = engine.train_step(self._select(data, keys), loss_fn, temperature=1.0, **self._train_micro())
+        self._warn_skipped("sft_step", m)
+        return DataProto(
+            meta_info={
+                "metrics": {
+                    "sft/loss": float(m["loss"]),
+                    "sft/grad_norm": float(m["grad_norm"]),
+                    "sft/lr": float(m["lr"]),
+                    "sft/skipped_steps": float(engine.skipped_steps),
+                }
+            }
+        )

@@ -1,0 +1,223 @@
+"""Shared pieces of the role workers (actor, reference, critic).
+
+* `EngineRoleWorker`: the base of every role that holds an `FSDPEngine` in ``self.engine``. It gives the
+  roles their common group methods (checkpoint save/load, Hugging Face export, ``worker_info``) and error
+  messages that name the role and rank.
+* `engine_config`: an `EngineConfig` from the shared role configs (`workers.config.ModelConfig`).
+* `StepMetrics`: loss-function metrics summed per optimizer step, then over the data-parallel group, so
+  that a metric means the same thing whatever the micro-batch layout or the number of ranks (the engine
+  SUMS gradients over ranks and normalises every loss by global counts; the metrics follow that rule).
+
+Data-parallel layout of a `Dispatch.DP_COMPUTE_PROTO` call: rank r receives the r-th contiguous chunk of
+the batch. A PPO mini-batch of ``M`` rows globally is ``M / dp`` rows of each rank's chunk, so global
+mini-batch k is the k-th block of ``M / dp`` rows of every chunk (verl's layout too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from controller import Dispatch, Worker, register
+from dataproto import DataProto
+from workers.config import ModelConfig, RolloutConfig
+from workers.engine import EngineConfig, FSDPEngine, LossContext, OptimConfig
+
+logger = logging.getLogger(__name__)
+
+# Keys every forward through the engine needs (dataproto/BATCH_LAYOUT.md).
+FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
+
+
+def engine_config(
+    model: ModelConfig, *, optim: OptimConfig | None, seed: int = 0, value_head: bool = False
+) -> EngineConfig:
+    """The training-engine config of one role: the model's settings plus its optimizer (None: forward only)."""
+    return EngineConfig(
+        model_path=model.path,
+        value_head=value_head,
+        param_dtype=model.dtype,
+        activation_checkpointing=model.activation_checkpointing,
+        attn_implementation=model.attn_implementation,
+        seed=seed,
+        trust_remote_code=model.trust_remote_code,
+        optim=optim,
+    )
+
+
+def micro_batch_kwargs(
+    use_dynamic_bsz: bool, micro_batch_size: int | None, max_token_len: int | None
+) -> dict[str, int | None]:
+    """Engine micro-batching arguments: a token budget (dynamic batch size) or a row count."""
+    if use_dynamic_bsz:
+        return {"max_token_len": max_token_len, "micro_batch_size": None}
+    return {"max_token_len": None, "micro_batch_size": micro_batch_size}
+
+
+def log_prob_settings(tag: str, rollout: RolloutConfig, meta: Mapping) -> tuple[float, dict]:
+    """(temperature, micro-batch kwargs) of a log-prob pass (old or reference log-probs): the rollout
+    temperature and rollout.log_prob_* settings, each overridden by the same-named ``meta_info`` key
+    (``temperature``, ``use_dynamic_bsz``, ``max_token_len``, ``micro_batch_size``)."""
+    temperature = float(meta.get("temperature", rollout.temperature))
+    if not temperature > 0:
+        raise ValueError(
+            f"{tag}: log-probs need a temperature > 0 (meta_info['temperature'] or rollout.temperature), got "
+            f"{temperature}; score greedy rollouts at temperature 1"
+        )
+    micro = micro_batch_kwargs(
+        bool(meta.get("use_dynamic_bsz", rollout.log_prob_use_dynamic_bsz)),
+        meta.get("micro_batch_size", rollout.log_prob_micro_batch_size_per_gpu),
+        meta.get("max_token_len", rollout.log_prob_max_token_len_per_gpu),
+    )
+    return temperature, micro
+
+
+def token_share(mean_value: torch.Tensor | float, mask: torch.Tensor, ctx: LossContext) -> float:
+    """This micro-batch's part of a token-mean over the whole mini-batch (all ranks): summed over micro-batches
+    and ranks these give the mini-batch's token-mean of the quantity whose local masked mean is ``mean_value``."""
+    local_tokens = float(mask.sum())
+    return float(mean_value) * local_tokens / max(float(ctx.global_num_tokens), 1.0)
+
+
+def all_reduce_sum(engine: FSDPEngine, t: torch.Tensor) -> torch.Tensor:
+    """SUM ``t`` over the engine's data-parallel group (identity for an unsharded engine); returns it on CPU."""
+    if engine.use_fsdp:
+        t = t.to(engine.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=engine.device_mesh.get_group())
+    return t.cpu()
+
+
+class StepMetrics:
+    """Per-optimizer-step sums of metric contributions from a loss function, reduced over the DP group.
+
+    A loss function adds, for each micro-batch, contributions normalised by the *global* counts of its
+    mini-batch (``agg_loss`` values with ``ctx.global_batch_info``, or `token_share` of local means). Summed
+    over micro-batches and ranks they are the mini-batch's value; `reduce` returns their mean over the
+    optimizer steps of the call. Every rank must call `reduce` (it is collective).
+    """
+
+    def __init__(self, names: Iterable[str], num_mini_batches: int, epochs: int):
+        self.names = list(names)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.num_mini_batches = num_mini_batches
+        self.sums = torch.zeros(num_mini_batches * epochs, len(self.names), dtype=torch.float64)
+
+    def add(self, ctx: LossContext, **values) -> None:
+        row = ctx.epoch * self.num_mini_batches + ctx.mini_batch_index
+        for name, value in values.items():
+            self.sums[row, self._index[name]] += float(value)
+
+    def reduce(self, engine: FSDPEngine) -> dict[str, float]:
+        total = all_reduce_sum(engine, self.sums.clone())
+        return {name: float(total[:, i].mean()) for name, i in self._index.items()}
+
+
+class EngineRoleWorker(Worker):
+    """Base of the roles that hold an `FSDPEngine` (``self.engine``, built by the subclass's ``init_model``).
+
+    Every method that uses the engine gets it through `_require_engine` first, so a subclass can hook that
+    (e.g. the colocated actor-rollout worker reloads an offloaded trainer there)."""
+
+    engine: FSDPEngine | None = None
+    tokenizer = None
+
+    # -- messages and checks ---------------------------------------------------------------------------------
+
+    @property
+    def tag(self) -> str:
+        """``<Role> rank <r>/<world>``: the prefix of every error this worker raises."""
+        return f"{type(self).__name__} rank {self.rank}/{self.world_size}"
+
+    def _require_engine(self, method: str) -> FSDPEngine:
+        if self.engine is None:
+            raise RuntimeError(f"{self.tag}: {method} called before init_model()")
+        return self.engine
+
+    def _require_keys(self, data: DataProto, keys: Iterable[str], method: str) -> None:
+        if not isinstance(data, DataProto):
+            raise TypeError(f"{self.tag}: {method} takes a DataProto, got {type(data).__name__}")
+        missing = [k for k in keys if k not in data.batch]
+        if missing:
+            raise KeyError(
+                f"{self.tag}: {method} needs batch key(s) {missing}; the batch has {sorted(data.batch)} "
+                "(see dataproto/BATCH_LAYOUT.md)"
+            )
+
+    def _local_mini_batch_rows(self, global_rows: int, local_rows: int, method: str, what: str) -> int:
+        """Rows of this rank's chunk per optimizer step for ``global_rows`` rows per step over the DP group."""
+        dp = self.engine.dp_size
+        if global_rows < 1 or global_rows % dp:
+            raise ValueError(
+                f"{self.tag}: {method}: {what} = {global_rows} rows per optimizer step is not a positive "
+                f"multiple of the data-parallel size {dp}"
+            )
+        per_rank = global_rows // dp
+        if local_rows % per_rank:
+            raise ValueError(
+                f"{self.tag}: {method}: this rank holds {local_rows} rows, not a multiple of {per_rank} "
+                f"({what} = {global_rows} rows per optimizer step over {dp} rank(s)); send a batch of a "
+                f"multiple of {global_rows} rows"
+            )
+        return per_rank
+
+    def _warn_skipped(self, method: str, train_metrics: dict) -> None:
+        """Log a warning when the engine dropped optimizer steps of this call (non-finite gradient norm)."""
+        if train_metrics["skipped"]:
+            logger.warning(
+                "%s: %s skipped %d of %d optimizer step(s) for a non-finite loss/gradient norm (grad norms %s); "
+                "%d skipped in total",
+                self.tag, method, train_metrics["skipped"], len(train_metrics["grad_norms"]),
+                train_metrics["grad_norms"], self.engine.skipped_steps,
+            )  # fmt: skip
+
+    @staticmethod
+    def _select(data: DataProto, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        return {k: data.batch[k] for k in keys if k in data.batch}
+
+    # -- group methods shared by every engine role -----------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def worker_info(self) -> dict:
+        """Where this rank runs and what its engine holds (for logs and tests)."""
+        info = {
+            "role": type(self).__name__,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+        }
+        if self.engine is not None:
+            info.update(
+                dp_size=self.engine.dp_size,
+                dp_rank=self.engine.dp_rank,
+                use_fsdp=self.engine.use_fsdp,
+                device=str(self.engine.device),
+                global_step=self.engine.global_step,
+                skipped_steps=self.engine.skipped_steps,
+                num_params=self.engine.num_params,
+            )
+        return info
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root_dir: str, step: int, extra: dict | None = None) -> str:
+        """Save model, optimizer, LR schedule, RNG and ``extra`` (e.g. the data position) to
+        ``root_dir/step_<step>`` with torch.distributed.checkpoint; every rank takes part. Returns the path."""
+        engine = self._require_engine("save_checkpoint")
+        return engine.save_checkpoint(str(root_dir), extra=extra, step=step)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore from a checkpoint directory (or a root holding a ``latest`` marker); returns its ``extra``."""
+        engine = self._require_engine("load_checkpoint")
+        return engine.load_checkpoint(str(path))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> str:
+        """Write the full model (and the tokenizer) as a Hugging Face directory; rank 0 writes, every rank
+        takes part in gathering the weights. Returns ``out_dir`` on every rank."""
+        engine = self._require_engine("export_hf")
+        engine.export_hf(str(out_dir), tokenizer=self.tokenizer)
+        return str(out_dir)

@@ -1,0 +1,119 @@
+"""RewardWorker: rule-based outcome rewards -- decode each response, score it by data source, put the score on
+the last valid response token.
+
+Scorers come from `workers.reward` (registered by ``data_source``; ``reward.default_scorer`` covers sources
+without one). A scorer that raises, or a row without ``reward_model["ground_truth"]``, fails only that row:
+its score is 0, ``non_tensor_batch["reward_error"]`` holds the message, and the errors are counted in
+``meta_info["metrics"]["reward/errors"]`` (the first messages in ``meta_info["reward_error_messages"]``). A data
+source with no scorer and no default is a configuration error and fails the call.
+
+With a group of several ranks the collected ``meta_info`` is rank 0's (DataProto.concat keeps the first part's);
+the per-row ``reward_error`` column covers every row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from controller import Dispatch, Worker, register
+from dataproto import DataProto
+from workers.config import RewardConfig
+from workers.models import load_tokenizer
+from workers.reward import score_batch
+
+MAX_ERROR_MESSAGES = 5
+
+
+class RewardWorker(Worker):
+    def __init__(self, model_path_or_tokenizer_path: str, reward: RewardConfig):
+        self.tokenizer_path = str(model_path_or_tokenizer_path)
+        self.reward_config = reward
+        self.tokenizer = None
+        if reward.reward_manager != "outcome":
+            raise ValueError(
+                f"{self.tag}: reward.reward_manager={reward.reward_manager!r} is not supported; "
+                "this worker implements 'outcome' (score on the last response token)"
+            )
+
+    @property
+    def tag(self) -> str:
+        return f"{type(self).__name__} rank {self.rank}/{self.world_size}"
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Load the tokenizer (also done on first use)."""
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.tokenizer_path)
+
+    def _valid_lengths(self, data: DataProto) -> torch.Tensor:
+        """Valid response length per row: response tokens with attention, else up to the last response_mask 1."""
+        responses = data.batch["responses"]
+        r = responses.shape[1]
+        if "attention_mask" in data.batch:
+            return data.batch["attention_mask"][:, -r:].sum(dim=1).long()
+        if "response_mask" in data.batch:
+            nz = (data.batch["response_mask"] != 0).long()
+            positions = torch.arange(1, r + 1).expand_as(nz)
+            return (nz * positions).max(dim=1).values
+        raise KeyError(
+            f"{self.tag}: compute_rm_score needs batch key 'attention_mask' (or 'response_mask') to find each "
+            f"response's length; the batch has {sorted(data.batch)}"
+        )
+
+    def _column(self, data: DataProto, key: str) -> np.ndarray:
+        if key not in data.non_tensor_batch:
+            raise KeyError(
+                f"{self.tag}: compute_rm_score needs non_tensor_batch key {key!r}; it has "
+                f"{sorted(data.non_tensor_batch)} (see dataproto/BATCH_LAYOUT.md)"
+            )
+        return data.non_tensor_batch[key]
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``token_level_scores`` [B, R] float32 (the row's score on its last valid response token, on token 0
+        for an empty response), ``non_tensor_batch["response_text"]`` (the decoded responses) and
+        ``["reward_error"]`` ("" or the row's error)."""
+        if "responses" not in data.batch:
+            raise KeyError(
+                f"{self.tag}: compute_rm_score needs batch key 'responses'; it has {sorted(data.batch)}"
+            )
+        self.init_model()
+        responses = data.batch["responses"]
+        lengths = self._valid_lengths(data)
+        sources = self._column(data, "data_source")
+        reward_models = self._column(data, "reward_model")
+        extra_infos = data.non_tensor_batch.get("extra_info")
+        texts = self.tokenizer.batch_decode(
+            [responses[i, : int(lengths[i])].tolist() for i in range(len(data))], skip_special_tokens=True
+        )
+
+        scores = torch.zeros(len(data), dtype=torch.float32)
+        row_errors = [""] * len(data)
+        for i, (text, source, rm) in enumerate(zip(texts, sources, reward_models)):
+            if not isinstance(rm, dict) or "ground_truth" not in rm:
+                row_errors[i] = f"row {i} ({source}): reward_model has no 'ground_truth' (got {rm!r})"
+                continue
+            extra = extra_infos[i] if extra_infos is not None else None
+            try:
+                result = score_batch(
+                    [text], [source], [rm["ground_truth"]], [extra], self.reward_config.default_scorer
+                )
+            except KeyError as err:  # no scorer for this data source: a configuration error
+                raise KeyError(f"{self.tag}: compute_rm_score row {i}: {err.args[0]}") from None
+            scores[i] = result.scores[0]
+            if result.errors:
+                row_errors[i] = f"row {i} " + result.error_messages[0].removeprefix("row 0 ")
+
+        token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
+        last = (lengths - 1).clamp(min=0)
+        token_level_scores[torch.arange(len(data)), last] = scores
+        messages = [e for e in row_errors if e]
+        return DataProto.from_dict(
+            {"token_level_scores": token_level_scores},
+            non_tensors={"response_text": list(texts), "reward_error": row_errors},
+            meta_info={
+                "metrics": {"reward/errors": float(len(messages))},
+                "reward_error_messages": messages[:MAX_ERROR_MESSAGES],
+            },
+        )
