@@ -4,14 +4,27 @@
 * `RefWorker` -- the frozen reference policy's log-probs
 * `CriticWorker` -- values and value-loss updates
 * `RewardWorker` -- rule-based outcome scores of decoded responses
+* `ActorRolloutWorker` -- actor + rollout engine in one process (colocated, in-process weight sync)
+* `RolloutWorker` / `DisaggregatedActorWorker` -- rollout on its own pool, weights broadcast in buckets
 
 Each is a `controller.Worker` built from the config dataclasses in `workers.config`; heavy setup happens in
 ``init_model()`` (call it on the group once). `workers.roles.common` holds what the engine roles share.
 """
 
 from workers.roles.actor import ActorWorker
+from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWorker
 from workers.roles.critic import CriticWorker
 from workers.roles.reference import RefWorker
 from workers.roles.reward import RewardWorker
+from workers.roles.rollout import RolloutWorker, sync_weights_disaggregated
 
-__all__ = ["ActorWorker", "CriticWorker", "RefWorker", "RewardWorker"]
+__all__ = [
+    "ActorRolloutWorker",
+    "ActorWorker",
+    "CriticWorker",
+    "DisaggregatedActorWorker",
+    "RefWorker",
+    "RewardWorker",
+    "RolloutWorker",
+    "sync_weights_disaggregated",
+]

@@ -39,9 +39,9 @@ class RolloutEngine(ABC):
         """Free the KV cache (and the weights when ``weights``) between rollouts."""
 
     @abstractmethod
-    def resume_memory(self) -> None:
-        """Re-allocate what ``release_memory`` freed (released weights must then be refilled by
-        ``update_weights``)."""
+    def resume_memory(self, kv_cache: bool = True) -> None:
+        """Re-allocate released weights (to be refilled by ``update_weights``) and, when ``kv_cache``,
+        the KV cache (else it comes back lazily / on a later call)."""
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

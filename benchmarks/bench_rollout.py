@@ -1,0 +1,278 @@
+"""Native rollout engine vs Hugging Face ``generate`` on the same random-init Qwen2, in the same run.
+
+    python -m benchmarks.bench_rollout [--batch-sizes 1,8,32,64] [--repeats 3] [--threads 1]
+
+Two workloads per batch size B, both greedy with EOS disabled (the model has no EOS id), B prompts with
+lengths drawn uniformly from [16, 128] (fixed seeds):
+
+* ``mixed`` (the headline): request i has its own response budget drawn from [16, 128]. The native
+  engine stops each request at its budget and its slot is free at once; ``generate`` has no per-row
+  budget, so HF generates the left-padded batch to the largest budget and each row is cut to its own.
+  Both are credited with the same tokens: the sum of the budgets.
+* ``fixed``: every request generates exactly ``--fixed-new`` tokens (64): no early finishers, so this
+  isolates per-step efficiency (packed prefill, static KV cache, no per-step framework overhead).
+
+Throughput = credited tokens / wall time of the whole call (prefill included), best of ``--repeats``;
+``cpu-time`` is the same ratio from process CPU time, steadier on a shared machine (both engines run
+single-threaded on CPU by default, so the two agree on an idle one).
+The outputs are checked against HF token for token (``rows_equal_hf``).
+
+On CUDA it also reports the native engine's decode-only tokens/s against the memory-bandwidth bound: per
+decode step the weights and the KV entries attended must be read from HBM, so the bound time is
+``(steps * weight bytes + KV positions attended * KV bytes per position) / bandwidth`` (bandwidth
+measured with a device-to-device copy).
+
+Prints a table and writes ``outputs/bench_rollout.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+
+import torch
+import transformers
+
+from workers.rollout.native import EngineConfig, NativeEngine
+from workers.rollout.sampling import SamplingParams
+
+MODELS = {
+    # ~1.3M parameters, the size of the project's own tiny model.
+    "small": dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2),
+    # ~4.5M parameters: the CPU benchmark model.
+    "tiny": dict(vocab_size=8192, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+    # ~0.8B parameters: large enough for decode to be memory-bound on a GPU.
+    "medium": dict(vocab_size=32768, hidden_size=1536, intermediate_size=8960, num_hidden_layers=16,
+                   num_attention_heads=12, num_key_value_heads=2),
+}  # fmt: skip
+
+
+def build_model(name: str, device: str, dtype: torch.dtype) -> transformers.Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        **MODELS[name],
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        initializer_range=0.1,
+    )
+    model = transformers.Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_prompts(batch: int, vocab: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(batch)]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def hf_generate(
+    model, prompts: list[list[int]], new_tokens: int, device: str
+) -> tuple[float, list[list[int]]]:
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), P, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p)
+        mask[i, P - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0, out[:, P:].tolist()
+
+
+def native_generate(engine, prompts, budgets, device) -> tuple[float, list[list[int]]]:
+    params = [SamplingParams(max_new_tokens=b, temperature=0.0, logprobs=True) for b in budgets]
+    sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = engine.generate_batch(prompts, params)
+    sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0, [o[0].token_ids for o in outs]
+
+
+def best_of(fn, repeats: int):
+    """(best wall time, best process CPU time, outputs) over ``repeats`` runs."""
+    results = [fn() for _ in range(repeats)]
+    return min(r[0] for r in results), min(r[1] for r in results), results[0][2]
+
+
+def measure_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    x = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    iters = 20
+    for _ in range(iters):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * iters / (time.perf_counter() - t0)
+
+
+def run_workload(name, model, engine, prompts, budgets, repeats, device, bandwidth) -> dict:
+    B = len(prompts)
+    credited = sum(budgets)
+    hf_t, hf_cpu, hf_out = best_of(lambda: hf_generate(model, prompts, max(budgets), device), repeats)
+    before = dict(engine.stats)
+    nat_t, nat_cpu, nat_out = best_of(lambda: native_generate(engine, prompts, budgets, device), repeats)
+    delta = {k: (engine.stats[k] - before[k]) / repeats for k in before}
+    same = sum(h[:b] == n for h, b, n in zip(hf_out, budgets, nat_out))
+    row = {
+        "workload": name,
+        "batch": B,
+        "tokens": credited,
+        "hf_s": hf_t,
+        "native_s": nat_t,
+        "hf_tok_s": credited / hf_t,
+        "native_tok_s": credited / nat_t,
+        "speedup": hf_t / nat_t,
+        "hf_cpu_s": hf_cpu,
+        "native_cpu_s": nat_cpu,
+        "speedup_cpu_time": hf_cpu / nat_cpu,
+        "rows_equal_hf": f"{same}/{B}",
+        "native_decode_steps": delta["decode_steps"],
+    }
+    decode_tokens = delta["generated_tokens"] - B  # each request's first token comes from its prefill
+    if delta["decode_time_s"] > 0:
+        row["native_decode_tok_s"] = decode_tokens / delta["decode_time_s"]
+    if bandwidth is not None and delta["decode_steps"]:
+        read = (
+            delta["decode_steps"] * engine.model.weight_bytes()
+            + delta["decode_kv_tokens"] * engine.model.kv_bytes_per_token()
+        )
+        bound_s = read / bandwidth
+        row.update(
+            bandwidth_GBps=bandwidth / 1e9,
+            decode_bytes_per_step=read / delta["decode_steps"],
+            bound_decode_tok_s=decode_tokens / bound_s,
+            fraction_of_bound=bound_s / delta["decode_time_s"],
+        )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=128)
+    ap.add_argument("--response-min", type=int, default=16)
+    ap.add_argument("--response-max", type=int, default=128)
+    ap.add_argument("--fixed-new", type=int, default=64)
+    ap.add_argument("--workloads", default="mixed,fixed")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads on CPU (1: the CI box's 2 cores are shared, and a second OpenMP "
+        "thread that is not scheduled stalls every parallel op)",
+    )
+    ap.add_argument(
+        "--model", choices=sorted(MODELS), default=None, help="default: tiny on CPU, medium on GPU"
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="outputs/bench_rollout.json")
+    args = ap.parse_args()
+
+    device = args.device
+    on_gpu = device.startswith("cuda")
+    if not on_gpu:
+        torch.set_num_threads(args.threads)
+    model_name = args.model or ("medium" if on_gpu else "tiny")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    workloads = args.workloads.split(",")
+    vocab = MODELS[model_name]["vocab_size"]
+    model = build_model(model_name, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    max_len = args.prompt_max + max(args.response_max, args.fixed_new) + 1
+    engine = NativeEngine(
+        model, config=EngineConfig(max_num_seqs=max(batch_sizes), max_model_len=max_len, eos_token_ids=[])
+    )
+    bandwidth = measure_bandwidth(device) if on_gpu else None
+
+    # Warm-up: first calls allocate caches and pick kernels.
+    warm = make_prompts(4, vocab, args.prompt_min, args.prompt_max, seed=123)
+    hf_generate(model, warm, 8, device)
+    native_generate(engine, warm, [8] * 4, device)
+
+    rows = []
+    for B in batch_sizes:
+        prompts = make_prompts(B, vocab, args.prompt_min, args.prompt_max, seed=B)
+        rng = random.Random(1000 + B)
+        for name in workloads:
+            if name == "mixed":
+                budgets = [rng.randint(args.response_min, args.response_max) for _ in range(B)]
+            elif name == "fixed":
+                budgets = [args.fixed_new] * B
+            else:
+                raise ValueError(f"unknown workload {name!r} (mixed, fixed)")
+            rows.append(run_workload(name, model, engine, prompts, budgets, args.repeats, device, bandwidth))
+
+    title = (
+        f"model: Qwen2 {model_name} ({n_params / 1e6:.2f}M params, {dtype}), device {device}, torch "
+        f"{torch.__version__}, threads {torch.get_num_threads()}, prompts {args.prompt_min}-{args.prompt_max} "
+        f"tokens, greedy, no EOS, best of {args.repeats}"
+    )
+    print(title)
+    header = f"{'workload':>8} {'batch':>5} {'tokens':>7} {'HF tok/s':>9} {'native tok/s':>12} {'speedup':>8} {'cpu-time':>8} {'=HF':>6}"
+    if on_gpu:
+        header += f" {'decode tok/s':>12} {'bound tok/s':>12} {'of bound':>8}"
+    print(header)
+    for r in rows:
+        line = (
+            f"{r['workload']:>8} {r['batch']:>5} {r['tokens']:>7} {r['hf_tok_s']:>9.0f} "
+            f"{r['native_tok_s']:>12.0f} {r['speedup']:>7.2f}x {r['speedup_cpu_time']:>7.2f}x {r['rows_equal_hf']:>6}"
+        )
+        if "bound_decode_tok_s" in r:
+            line += (
+                f" {r['native_decode_tok_s']:>12.0f} {r['bound_decode_tok_s']:>12.0f}"
+                f" {100 * r['fraction_of_bound']:>7.1f}%"
+            )
+        print(line)
+    result = {
+        "title": title,
+        "model": model_name,
+        "model_config": MODELS[model_name],
+        "params": n_params,
+        "dtype": str(dtype),
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if on_gpu else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "args": vars(args),
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

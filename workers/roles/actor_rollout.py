@@ -1,0 +1,289 @@
+"""The hybrid actor-rollout worker (colocated placement) and the trainer side of disaggregated weight sync.
+
+`ActorRolloutWorker(model, actor, rollout)` is an `ActorWorker` (FSDP2 training engine: log-probs, PPO
+updates, SFT steps, checkpoints) that also holds a full rollout replica on the same device: the native
+engine by default, `SGLangRollout` when ``rollout.name == "sglang"``. The two time-share the device:
+
+    init_model          build both; the trainer is then offloaded until its first use
+    generate_sequences  offload the trainer (if resident), resume the rollout KV cache, generate,
+                        release the KV cache (rollout.free_cache_engine)
+    compute_log_prob,   the trainer is reloaded on first use (the `_require_engine` hook every engine
+    update_actor, ...   method of ActorWorker goes through)
+    sync_weights        stream the full weights from the FSDP2 shards into this rank's rollout replica,
+                        then offload the trainer (parameters and optimizer state) for generation
+
+On CPU ``offload``/``reload`` do not move anything; the calls are kept so the order is the same on GPU.
+
+Weight streaming (``sync_weights``): ``FSDPEngine.full_state_dict_iter`` all-gathers one parameter at a
+time (every rank takes part in every gather: each DTensor's ``full_tensor()`` is a collective over the
+FSDP group) and each rank feeds the full tensor straight into its own rollout replica, so the peak extra
+memory is one full parameter (the native engine copies into its weight store in place; SGLang groups
+them into ``rollout.weight_bucket_mb`` buckets). Tied embeddings travel once.
+
+Disaggregated placement (`WeightSenderMixin`, `DisaggregatedActorWorker`): the trainer group's rank 0
+joins a separate weight-sync process group with every rank of a `workers.roles.rollout.RolloutWorker`
+group. ``send_weights`` runs on every trainer rank (all take part in the gathers); rank 0 packs the full
+tensors into size-bounded buckets (``rollout.weight_bucket_mb``, or ``bucket_bytes``), flattens each
+into one buffer and broadcasts it. The controller drives it with
+`workers.roles.rollout.sync_weights_disaggregated`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from controller import Dispatch, register
+from dataproto import DataProto
+from workers.config import ActorConfig, ModelConfig, RolloutConfig
+from workers.roles.actor import ActorWorker
+from workers.roles.rollout import (
+    ONE_TO_ALL_RANK_ZERO,
+    ROLLOUT_DP_DISPATCH,
+    build_rollout_engine,
+    is_sglang,
+    load_weights_into,
+    run_rollout,
+)
+from workers.weight_sync import (
+    DEFAULT_GROUP_NAME,
+    WeightSyncGroup,
+    bucket_mb_to_bytes,
+    hf_named_tensors,
+    host_store,
+    tensor_nbytes,
+)
+
+
+def _counted(stream, stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in stream:
+        stats["tensors"] += 1
+        stats["bytes"] += tensor_nbytes(tensor)
+        yield name, tensor
+
+
+class WeightSenderMixin:
+    """Trainer side of the disaggregated weight sync. Needs ``self.engine`` (an `FSDPEngine`, through
+    ``self._require_engine``), ``self.rollout_config``, ``self.rank`` and ``self.tag`` (an `ActorWorker`
+    has them all)."""
+
+    def _sync_groups(self) -> dict:
+        if "_weight_sync_groups" not in self.__dict__:
+            self._weight_sync_groups: dict[str, WeightSyncGroup] = {}
+            self._weight_sync_stores: dict = {}
+        return self._weight_sync_groups
+
+    def hf_weight_stream(
+        self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)`` for every parameter (and persistent buffer) of the training model, one
+        all-gather at a time. Collective: every rank of the trainer group must consume it to the end."""
+        engine = self._require_engine("hf_weight_stream")
+        tied = bool(getattr(engine.model_config, "tie_word_embeddings", False))
+        return hf_named_tensors(
+            engine.full_state_dict_iter(device=device, dtype=dtype), tie_word_embeddings=tied
+        )
+
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_sync_store(
+        self, world_size: int, group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 300.0
+    ) -> tuple[str, int]:
+        """Host the weight-sync group's TCPStore on this process (trainer rank 0) on a port the OS picks;
+        returns ``(node address, port)`` for the rollout ranks to dial."""
+        self._sync_groups()
+        self._weight_sync_stores.pop(group_name, None)
+        store, addr, port = host_store(world_size, timeout_s=timeout_s)
+        self._weight_sync_stores[group_name] = store
+        return addr, port
+
+    @register(Dispatch.RANK_ZERO)
+    def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str | None = None,
+        group_name: str = DEFAULT_GROUP_NAME,
+        timeout_s: float = 300.0,
+    ) -> dict:
+        """Join the weight-sync group as member ``rank`` (0: the source). Uses the store opened by
+        ``open_weight_sync_store`` when there is one, else dials ``master_addr:master_port``. Blocks until
+        every member joined (the controller issues it without blocking, together with the rollout side)."""
+        if rank != 0:
+            raise ValueError(f"{self.tag}: the trainer is member 0 of the weight-sync group, got rank {rank}")
+        groups = self._sync_groups()
+        old = groups.pop(group_name, None)
+        if old is not None:
+            old.destroy()
+        store = self._weight_sync_stores.get(group_name)
+        groups[group_name] = WeightSyncGroup(
+            0,
+            world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            store=store,
+            backend=backend,
+            timeout_s=timeout_s,
+            group_name=group_name,
+            label=f"{self.tag} (weight-sync source, {world_size} members)",
+        )
+        return {"rank": 0, "world_size": world_size, "backend": groups[group_name].backend_name}
+
+    @register(ONE_TO_ALL_RANK_ZERO)
+    def send_weights(self, bucket_bytes: int | None = None, group_name: str = DEFAULT_GROUP_NAME) -> dict:
+        """Broadcast the full weights to the weight-sync group; every trainer rank must run it (each takes
+        part in gathering every parameter), rank 0 sends. Buckets hold at most ``bucket_bytes`` (default
+        ``rollout.weight_bucket_mb`` MiB); a larger tensor travels alone. Returns rank 0's metrics."""
+        t0 = time.perf_counter()
+        if bucket_bytes is None:
+            bucket_bytes = bucket_mb_to_bytes(self.rollout_config.weight_bucket_mb)
+        group = self._sync_groups().get(group_name) if self.rank == 0 else None
+        if self.rank == 0 and group is None:
+            # Still consume the stream so the other ranks' gathers do not hang, then fail.
+            for _ in self.hf_weight_stream():
+                pass
+            raise RuntimeError(f"{self.tag}: send_weights before init_weight_sync (group {group_name!r})")
+        if group is None:  # ranks > 0: take part in the gathers only (full tensors stay where they are made)
+            for _ in self.hf_weight_stream(device=self._require_engine("send_weights").device):
+                pass
+            return {}
+        stream = self.hf_weight_stream(device=group.device)
+        try:
+            stats = group.send(stream, bucket_bytes)
+        finally:
+            for _ in stream:  # a failed broadcast must not leave the other trainer ranks in a gather
+                pass
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "perf/weight_sync_bytes": stats["bytes"],
+            "weight_sync/wire_bytes": stats["wire_bytes"],
+            "weight_sync/buckets": stats["buckets"],
+            "weight_sync/tensors": stats["tensors"],
+            "weight_sync/max_bucket_bytes": stats["max_bucket_bytes"],
+            "weight_sync/bucket_bytes": bucket_bytes,
+        }
+
+    @register(Dispatch.RANK_ZERO)
+    def destroy_weight_sync(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
+        group = self._sync_groups().pop(group_name, None)
+        if group is not None:
+            group.destroy()
+        self._weight_sync_stores.pop(group_name, None)
+
+
+class DisaggregatedActorWorker(WeightSenderMixin, ActorWorker):
+    """A training-only actor that feeds a separate rollout pool (`workers.roles.rollout.RolloutWorker`)
+    through `workers.roles.rollout.sync_weights_disaggregated`."""
+
+
+class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
+    """FSDP2 actor + rollout replica in one process per rank (colocated, time-sharing the device)."""
+
+    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig):
+        super().__init__(model, actor, rollout)
+        self.rollout_engine = None
+        self._trainer_offloaded = False
+        self.sync_count = 0  # weight syncs into the rollout replica
+
+    # -- time-sharing -----------------------------------------------------------------------------------------
+
+    def _require_engine(self, method: str):
+        """Every engine method of ActorWorker starts here: bring the trainer back if generation had it."""
+        engine = super()._require_engine(method)
+        if self._trainer_offloaded:
+            engine.reload()
+            self._trainer_offloaded = False
+        return engine
+
+    def _offload_trainer(self) -> float:
+        t0 = time.perf_counter()
+        if self.engine is not None and not self._trainer_offloaded:
+            self.engine.offload()
+            self._trainer_offloaded = True
+        return time.perf_counter() - t0
+
+    def _require_rollout(self, method: str):
+        if self.rollout_engine is None:
+            raise RuntimeError(f"{self.tag}: {method} called before init_model()")
+        return self.rollout_engine
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Build the training engine (ActorWorker.init_model) and this rank's rollout replica from the same
+        HF path; the rollout's KV cache is released (``free_cache_engine``) and the trainer offloaded until
+        first used."""
+        super().init_model()
+        self.rollout_engine = build_rollout_engine(
+            self.model_config, self.rollout_config, self.tokenizer, rank=self.rank
+        )
+        if self.rollout_config.free_cache_engine:
+            self.rollout_engine.release_memory()
+        self._offload_trainer()
+
+    # -- generation -------------------------------------------------------------------------------------------
+
+    @register(ROLLOUT_DP_DISPATCH)
+    def generate_sequences(self, data: DataProto) -> DataProto:
+        """Responses for this rank's chunk of prompts (left-padded ``input_ids``/``attention_mask``).
+
+        ``meta_info`` may set ``n``, ``temperature``, ``top_p``, ``top_k``, ``do_sample``, ``validate``
+        (defaults: rollout.temperature / rollout.n, or val_temperature / val_n when validating),
+        ``response_length``, ``seed``, ``stop_token_ids``. Rows come back repeated ``n`` times
+        (a, a, b, b); output keys as in dataproto/BATCH_LAYOUT.md with ``rollout_log_probs``; ``meta_info``
+        gains ``temperature`` (of the reported log-probs), ``eos_token_id``, ``pad_token_id``,
+        ``timing_s/gen`` and ``rollout/*`` token counts (see `workers.roles.rollout.run_rollout`)."""
+        engine = self._require_rollout("generate_sequences")
+        self._offload_trainer()
+        return run_rollout(engine, data, self.rollout_config, tag=self.tag)
+
+    # -- weight sync ------------------------------------------------------------------------------------------
+
+    def _rollout_device(self) -> torch.device:
+        engine = self.rollout_engine
+        if is_sglang(engine):
+            return torch.device("cuda", torch.cuda.current_device())
+        return engine.model.device
+
+    @register(ONE_TO_ALL_RANK_ZERO)
+    def sync_weights(self) -> dict:
+        """Load the trainer's current weights into every rank's rollout replica, then offload the trainer.
+
+        Collective over the trainer group (every rank gathers every parameter); each rank's replica receives
+        the full tensors. Returns rank 0's metrics: ``timing_s/update_weights`` (the whole call),
+        ``perf/weight_sync_bytes`` (tensor bytes loaded into one replica), ``weight_sync/tensors``,
+        ``weight_sync/load_s`` (gather + load), ``weight_sync/offload_s``."""
+        t0 = time.perf_counter()
+        engine = self._require_rollout("sync_weights")
+        self._require_engine("sync_weights")  # reloads the trainer if it was offloaded
+        engine.resume_memory(kv_cache=False)  # weights only; the KV cache waits for generation
+        stats = {"tensors": 0, "bytes": 0}
+        stream = _counted(self.hf_weight_stream(device=self._rollout_device()), stats)
+        try:
+            load_weights_into(engine, stream)
+        finally:
+            for _ in stream:  # a failed load must not leave the other ranks waiting in a gather
+                pass
+        t_loaded = time.perf_counter()
+        offload_s = self._offload_trainer()
+        self.sync_count += 1
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "perf/weight_sync_bytes": stats["bytes"],
+            "weight_sync/tensors": stats["tensors"],
+            "weight_sync/load_s": t_loaded - t0,
+            "weight_sync/offload_s": offload_s,
+            "weight_sync/count": self.sync_count,
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_named_weights(self, names: list[str] | None = None) -> dict:
+        """This rank's rollout replica's weights (CPU copies), for tests and debugging; native engine only."""
+        engine = self._require_rollout("rollout_named_weights")
+        if is_sglang(engine):
+            raise NotImplementedError(f"{self.tag}: rollout_named_weights reads the native engine's store")
+        return {n: t.detach().cpu().clone() for n, t in engine.named_weights() if names is None or n in names}

@@ -1,0 +1,686 @@
+"""The native rollout engine: continuous batching over a static slot KV cache, batched sampling.
+
+Scheduling (one ``step()``):
+
+1. requests whose caller gave up (cancelled ``generate``) leave the queue / the running batch;
+2. waiting requests are admitted while free slots remain (``max_num_seqs``), prefilled longest first in
+   packed chunks (at most ``max_prefill_tokens`` prompt tokens per forward, no padding in the matmuls)
+   and sample their first token;
+3. one batched decode forward runs every running request at its own position and samples its next token;
+4. requests that hit a stop token id / EOS, a stop string or their token budget leave at once and the
+   slots of the rest are compacted (the last slots move into the holes).
+
+So requests join and leave the running batch at every step. ``generate_batch`` drives steps
+synchronously; ``await generate(...)`` queues a request and a background asyncio task keeps stepping
+(each step on a worker thread, so the event loop stays free) while anything is pending: requests from
+many concurrent agents share decode steps.
+
+Finished outputs: ``token_ids`` include the stop / EOS token that ended the sample (as HF ``generate``
+does); when a stop string ends it, ``token_ids`` end with the token that completed the string and
+``text`` ends with the stop string itself (any characters of that token past it are cut from ``text``).
+Log-probs: see ``sampler.py`` (temperature-scaled, before top-k/top-p truncation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from workers.rollout.base import RolloutEngine
+from workers.rollout.native.model import NativeCausalLM
+from workers.rollout.native.sampler import BatchSampler
+from workers.rollout.sampling import GenerationOutput, SamplingParams
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and defaults of a NativeEngine."""
+
+    max_num_seqs: int = 64  # KV cache slots = most requests decoding at once; the rest wait
+    max_model_len: int | None = None  # prompt + response tokens per request; None: min(max positions, 4096)
+    max_prefill_tokens: int = 8192  # prompt tokens per prefill forward (a longer prompt runs alone)
+    dtype: torch.dtype | None = None  # None: the model's dtype
+    device: str | None = None  # None: the model's device
+    eos_token_ids: Sequence[int] | None = None  # None: generation config + model config + tokenizer; [] none
+    pad_token_id: int | None = None  # None: tokenizer's pad id, else its EOS id, else 0
+    response_length: int | None = None  # generate_sequences pads responses to this (None: longest)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # defaults for generate_sequences
+    seed: int | None = None  # draws seeds for requests that bring none; None: from os.urandom
+    detokenize: bool = True  # fill GenerationOutput.text when a tokenizer is present
+    step_in_thread: bool = True  # async API: run each step on a worker thread
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"EngineConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"EngineConfig.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+
+
+class Request:
+    """One sample being generated (a call with ``n`` samples makes ``n`` of these)."""
+
+    __slots__ = (
+        "prompt",
+        "params",
+        "rng",
+        "stop_ids",
+        "max_new",
+        "tokens",
+        "logprobs",
+        "finish_reason",
+        "text",
+        "slot",
+        "seq_len",
+        "future",
+        "aborted",
+        "text_len",
+        "max_stop_len",
+    )
+
+    def __init__(self, prompt: list[int], params: SamplingParams, rng, stop_ids: frozenset, max_new: int):
+        self.prompt = prompt
+        self.params = params
+        self.rng = rng  # random.Random for sampled requests, None for greedy ones
+        self.stop_ids = stop_ids
+        self.max_new = max_new
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+        self.slot = -1
+        self.seq_len = 0  # positions of this request held in its KV slot
+        self.future = None
+        self.aborted = False
+        self.text_len = 0
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(
+            token_ids=list(self.tokens),
+            log_probs=list(self.logprobs) if self.params.logprobs else None,
+            finish_reason=self.finish_reason or "abort",
+            text=self.text,
+        )
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class NativeEngine(RolloutEngine):
+    """Generation engine for Hugging Face Qwen2/Qwen3/Llama/Mistral causal LMs, in plain torch.
+
+    ``model``: a ``*ForCausalLM`` module (its weights are copied into the engine; the module itself is not
+    used for generation and may be freed). ``tokenizer``: any Hugging Face tokenizer, needed only for stop
+    strings, output text and default EOS/pad ids.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.tokenizer = tokenizer
+        cfg = model.config
+        max_len = self.config.max_model_len or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
+        self.model = NativeCausalLM(
+            model,
+            max_model_len=max_len,
+            max_num_seqs=self.config.max_num_seqs,
+            dtype=self.config.dtype,
+            device=self.config.device,
+        )
+        self.max_model_len = max_len
+        self.vocab_size = self.model.spec.vocab_size
+        if self.config.eos_token_ids is not None:
+            eos = _ids(self.config.eos_token_ids)
+        else:
+            eos = _ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+            eos += _ids(getattr(cfg, "eos_token_id", None))
+            if tokenizer is not None:
+                eos += _ids(tokenizer.eos_token_id)
+        self.eos_token_ids: list[int] = sorted(set(eos))
+        pad = self.config.pad_token_id
+        if pad is None and tokenizer is not None:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_token_id: int = int(pad) if pad is not None else 0
+        seed = self.config.seed if self.config.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._seed_rng = random.Random(seed)
+
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # _running[i].slot == i before and after every step
+        self._queue_lock = threading.Lock()  # guards _waiting (submitters vs the stepping thread)
+        self._model_lock = threading.RLock()  # one step / weight update / memory change at a time
+        self._decode_sampler: BatchSampler | None = None
+        self._driver: asyncio.Task | None = None
+        self._driver_loop = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: set[Request] = set()  # async requests whose callers still wait
+        self._missing_weights: set[str] = set()  # HF names still to be loaded after resume_memory
+        self.stats = {
+            "steps": 0,
+            "decode_steps": 0,
+            "prefill_forwards": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "prefill_time_s": 0.0,
+            "decode_time_s": 0.0,  # wall time of decode forwards + sampling (synchronised by .tolist())
+            "decode_kv_tokens": 0,  # cache positions attended over all decode steps (for bandwidth math)
+        }
+
+    @classmethod
+    def from_pretrained(cls, path: str, tokenizer=None, config: EngineConfig | None = None, **model_kwargs):
+        """Load a checkpoint (and its tokenizer unless one is given) and build an engine from it."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        config = config or EngineConfig()
+        model_kwargs.setdefault("dtype", config.dtype or "auto")
+        model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, config)
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    def _check_weights(self) -> None:
+        if not self.model.store.allocated:
+            raise RuntimeError("weights are released; call resume_memory() and update_weights() first")
+        if self._missing_weights:
+            raise RuntimeError(
+                "weights were released and not all reloaded by update_weights(); missing e.g. "
+                f"{sorted(self._missing_weights)[:4]}"
+            )
+
+    def _new_request(self, prompt_ids, params: SamplingParams, index: int) -> Request:
+        self._check_weights()
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens leaves no room under max_model_len={self.max_model_len}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (NativeEngine(model, tokenizer=...))")
+        rng = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            # sample i of a request seeded s draws exactly like sample 0 of a request seeded s + i
+            rng = random.Random(seed + index)
+        stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids)
+        max_new = min(params.max_new_tokens, self.max_model_len - len(prompt))
+        return Request(prompt, params, rng, stop_ids, max_new)
+
+    def add_request(
+        self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None
+    ) -> list[Request]:
+        """Queue a request (its ``n`` samples) for the next ``step()``; low-level API for callers that
+        drive ``step()`` themselves (``generate_batch`` and ``generate`` do this for you)."""
+        params = sampling_params or self.config.sampling
+        reqs = [self._new_request(prompt_ids, params, i) for i in range(params.n)]
+        self._enqueue(reqs)
+        return reqs
+
+    def _enqueue(self, reqs: Iterable[Request]) -> None:
+        with self._queue_lock:
+            self._waiting.extend(reqs)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- one scheduler step --------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Admit + prefill waiting requests, run one decode step for the running batch; return the
+        requests that finished in this step."""
+        with self._model_lock, torch.inference_mode():
+            self._check_weights()
+            self.model.allocate_kv()
+            finished: list[Request] = []
+            self._drop_aborted(finished)
+            free = self.config.max_num_seqs - len(self._running)
+            new: list[Request] = []
+            if free > 0 and self._waiting:
+                with self._queue_lock:
+                    while self._waiting and len(new) < free:
+                        new.append(self._waiting.popleft())
+            if new:
+                self._prefill(new, finished)
+                self._evict()
+            if self._running:
+                self._decode(finished)
+                self._evict()
+            self.stats["steps"] += 1
+            return finished
+
+    def _drop_aborted(self, finished: list[Request]) -> None:
+        if any(r.aborted for r in self._waiting):
+            with self._queue_lock:
+                kept = deque()
+                for r in self._waiting:
+                    if r.aborted:
+                        r.finish_reason = "abort"
+                        finished.append(r)
+                    else:
+                        kept.append(r)
+                self._waiting = kept
+        if any(r.aborted for r in self._running):
+            for r in self._running:
+                if r.aborted:
+                    r.finish_reason = "abort"
+                    finished.append(r)
+            self._evict()
+
+    def _prefill(self, new: list[Request], finished: list[Request]) -> None:
+        # Longest first, so a chunk holds prompts of similar lengths (attention pads to the longest).
+        new = sorted(new, key=lambda r: len(r.prompt), reverse=True)
+        budget = self.config.max_prefill_tokens
+        i = 0
+        while i < len(new):
+            j, total = i + 1, len(new[i].prompt)
+            while j < len(new) and total + len(new[j].prompt) <= budget:
+                total += len(new[j].prompt)
+                j += 1
+            chunk = new[i:j]
+            i = j
+            t0 = time.perf_counter()
+            slot0 = len(self._running)
+            logits = self.model.prefill([r.prompt for r in chunk], slot0)
+            for k, r in enumerate(chunk):
+                r.slot = slot0 + k
+                r.seq_len = len(r.prompt)
+                self._running.append(r)
+            self.stats["prompt_tokens"] += total
+            self.stats["prefill_forwards"] += 1
+            self._accept(chunk, self._make_sampler(chunk), logits, finished)
+            self.stats["prefill_time_s"] += time.perf_counter() - t0
+        self._decode_sampler = None
+
+    def _decode(self, finished: list[Request]) -> None:
+        running = self._running
+        t0 = time.perf_counter()
+        logits = self.model.decode([r.tokens[-1] for r in running], [r.seq_len for r in running])
+        for r in running:
+            r.seq_len += 1
+        if self._decode_sampler is None:
+            self._decode_sampler = self._make_sampler(running)
+        self._accept(running, self._decode_sampler, logits, finished)
+        self.stats["decode_time_s"] += time.perf_counter() - t0
+        self.stats["decode_steps"] += 1
+        self.stats["decode_kv_tokens"] += sum(r.seq_len for r in running)
+
+    def _make_sampler(self, reqs: list[Request]) -> BatchSampler:
+        return BatchSampler(
+            [r.params.temperature for r in reqs],
+            [r.params.top_k for r in reqs],
+            [r.params.top_p for r in reqs],
+            self.model.device,
+        )
+
+    def _accept(self, reqs: list[Request], sampler: BatchSampler, logits, finished: list[Request]) -> None:
+        uniforms = None if sampler.all_greedy else [r.rng.random() if r.rng else 0.0 for r in reqs]
+        tokens, logps = sampler.sample(logits, uniforms)
+        tokens, logps = tokens.tolist(), logps.tolist()
+        self.stats["generated_tokens"] += len(reqs)
+        for r, tok, lp in zip(reqs, tokens, logps):
+            r.tokens.append(tok)
+            if r.params.logprobs:
+                r.logprobs.append(lp)
+            if tok in r.stop_ids:
+                r.finish_reason = "stop"
+            elif r.params.stop and self._hit_stop_string(r):
+                r.finish_reason = "stop"
+            elif len(r.tokens) >= r.max_new:
+                r.finish_reason = "length"
+            else:
+                continue
+            if r.text is None and self.tokenizer is not None and self.config.detokenize:
+                r.text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+            finished.append(r)
+
+    def _hit_stop_string(self, r: Request) -> bool:
+        text = self.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        start = max(0, r.text_len - r.max_stop_len - 8)  # only text the new token can have completed
+        r.text_len = len(text)
+        end = None
+        for s in r.params.stop:
+            at = text.find(s, start)
+            if at != -1 and (end is None or at + len(s) < end):
+                end = at + len(s)
+        if end is None:
+            return False
+        r.text = text[:end]
+        return True
+
+    def _evict(self) -> None:
+        """Drop finished requests from the running batch and compact the live ones into slots 0..B-1."""
+        if all(r.finish_reason is None for r in self._running):
+            return
+        live = [r for r in self._running if r.finish_reason is None]
+        n = len(live)
+        taken = {r.slot for r in live if r.slot < n}
+        holes = [s for s in range(n) if s not in taken]
+        movers = [r for r in live if r.slot >= n]
+        for r, hole in zip(movers, holes):
+            self.model.move_slot(r.slot, hole, r.seq_len)
+            r.slot = hole
+        live.sort(key=lambda r: r.slot)
+        self._running = live
+        self._decode_sampler = None
+
+    # ---- synchronous batch API -----------------------------------------------------------------------
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[list[GenerationOutput]]:
+        """Generate for many prompts at once (continuous batching over all of them); returns, per prompt,
+        its ``n`` outputs. ``sampling_params``: one for all prompts or one per prompt."""
+        if self._driver is not None and not self._driver.done():
+            raise RuntimeError("generate_batch cannot run while async generate() requests are in flight")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or self.config.sampling] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        groups = [[self._new_request(p, sp, i) for i in range(sp.n)] for p, sp in zip(prompts, params)]
+        mine = {id(r) for g in groups for r in g}
+        self._enqueue(r for g in groups for r in g)
+        try:
+            while mine:
+                for r in self.step():
+                    mine.discard(id(r))
+        except BaseException:
+            self._abort_now([r for g in groups for r in g])
+            raise
+        return [[r.output() for r in g] for g in groups]
+
+    def _abort_now(self, reqs: list[Request]) -> None:
+        """Take unfinished ``reqs`` out of the queue and the running batch at once (after an error)."""
+        with self._model_lock:
+            for r in reqs:
+                r.aborted = True
+            self._drop_aborted([])
+
+    # ---- asyncio request API -------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: Sequence[int], sampling_params: SamplingParams | None = None
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Queue one request and wait for it; concurrent calls share the engine's decode steps. Returns a
+        ``GenerationOutput``, or a list of ``n`` of them when ``sampling_params.n > 1`` (sample i of a
+        request seeded s uses seed s + i). Cancelling the call aborts its samples at the next step."""
+        params = sampling_params or self.config.sampling
+        loop = asyncio.get_running_loop()
+        reqs = [self._new_request(prompt_ids, params, i) for i in range(params.n)]
+        for r in reqs:
+            r.future = loop.create_future()
+        self._inflight.update(reqs)
+        self._enqueue(reqs)
+        if self._driver is None or self._driver.done() or self._driver_loop is not loop:
+            self._driver_loop = loop
+            self._driver = loop.create_task(self._drive())
+        try:
+            outs = [await r.future for r in reqs]
+        except asyncio.CancelledError:
+            for r in reqs:
+                r.aborted = True
+            raise
+        return outs if params.n > 1 else outs[0]
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self.has_unfinished():
+                if self.config.step_in_thread:
+                    if self._executor is None:
+                        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="native-engine")
+                    finished = await loop.run_in_executor(self._executor, self.step)
+                else:
+                    finished = self.step()
+                for r in finished:
+                    self._inflight.discard(r)
+                    if r.future is not None and not r.future.done():
+                        r.future.set_result(r.output())
+                await asyncio.sleep(0)  # let woken callers queue their next turn before the next step
+        except BaseException as exc:
+            # Every caller still waiting gets the error (or the cancellation); the engine is left idle.
+            with self._model_lock:  # a step still running on the worker thread finishes first
+                with self._queue_lock:
+                    self._waiting.clear()
+                self._running = []
+                self._decode_sampler = None
+            pending, self._inflight = self._inflight, set()
+            for r in pending:
+                r.finish_reason = r.finish_reason or "abort"
+                if r.future is not None and not r.future.done():
+                    if isinstance(exc, asyncio.CancelledError):
+                        r.future.cancel()
+                    else:
+                        r.future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError) or not pending:
+                raise  # otherwise the callers hold the error; the task itself ends quietly
+
+    # ---- controller batch API (DataProto) ------------------------------------------------------------
+
+    def sampling_from_meta(self, meta: dict) -> tuple[SamplingParams, int | None]:
+        """The sampling parameters of one ``generate_sequences`` call and the response width to pad to.
+
+        ``meta_info`` keys (all optional; defaults from ``EngineConfig.sampling``): ``do_sample`` (default
+        ``not validate``; False means greedy and n = 1), ``temperature``, ``top_p``, ``top_k``, ``n``,
+        ``response_length`` (pad responses to exactly this and cap generation at it; default
+        ``EngineConfig.response_length``, else pad to the longest response), ``max_new_tokens`` (default
+        ``response_length``, else the default's), ``seed`` (row i of the output is sampled with seed + i),
+        ``stop_token_ids``, ``stop``, ``eos_token_id`` (extra stop ids)."""
+        default = self.config.sampling
+        validate = bool(meta.get("validate", False))
+        do_sample = bool(meta.get("do_sample", not validate))
+        response_length = meta.get("response_length", self.config.response_length)
+        max_new = meta.get(
+            "max_new_tokens", response_length if response_length is not None else default.max_new_tokens
+        )
+        if response_length is not None:
+            response_length = int(response_length)
+            max_new = min(int(max_new), response_length)
+        stop_ids: list[int] = []
+        for t in (
+            list(default.stop_token_ids) + _ids(meta.get("stop_token_ids")) + _ids(meta.get("eos_token_id"))
+        ):
+            if t not in stop_ids:
+                stop_ids.append(t)
+        seed = meta.get("seed", default.seed)
+        params = SamplingParams(
+            max_new_tokens=int(max_new),
+            temperature=float(meta.get("temperature", default.temperature)) if do_sample else 0.0,
+            top_p=float(meta.get("top_p", default.top_p)) if do_sample else 1.0,
+            top_k=int(meta.get("top_k", default.top_k)) if do_sample else -1,
+            seed=None if seed is None else int(seed),
+            stop_token_ids=stop_ids,
+            stop=list(meta.get("stop", default.stop)),
+            n=int(meta.get("n", default.n)) if do_sample else 1,
+            logprobs=default.logprobs,
+        )
+        return params, response_length
+
+    def generate_sequences(self, prompts):
+        """Generate responses for a batch of left-padded prompts (``dataproto/BATCH_LAYOUT.md``).
+
+        Reads ``batch['input_ids']`` (or ``batch['prompts']``) ``[B, P]`` and ``batch['attention_mask']``
+        (the prompt of row i is its tokens where the mask is 1; without a mask, the tokens that are not
+        the pad id); ``position_ids`` are recomputed from the mask. Sampling settings come from
+        ``meta_info`` (see ``sampling_from_meta``) plus ``pad_token_id``. With ``n > 1`` the engine repeats
+        every row n times, interleaved (a,a,b,b like ``DataProto.repeat``; other tensors and non-tensor
+        columns too), so a caller that already repeated its rows passes n = 1.
+
+        Returns a DataProto with ``prompts``, ``responses`` (right-padded with the pad id),
+        ``input_ids``, ``attention_mask``, ``position_ids`` (``clamp(cumsum(mask) - 1, 0)``),
+        ``response_mask`` (float32, 1 through the EOS/stop token), ``rollout_log_probs`` (float32, 0 on
+        padding), the input's other tensors and non-tensor columns, and ``meta_info`` = input meta +
+        ``eos_token_id``, ``pad_token_id``, ``timing_s/gen`` and ``rollout/*`` counters.
+        """
+        from dataproto import DataProto
+
+        t0 = time.perf_counter()
+        meta = dict(prompts.meta_info)
+        params, response_length = self.sampling_from_meta(meta)
+        pad = int(meta.get("pad_token_id", self.pad_token_id))
+        key = "input_ids" if "input_ids" in prompts.batch else "prompts"
+        if key not in prompts.batch:
+            raise KeyError(
+                f"generate_sequences needs batch['input_ids'] or batch['prompts'], got {sorted(prompts.batch)}"
+            )
+        prompt_ids = prompts.batch[key]
+        mask = prompts.batch.get("attention_mask")
+        mask = (prompt_ids != pad).long() if mask is None else mask[:, : prompt_ids.shape[1]]
+        n = params.n
+        source = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
+        prompt_ids, mask = prompt_ids[source.to(prompt_ids.device)], mask[source.to(mask.device)]
+        B = prompt_ids.shape[0]
+        ids_cpu, mask_cpu = prompt_ids.cpu(), mask.cpu().bool()
+        rows = [ids_cpu[i][mask_cpu[i]].tolist() for i in range(B)]
+        row_params = [
+            replace(params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(B)
+        ]
+        steps0 = self.stats["decode_steps"]
+        outs = [group[0] for group in self.generate_batch(rows, row_params)]
+
+        longest = max(len(o.token_ids) for o in outs)
+        R = response_length if response_length is not None else longest
+        responses = torch.full((B, R), pad, dtype=torch.long)
+        resp_mask = torch.zeros(B, R, dtype=torch.long)
+        logps = torch.zeros(B, R, dtype=torch.float32)
+        for i, o in enumerate(outs):
+            k = len(o.token_ids)
+            responses[i, :k] = torch.tensor(o.token_ids, dtype=torch.long)
+            resp_mask[i, :k] = 1
+            if o.log_probs is not None:
+                logps[i, :k] = torch.tensor(o.log_probs, dtype=torch.float32)
+        device = prompt_ids.device
+        responses, resp_mask, logps = responses.to(device), resp_mask.to(device), logps.to(device)
+        attention_mask = torch.cat([mask.long(), resp_mask], dim=1)
+        batch = {
+            k: v[source.to(v.device)]
+            for k, v in prompts.batch.items()
+            if k not in ("prompts", "input_ids", "attention_mask", "position_ids")
+        }
+        batch.update(
+            prompts=prompt_ids.long(),
+            responses=responses,
+            input_ids=torch.cat([prompt_ids.long(), responses], dim=1),
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+            response_mask=resp_mask.float(),
+            rollout_log_probs=logps,
+        )
+        np_source = source.numpy()
+        non_tensor = {k: v[np_source] for k, v in prompts.non_tensor_batch.items()}
+        generated = int(resp_mask.sum())
+        elapsed = time.perf_counter() - t0
+        meta.update(
+            {
+                "eos_token_id": self.eos_token_ids,
+                "pad_token_id": pad,
+                "timing_s/gen": elapsed,
+                "rollout/generated_tokens": generated,
+                "rollout/decode_steps": self.stats["decode_steps"] - steps0,
+                "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+            }
+        )
+        return DataProto.from_dict(batch, non_tensor, meta)
+
+    # ---- memory and weights --------------------------------------------------------------------------
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(f"{what} while {self.num_running + self.num_waiting} requests are unfinished")
+
+    def release_memory(self, weights: bool = False) -> None:
+        """Free the KV cache; with ``weights`` also the weights (then ``resume_memory()`` followed by
+        ``update_weights`` with every parameter is needed before generating again)."""
+        with self._model_lock:
+            self._require_idle("release_memory")
+            self.model.free_kv()
+            if weights:
+                self.model.free_weights()
+                self._missing_weights = set()
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def resume_memory(self, kv_cache: bool = True) -> None:
+        """Re-allocate released weights (uninitialised until ``update_weights`` fills every name) and, when
+        ``kv_cache``, the KV cache now (otherwise it is allocated by the next step)."""
+        with self._model_lock:
+            if not self.model.store.allocated:
+                self.model.allocate_weights()
+                self._missing_weights = self._canonical_names()
+            if kv_cache:
+                self.model.allocate_kv()
+
+    def _canonical_names(self) -> set[str]:
+        names = set(self.model.store.names)
+        if self.model.spec.tie_word_embeddings:
+            names.discard("lm_head.weight")  # loaded through model.embed_tokens.weight (same storage)
+        return names
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(name, tensor)`` pairs (Hugging Face parameter names) into the engine's weights in place.
+
+        Tensors may be any dtype/device (they are cast); with tied embeddings either name updates both.
+        Names the model does not have raise a KeyError naming them all (the known ones are applied);
+        a shape mismatch raises a ValueError."""
+        store = self.model.store
+        unknown = []
+        with self._model_lock, torch.no_grad():
+            if not store.allocated:
+                raise RuntimeError("weights are released; call resume_memory() before update_weights()")
+            for name, tensor in named_tensors:
+                if name not in store.names:
+                    unknown.append(name)
+                    continue
+                dst = store.target(name)
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                if name == "lm_head.weight" and self.model.spec.tie_word_embeddings:
+                    name = "model.embed_tokens.weight"
+                self._missing_weights.discard(name)
+        if unknown:
+            raise KeyError(f"update_weights: unknown parameter names {unknown}")
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The engine's weights under their Hugging Face names (views; tied names share storage)."""
+        store = self.model.store
+        return [(name, store.target(name)) for name in store.names]
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

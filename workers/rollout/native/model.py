@@ -1,0 +1,495 @@
+"""Our own forward pass for Hugging Face decoder-only LMs (Qwen2, Qwen3, Llama, Mistral) over a slot KV cache.
+
+The engine copies the Hugging Face module parameters into one flat buffer laid out for decoding
+(q/k/v fused into one matrix, gate/up fused into one matrix, all of them views into that buffer) and runs
+the transformer itself:
+
+* RMSNorm, rotary embeddings, grouped-query attention and the gated MLP follow the Hugging Face modules
+  operation for operation (float32 RMSNorm statistics, ``q*cos + rotate_half(q)*sin`` with the cos/sin
+  table produced by the model's own rotary module, so every static RoPE scaling type HF supports works).
+* The KV cache is static: ``[layers, slots, kv_heads, max_model_len, head_dim]`` for keys and for values.
+  A running request owns one slot; the running batch always occupies slots ``0..B-1`` (the engine
+  compacts slots when requests leave), so a decode step reads the cache as a plain view, with no gather.
+* ``prefill`` runs a right-padded batch of prompts (causal attention alone keeps real tokens from seeing
+  the padding that follows them) and writes their keys/values into consecutive slots; ``decode`` runs one
+  token per running request at its own position, with a per-row mask over the cache positions.
+
+Parameter names (for ``update_weights``) are the Hugging Face state-dict names; tied embeddings map
+``lm_head.weight`` and ``model.embed_tokens.weight`` to the same storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape facts of a decoder-only LM that the forward pass needs."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
+    """Read a ModelSpec off a Hugging Face ``*ForCausalLM``; raise for what this forward does not implement."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"native engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
+        )
+    layer_types = getattr(cfg, "layer_types", None) or []
+    window = getattr(cfg, "sliding_window", None)
+    sliding = any(t != "full_attention" for t in layer_types) or (
+        cfg.model_type == "mistral" and window is not None
+    )
+    if sliding and (window is None or window < max_model_len):
+        raise NotImplementedError(
+            f"sliding-window attention (window {window}) shorter than max_model_len {max_model_len}"
+        )
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":
+        raise NotImplementedError(f"RoPE type {rope_type!r} depends on the sequence length")
+    layer0 = model.model.layers[0]
+    attn, mlp = layer0.self_attn, layer0.mlp
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelSpec(
+        model_type=cfg.model_type,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        rms_norm_eps=cfg.rms_norm_eps,
+        hidden_act=cfg.hidden_act,
+        qkv_bias=attn.q_proj.bias is not None,
+        o_bias=attn.o_proj.bias is not None,
+        mlp_bias=mlp.gate_proj.bias is not None,
+        qk_norm=hasattr(attn, "q_norm"),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+
+
+class WeightStore:
+    """All weights in one flat buffer of views: freeing the buffer frees every weight at once.
+
+    ``entries`` maps a key (``"embed"``, ``"3.qkv_w"``, ...) to a shape. ``names`` maps each Hugging Face
+    parameter name to ``(key, row_start, row_end)``: the rows of that entry the parameter fills.
+    """
+
+    def __init__(
+        self, entries: dict[str, tuple[int, ...]], names: dict[str, tuple[str, int, int]], dtype, device
+    ):
+        self.entries = entries
+        self.names = names
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.flat: torch.Tensor | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def allocated(self) -> bool:
+        return self.flat is not None
+
+    ALIGN = 64  # elements; every entry starts on a 128/256-byte boundary (vector loads, cuBLAS)
+
+    def _layout(self) -> tuple[dict[str, int], int]:
+        offsets, offset = {}, 0
+        for key, shape in self.entries.items():
+            offsets[key] = offset
+            n = 1
+            for s in shape:
+                n *= s
+            offset += -(-n // self.ALIGN) * self.ALIGN
+        return offsets, offset
+
+    def numel(self) -> int:
+        """Elements of real weights (alignment padding excluded)."""
+        total = 0
+        for shape in self.entries.values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def nbytes(self) -> int:
+        return self.numel() * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self) -> None:
+        offsets, total = self._layout()
+        self.flat = torch.empty(total, dtype=self.dtype, device=self.device)
+        self.tensors = {}
+        for key, shape in self.entries.items():
+            n = 1
+            for s in shape:
+                n *= s
+            self.tensors[key] = self.flat[offsets[key] : offsets[key] + n].view(shape)
+
+    def free(self) -> None:
+        self.flat = None
+        self.tensors = {}
+
+    def target(self, name: str) -> torch.Tensor:
+        key, start, end = self.names[name]
+        return self.tensors[key][start:end]
+
+
+def build_store(spec: ModelSpec, dtype, device) -> WeightStore:
+    """Lay out the engine's weights for ``spec`` and map every HF parameter name onto them."""
+    H, inter, V, q, kv = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.q_size, spec.kv_size
+    entries: dict[str, tuple[int, ...]] = {"embed": (V, H)}
+    names: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed", 0, V)}
+    if spec.tie_word_embeddings:
+        names["lm_head.weight"] = ("embed", 0, V)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        entries[f"{i}.ln1"] = (H,)
+        names[p + "input_layernorm.weight"] = (f"{i}.ln1", 0, H)
+        entries[f"{i}.qkv_w"] = (q + 2 * kv, H)
+        for proj, start, end in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+            names[p + f"self_attn.{proj}_proj.weight"] = (f"{i}.qkv_w", start, end)
+            if spec.qkv_bias:
+                names[p + f"self_attn.{proj}_proj.bias"] = (f"{i}.qkv_b", start, end)
+        if spec.qkv_bias:
+            entries[f"{i}.qkv_b"] = (q + 2 * kv,)
+        if spec.qk_norm:
+            entries[f"{i}.q_norm"] = (spec.head_dim,)
+            entries[f"{i}.k_norm"] = (spec.head_dim,)
+            names[p + "self_attn.q_norm.weight"] = (f"{i}.q_norm", 0, spec.head_dim)
+            names[p + "self_attn.k_norm.weight"] = (f"{i}.k_norm", 0, spec.head_dim)
+        entries[f"{i}.o_w"] = (H, q)
+        names[p + "self_attn.o_proj.weight"] = (f"{i}.o_w", 0, H)
+        if spec.o_bias:
+            entries[f"{i}.o_b"] = (H,)
+            names[p + "self_attn.o_proj.bias"] = (f"{i}.o_b", 0, H)
+        entries[f"{i}.ln2"] = (H,)
+        names[p + "post_attention_layernorm.weight"] = (f"{i}.ln2", 0, H)
+        entries[f"{i}.gu_w"] = (2 * inter, H)
+        names[p + "mlp.gate_proj.weight"] = (f"{i}.gu_w", 0, inter)
+        names[p + "mlp.up_proj.weight"] = (f"{i}.gu_w", inter, 2 * inter)
+        entries[f"{i}.down_w"] = (H, inter)
+        names[p + "mlp.down_proj.weight"] = (f"{i}.down_w", 0, H)
+        if spec.mlp_bias:
+            entries[f"{i}.gu_b"] = (2 * inter,)
+            entries[f"{i}.down_b"] = (H,)
+            names[p + "mlp.gate_proj.bias"] = (f"{i}.gu_b", 0, inter)
+            names[p + "mlp.up_proj.bias"] = (f"{i}.gu_b", inter, 2 * inter)
+            names[p + "mlp.down_proj.bias"] = (f"{i}.down_b", 0, H)
+    entries["norm"] = (H,)
+    names["model.norm.weight"] = ("norm", 0, H)
+    if not spec.tie_word_embeddings:
+        entries["lm_head"] = (V, H)
+        names["lm_head.weight"] = ("lm_head", 0, V)
+    return WeightStore(entries, names, dtype, device)
+
+
+def _rms_norm_hf(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # The HF RMSNorm modules' operations: float32 statistics, scale, cast back, multiply by the weight.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32.to(dtype) if weight is None else weight * x32.to(dtype)
+
+
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # One fused op; in float32 it computes the same as _rms_norm_hf (checked bit-exact by the tests).
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    # HF: x*cos + rotate_half(x)*sin with rotate_half(x) = cat(-x2, x1). roll(x) = cat(x2, x1), and the
+    # sign of the first half lives in sin_signed = cat(-sin1, sin2): the same products, bit for bit.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class _Layer:
+    """One decoder layer's weights (views into the WeightStore buffer)."""
+
+    __slots__ = (
+        "ln1",
+        "qkv_w",
+        "qkv_b",
+        "q_norm",
+        "k_norm",
+        "o_w",
+        "o_b",
+        "ln2",
+        "gu_w",
+        "gu_b",
+        "down_w",
+        "down_b",
+    )
+
+    def __init__(self, t: dict[str, torch.Tensor], i: int):
+        self.ln1 = t[f"{i}.ln1"]
+        self.qkv_w = t[f"{i}.qkv_w"]
+        self.qkv_b = t.get(f"{i}.qkv_b")
+        self.q_norm = t.get(f"{i}.q_norm")
+        self.k_norm = t.get(f"{i}.k_norm")
+        self.o_w = t[f"{i}.o_w"]
+        self.o_b = t.get(f"{i}.o_b")
+        self.ln2 = t[f"{i}.ln2"]
+        self.gu_w = t[f"{i}.gu_w"]
+        self.gu_b = t.get(f"{i}.gu_b")
+        self.down_w = t[f"{i}.down_w"]
+        self.down_b = t.get(f"{i}.down_b")
+
+
+class NativeCausalLM:
+    """Weights + static slot KV cache + the prefill/decode forward passes. Not thread-safe by itself."""
+
+    def __init__(
+        self, hf_model: torch.nn.Module, max_model_len: int, max_num_seqs: int, dtype=None, device=None
+    ):
+        first = next(hf_model.parameters())
+        self.dtype = dtype or first.dtype
+        self.device = torch.device(device) if device is not None else first.device
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.spec = spec_from_hf(hf_model, max_model_len)
+        self.hf_config = hf_model.config
+        if self.spec.hidden_act == "silu":
+            self._act = F.silu
+        else:
+            from transformers.activations import ACT2FN
+
+            self._act = ACT2FN[self.spec.hidden_act]
+        self._norm = _rms_norm_fp32 if self.dtype == torch.float32 else _rms_norm_hf
+        self.store = build_store(self.spec, self.dtype, self.device)
+        self.store.allocate()
+        params = dict(hf_model.named_parameters(remove_duplicate=False))
+        missing = sorted(set(self.store.names) - set(params))
+        unmapped = sorted(set(params) - set(self.store.names))
+        if missing or unmapped:
+            raise NotImplementedError(
+                f"parameter layout not understood: missing {missing[:8]}, unexpected {unmapped[:8]}"
+            )
+        with torch.no_grad():
+            for name, tensor in params.items():
+                self.store.target(name).copy_(tensor)
+        self._bind()
+        # cos/sin for every position, from the model's own rotary module (same values HF computes per call).
+        with torch.no_grad():
+            rotary = hf_model.model.rotary_emb
+            pos = torch.arange(max_model_len, device=rotary.inv_freq.device)[None]
+            probe = torch.empty(0, dtype=self.dtype, device=rotary.inv_freq.device)
+            cos, sin = rotary(probe, pos)
+        half = self.spec.head_dim // 2
+        self.cos = cos[0].to(self.device)
+        self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).to(self.device)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    # ---- weights -------------------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        t = self.store.tensors
+        self.layers = [_Layer(t, i) for i in range(self.spec.num_layers)]
+        self.embed = t["embed"]
+        self.norm = t["norm"]
+        self.lm_head = t["embed"] if self.spec.tie_word_embeddings else t["lm_head"]
+
+    def free_weights(self) -> None:
+        self.store.free()
+        self.layers, self.embed, self.norm, self.lm_head = [], None, None, None
+
+    def allocate_weights(self) -> None:
+        self.store.allocate()
+        self._bind()
+
+    def weight_bytes(self) -> int:
+        return self.store.nbytes()
+
+    # ---- KV cache ------------------------------------------------------------------------------------
+
+    def kv_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (s.num_layers, self.max_num_seqs, s.num_kv_heads, self.max_model_len, s.head_dim)
+
+    def allocate_kv(self) -> None:
+        if self.k_cache is None:
+            self.k_cache = torch.zeros(self.kv_shape(), dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros(self.kv_shape(), dtype=self.dtype, device=self.device)
+
+    def free_kv(self) -> None:
+        self.k_cache = None
+        self.v_cache = None
+
+    def kv_bytes_per_token(self) -> int:
+        s = self.spec
+        return (
+            2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        )
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cache positions of slot ``src`` into slot ``dst`` (all layers)."""
+        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
+        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
+
+    # ---- forward passes ------------------------------------------------------------------------------
+
+    def _layer_qkv(self, h, layer: _Layer, cos, sin_signed):
+        """h [n, H] -> (q [n, nq, hd], k [n, nkv, hd], v [n, nkv, hd]) with Qwen3 q/k norms and RoPE."""
+        s = self.spec
+        n = h.shape[0]
+        qkv = F.linear(self._norm(h, layer.ln1, s.rms_norm_eps), layer.qkv_w, layer.qkv_b)
+        if layer.q_norm is None:
+            qk = qkv[:, : s.q_size + s.kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim)
+        else:
+            q = self._norm(qkv[:, : s.q_size].view(n, s.num_heads, s.head_dim), layer.q_norm, s.rms_norm_eps)
+            k = qkv[:, s.q_size : s.q_size + s.kv_size].view(n, s.num_kv_heads, s.head_dim)
+            qk = torch.cat((q, self._norm(k, layer.k_norm, s.rms_norm_eps)), dim=1)
+        qk = _rope(qk, cos, sin_signed)  # q and k heads rotated in one go
+        v = qkv[:, s.q_size + s.kv_size :].view(n, s.num_kv_heads, s.head_dim)
+        return qk[:, : s.num_heads], qk[:, s.num_heads :], v
+
+    def _layer_out(self, h, attn, layer: _Layer):
+        """Residual + o_proj, then the MLP block with its residual; all tokens flattened to [n, ...]."""
+        s = self.spec
+        if layer.o_b is None:
+            h = torch.addmm(h, attn, layer.o_w.t())
+        else:
+            h = h + F.linear(attn, layer.o_w, layer.o_b)
+        gu = F.linear(self._norm(h, layer.ln2, s.rms_norm_eps), layer.gu_w, layer.gu_b)
+        act = self._act(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]
+        if layer.down_b is None:
+            return torch.addmm(h, act, layer.down_w.t())
+        return h + F.linear(act, layer.down_w, layer.down_b)
+
+    def _logits(self, h):
+        return F.linear(self._norm(h, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
+
+    def prefill(self, prompts: list[list[int]], slot_start: int) -> torch.Tensor:
+        """Run prompts from position 0 and store their keys/values in slots ``slot_start ...``; return the
+        float32 logits of each prompt's last token, ``[N, vocab]``.
+
+        Tokens are packed (no padding) for every matmul; only attention pads the queries to ``[N, P]``
+        and reads the keys/values back from the cache slots (causal masking keeps each query from the
+        slot positions past its own, which hold stale entries of earlier requests)."""
+        s = self.spec
+        dev = self.device
+        N = len(prompts)
+        lengths = [len(p) for p in prompts]
+        P = max(lengths)
+        nkv, hd, T_max = s.num_kv_heads, s.head_dim, self.max_model_len
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+        lens = torch.tensor(lengths, dtype=torch.long, device=dev)
+        starts = torch.cumsum(lens, 0) - lens
+        row = torch.repeat_interleave(torch.arange(N, device=dev), lens)
+        pos = torch.arange(tokens.shape[0], device=dev) - starts[row]
+        cos = self.cos[pos][:, None, :]
+        sin_signed = self.sin_signed[pos][:, None, :]
+        padded = row * P + pos  # token -> row of the padded [N*P] query layout
+        cache_rows = (
+            ((row + slot_start)[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * T_max
+            + pos[:, None]
+        ).reshape(-1)
+        slots = slice(slot_start, slot_start + N)
+        gqa = s.num_kv_heads != s.num_heads
+        h = F.embedding(tokens, self.embed)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._layer_qkv(h, layer, cos, sin_signed)
+            self.k_cache[li].view(-1, hd).index_copy_(0, cache_rows, k.reshape(-1, hd))
+            self.v_cache[li].view(-1, hd).index_copy_(0, cache_rows, v.reshape(-1, hd))
+            q_pad = q.new_zeros(N * P, s.num_heads, hd).index_copy_(0, padded, q)
+            q_pad = q_pad.view(N, P, s.num_heads, hd).transpose(1, 2)
+            keys = self.k_cache[li, slots, :, :P]
+            values = self.v_cache[li, slots, :, :P]
+            attn = F.scaled_dot_product_attention(
+                q_pad, keys, values, is_causal=True, scale=hd**-0.5, enable_gqa=gqa
+            )
+            attn = attn.transpose(1, 2).reshape(N * P, s.q_size).index_select(0, padded)
+            h = self._layer_out(h, attn, layer)
+        return self._logits(h[starts + lens - 1])
+
+    def _attention_groups(self, lengths: list[int]) -> list[tuple[int, int, int]]:
+        """Split rows 0..B-1 into contiguous groups ``(start, end, keys)`` that each read only up to their
+        own longest row: decode attention is bound by reading the cache, and one group for the whole
+        batch reads every row up to the batch's longest. A group costs a few more small ops, counted as
+        ``GROUP_COST_TOKENS`` cache positions."""
+        B = len(lengths)
+        best, best_cost = [(0, B, max(lengths))], B * max(lengths)
+        size = B // 2
+        while size >= self.MIN_GROUP_ROWS:
+            groups = [(s, min(s + size, B), max(lengths[s : s + size])) for s in range(0, B, size)]
+            cost = sum((e - s) * t for s, e, t in groups) + len(groups) * self.GROUP_COST_TOKENS
+            if cost < best_cost:
+                best, best_cost = groups, cost
+            size //= 2
+        return best
+
+    MIN_GROUP_ROWS = 4
+    GROUP_COST_TOKENS = 256
+
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per running request: ``tokens[b]`` at ``positions[b]`` for the request in slot ``b``
+        (slots ``0..B-1``); their keys/values are written at those positions. Returns float32 logits
+        ``[B, vocab]``."""
+        s = self.spec
+        B = len(tokens)
+        nkv, g, hd, T_max = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim, self.max_model_len
+        dev = self.device
+        groups = self._attention_groups([p + 1 for p in positions])
+        T = max(t for _, _, t in groups)
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        cos = self.cos[pos][:, None, :]
+        sin_signed = self.sin_signed[pos][:, None, :]
+        # Row b sees cache positions <= positions[b]; later ones are stale or belong to nobody.
+        mask = torch.zeros(B, T, dtype=self.dtype, device=dev)
+        mask.masked_fill_(torch.arange(T, device=dev)[None, :] > pos[:, None], float("-inf"))
+        masks = [
+            mask[a:e, None, None, :t].expand(e - a, nkv, 1, t).reshape((e - a) * nkv, 1, t)
+            for a, e, t in groups
+        ]
+        # Flat row index of (slot b, kv head j, position p) in a layer's cache viewed as [-1, head_dim].
+        cache_rows = (
+            (torch.arange(B, device=dev)[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * T_max
+            + pos[:, None]
+        ).reshape(-1)
+        scale = hd**-0.5
+        h = F.embedding(tokens_t, self.embed)
+        for li, layer in enumerate(self.layers):
+            q, k, v = self._layer_qkv(h, layer, cos, sin_signed)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc.view(-1, hd).index_copy_(0, cache_rows, k.reshape(B * nkv, hd))
+            vc.view(-1, hd).index_copy_(0, cache_rows, v.reshape(B * nkv, hd))
+            q = q.reshape(B * nkv, g, hd)
+            attn = torch.empty(B * nkv, g, hd, dtype=self.dtype, device=dev)
+            for (a, e, t), m in zip(groups, masks):
+                keys = kc[a:e, :, :t].flatten(0, 1)  # [rows*nkv, t, hd], a view
+                values = vc[a:e, :, :t].flatten(0, 1)
+                scores = torch.baddbmm(m, q[a * nkv : e * nkv], keys.transpose(1, 2), alpha=scale)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+                torch.bmm(probs, values, out=attn[a * nkv : e * nkv])
+            h = self._layer_out(h, attn.view(B, s.q_size), layer)
+        return self._logits(h)
