@@ -1,0 +1,37 @@
+"""Datasets for RL prompts and SFT warm-start, read from verl-format parquet files.
+
+RL prompts::
+
+    ds = PromptDataset(["data/arith/train.parquet"], tokenizer, max_prompt_length=128)
+    loader = PromptDataLoader(ds, batch_size=16, seed=0)        # shuffled per epoch, resumable
+    for batch in loader:                                         # the rest of the current epoch
+        data = to_dataproto(batch)                               # or use batch["tensors"] etc.
+        ...
+        ckpt["data"] = loader.state_dict()                       # {"epoch", "index", ...}
+    loader.load_state_dict(ckpt["data"])                         # the same next batch as before
+
+SFT warm start (prompt + ``extra_info["solution"]``, loss on the solution tokens only)::
+
+    sft = SFTDataset(["data/arith/train.parquet"], tokenizer, max_length=256)
+    for batch in SFTDataLoader(sft, batch_size=32, seed=0):
+        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")},
+                     labels=batch["labels"]).loss
+"""
+
+from recipes.data.loader import ResumableLoader
+from recipes.data.prompts import PromptDataLoader, PromptDataset, collate_prompts, to_dataproto
+from recipes.data.reading import read_rows, render_prompt
+from recipes.data.sft import SFTDataLoader, SFTDataset, collate_sft
+
+__all__ = [
+    "PromptDataLoader",
+    "PromptDataset",
+    "ResumableLoader",
+    "SFTDataLoader",
+    "SFTDataset",
+    "collate_prompts",
+    "collate_sft",
+    "read_rows",
+    "render_prompt",
+    "to_dataproto",
+]

@@ -1,0 +1,169 @@
+"""RL prompt dataset and batches laid out as dataproto/BATCH_LAYOUT.md describes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from recipes.data.loader import ResumableLoader
+from recipes.data.reading import read_rows, render_prompt, tokenize_texts
+
+logger = logging.getLogger("recipes.data")
+
+_UID_NAMESPACE = uuid.UUID("6f1c1f0e-2a59-4d55-9a8e-6b7c3c0a9d11")
+NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "uid")
+
+
+def object_array(values: list) -> np.ndarray:
+    """A 1-D numpy object array holding ``values`` as they are (lists/dicts are not expanded)."""
+    arr = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        arr[i] = v
+    return arr
+
+
+class PromptDataset:
+    """Tokenised RL prompts from verl-format parquet files.
+
+    Every row's ``prompt`` messages go through the tokenizer's chat template with the generation
+    prompt appended, and are tokenised without extra special tokens. Malformed rows are skipped with
+    a warning naming the file and row (see ``read_rows``); prompts longer than ``max_prompt_length``
+    tokens are dropped (``overlong="filter"``, the count is logged and kept in
+    ``num_filtered_overlong``) or raise (``overlong="error"``).
+    """
+
+    def __init__(
+        self,
+        files: str | os.PathLike | Sequence[str | os.PathLike],
+        tokenizer,
+        max_prompt_length: int = 512,
+        prompt_key: str = "prompt",
+        overlong: str = "filter",
+        require_ground_truth: bool = True,
+        max_samples: int | None = None,
+    ):
+        if overlong not in ("filter", "error"):
+            raise ValueError(f"overlong must be 'filter' or 'error', got {overlong!r}")
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.prompt_key = prompt_key
+        rows, self.num_malformed = read_rows(files, prompt_key, require_ground_truth=require_ground_truth)
+        if max_samples is not None:
+            rows = rows[:max_samples]
+        ids = tokenize_texts(tokenizer, [render_prompt(tokenizer, r[prompt_key]) for r in rows])
+        self.rows: list[dict] = []
+        self.num_filtered_overlong = 0
+        for row, toks in zip(rows, ids):
+            if len(toks) > max_prompt_length:
+                if overlong == "error":
+                    raise ValueError(
+                        f"row {row['_row']} of {row['_file']}: prompt has {len(toks)} tokens, "
+                        f"more than max_prompt_length={max_prompt_length}"
+                    )
+                self.num_filtered_overlong += 1
+                continue
+            row["input_ids"] = toks
+            self.rows.append(row)
+        if self.num_filtered_overlong:
+            logger.warning(
+                "filtered %d of %d prompts longer than max_prompt_length=%d tokens",
+                self.num_filtered_overlong,
+                len(rows),
+                max_prompt_length,
+            )
+        if not self.rows:
+            raise ValueError(f"no usable prompts in {files}")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        r = self.rows[i]
+        return {
+            "input_ids": r["input_ids"],
+            "raw_prompt": r[self.prompt_key],
+            "data_source": r["data_source"],
+            "reward_model": r.get("reward_model"),
+            "extra_info": r.get("extra_info"),
+        }
+
+
+def collate_prompts(
+    items: list[dict], pad_token_id: int, pad_to: int | None = None, uids: list[str] | None = None
+) -> dict:
+    """Left-pad prompts into ``{"tensors", "non_tensors", "meta_info"}`` (the DataProto parts).
+
+    Tensors: ``input_ids``, ``attention_mask`` (int64, [B, P]) and ``position_ids =
+    clamp(cumsum(attention_mask) - 1, min=0)``; P is the longest prompt, or ``pad_to``. Non-tensors
+    (numpy object arrays): ``data_source``, ``reward_model``, ``extra_info``, ``raw_prompt``, ``uid``.
+    """
+    width = max(len(it["input_ids"]) for it in items)
+    if pad_to is not None:
+        if pad_to < width:
+            raise ValueError(f"pad_to={pad_to} is shorter than the longest prompt ({width} tokens)")
+        width = pad_to
+    b = len(items)
+    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, width), dtype=torch.long)
+    for i, it in enumerate(items):
+        n = len(it["input_ids"])
+        input_ids[i, width - n :] = torch.tensor(it["input_ids"], dtype=torch.long)
+        attention_mask[i, width - n :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if uids is None:
+        uids = [str(uuid.uuid4()) for _ in items]
+    non_tensors = {
+        "data_source": object_array([it["data_source"] for it in items]),
+        "reward_model": object_array([it["reward_model"] for it in items]),
+        "extra_info": object_array([it["extra_info"] for it in items]),
+        "raw_prompt": object_array([it["raw_prompt"] for it in items]),
+        "uid": object_array(list(uids)),
+    }
+    return {
+        "tensors": {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        "non_tensors": non_tensors,
+        "meta_info": {},
+    }
+
+
+class PromptDataLoader(ResumableLoader):
+    """Shuffled (by ``seed`` and epoch), resumable batches of ``collate_prompts`` dicts.
+
+    ``uid`` is deterministic: derived from ``(seed, epoch, dataset row)``, so a resumed run hands out
+    the same uids as the original one.
+    """
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        pad_to_max_length: bool = False,
+        pad_token_id: int | None = None,
+    ):
+        pad = dataset.tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+        if pad is None:
+            raise ValueError("the tokenizer has no pad token; pass pad_token_id")
+        pad_to = dataset.max_prompt_length if pad_to_max_length else None
+
+        def collate(items, epoch, rows):
+            uids = [str(uuid.uuid5(_UID_NAMESPACE, f"{seed}/{epoch}/{r}")) for r in rows]
+            return collate_prompts(items, pad, pad_to=pad_to, uids=uids)
+
+        super().__init__(dataset, batch_size, collate, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+def to_dataproto(batch: dict):
+    """Build a ``dataproto.DataProto`` from a ``collate_prompts`` dict (needs the dataproto package)."""
+    try:
+        from dataproto import DataProto
+    except ImportError as e:
+        raise ImportError("to_dataproto needs the dataproto package (dataproto.DataProto)") from e
+    return DataProto.from_dict(batch["tensors"], batch["non_tensors"], batch["meta_info"])

@@ -1,0 +1,154 @@
+"""Procedural, seeded task generators that write verl-format parquet datasets.
+
+Each row has the columns verl's RL datasets use::
+
+    data_source   "hyflow/arithmetic" | "hyflow/countdown"   (the rule scorer's key)
+    prompt        [{"role": "user", "content": "Compute 3+4*2-1."}]
+    ability       "math"
+    reward_model  {"ground_truth": ..., "style": "rule"}
+    extra_info    {"split", "index", "question", "solution" (text for the SFT warm start), "demo_kind"}
+
+Tasks (``TASKS``): ``arithmetic`` (clean step-by-step demonstrations), ``arith_mixed`` (problems where
+precedence matters, 60% of the training demonstrations written left to right ignoring it -- the
+quickstart task where RL visibly beats imitation), ``countdown`` (target reaching, a search problem).
+
+    from recipes.tasks import generate_splits, make_dataset
+    paths = make_dataset("arith_mixed", "data/arith", n_train=2000, n_val=200, seed=0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from recipes.tasks import arithmetic, countdown
+from recipes.tasks.scoring import ARITHMETIC, COUNTDOWN, DATA_SOURCES, compute_score
+
+__all__ = [
+    "TASKS",
+    "DATA_SOURCES",
+    "TaskSpec",
+    "compute_score",
+    "generate_splits",
+    "make_dataset",
+    "task_config",
+    "write_parquet",
+]
+
+SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    config_cls: type
+    sample_problem: Callable[[random.Random, Any], dict | None]
+    make_row: Callable[[dict, str, int, random.Random, Any], dict]
+    data_sources: tuple[str, ...]
+    defaults: dict = field(default_factory=dict)  # preset knob values on top of the config defaults
+
+
+TASKS: dict[str, TaskSpec] = {
+    "arithmetic": TaskSpec(
+        "arithmetic",
+        arithmetic.ArithmeticConfig,
+        arithmetic.sample_problem,
+        arithmetic.make_row,
+        (ARITHMETIC,),
+    ),
+    "arith_mixed": TaskSpec(
+        "arith_mixed",
+        arithmetic.ArithmeticConfig,
+        arithmetic.sample_problem,
+        arithmetic.make_row,
+        (ARITHMETIC,),
+        defaults={"demo_noise": 0.6, "precedence_trap": 1.0},
+    ),
+    "countdown": TaskSpec(
+        "countdown", countdown.CountdownConfig, countdown.sample_problem, countdown.make_row, (COUNTDOWN,)
+    ),
+}
+
+
+def task_config(task: str, **knobs):
+    """The task's config dataclass with preset defaults and ``knobs`` applied, validated."""
+    spec = _spec(task)
+    names = {f.name for f in dataclasses.fields(spec.config_cls)}
+    unknown = set(knobs) - names
+    if unknown:
+        raise ValueError(f"unknown knob(s) {sorted(unknown)} for task {task!r}; known: {sorted(names)}")
+    cfg = spec.config_cls(**{**spec.defaults, **knobs})
+    cfg.validate()
+    return cfg
+
+
+def _spec(task: str) -> TaskSpec:
+    try:
+        return TASKS[task]
+    except KeyError:
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}") from None
+
+
+def _sub_seed(seed: int, tag: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{tag}".encode()).digest()[:8], "little")
+
+
+def generate_splits(
+    task: str, n_train: int, n_val: int, seed: int = 0, max_tries_factor: int = 200, **knobs
+) -> dict[str, list[dict]]:
+    """Rows for the ``train`` and ``val`` splits: deterministic in ``seed``, no problem in both.
+
+    Problems are drawn from one seeded stream (validation first) and deduplicated by their
+    canonical key across both splits. Demonstration noise uses a separate stream, so knobs that only
+    change demonstrations leave the problems unchanged.
+    """
+    spec = _spec(task)
+    cfg = task_config(task, **knobs)
+    rng = random.Random(_sub_seed(seed, "problems"))
+    demo_rng = random.Random(_sub_seed(seed, "demos"))
+    seen: set = set()
+    out: dict[str, list[dict]] = {}
+    for split, n in (("val", n_val), ("train", n_train)):
+        rows: list[dict] = []
+        tries = 0
+        while len(rows) < n:
+            tries += 1
+            if tries > max_tries_factor * max(n, 1):
+                raise ValueError(
+                    f"task {task!r}: found only {len(rows)} of {n} distinct {split} problems with knobs "
+                    f"{dataclasses.asdict(cfg)}; loosen the difficulty knobs or ask for fewer"
+                )
+            prob = spec.sample_problem(rng, cfg)
+            if prob is None or prob["key"] in seen:
+                continue
+            seen.add(prob["key"])
+            rows.append(spec.make_row(prob, split, len(rows), demo_rng, cfg))
+        out[split] = rows
+    return {"train": out["train"], "val": out["val"]}
+
+
+def write_parquet(rows: list[dict], path: str | os.PathLike) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def make_dataset(
+    task: str, out_dir: str | os.PathLike, n_train: int, n_val: int, seed: int = 0, **knobs
+) -> dict[str, str]:
+    """Generate and write ``out_dir/train.parquet`` and ``out_dir/val.parquet``; returns the paths."""
+    splits = generate_splits(task, n_train, n_val, seed=seed, **knobs)
+    return {
+        s: write_parquet(rows, os.path.join(os.fspath(out_dir), f"{s}.parquet")) for s, rows in splits.items()
+    }
