@@ -9,11 +9,12 @@ Each row has the columns verl's RL datasets use::
     extra_info    {"split", "index", "question", "solution" (text for the SFT warm start), "demo_kind"}
 
 Tasks (``TASKS``): ``arithmetic`` (clean step-by-step demonstrations), ``arith_mixed`` (problems where
-precedence matters, 60% of the training demonstrations written left to right ignoring it -- the
-quickstart task where RL visibly beats imitation), ``countdown`` (target reaching, a search problem).
+precedence matters, every intermediate value <= 20 so the arithmetic is easy for a 1M-parameter
+model, 60% of the training demonstrations written left to right ignoring precedence -- the
+quickstart task where RL visibly beats imitation; about 2,300 distinct problems exist), ``countdown`` (target reaching, a search problem).
 
     from recipes.tasks import generate_splits, make_dataset
-    paths = make_dataset("arith_mixed", "data/arith", n_train=2000, n_val=200, seed=0)
+    paths = make_dataset("arith_mixed", "data/arith", n_train=400, n_val=200, n_sft=1600, seed=0)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = [
     "write_parquet",
 ]
 
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "sft")
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ TASKS: dict[str, TaskSpec] = {
         arithmetic.sample_problem,
         arithmetic.make_row,
         (ARITHMETIC,),
-        defaults={"demo_noise": 0.6, "precedence_trap": 1.0},
+        defaults={"demo_noise": 0.6, "precedence_trap": 1.0, "max_abs_value": 20},
     ),
     "countdown": TaskSpec(
         "countdown", countdown.CountdownConfig, countdown.sample_problem, countdown.make_row, (COUNTDOWN,)
@@ -99,13 +100,25 @@ def _sub_seed(seed: int, tag: str) -> int:
 
 
 def generate_splits(
-    task: str, n_train: int, n_val: int, seed: int = 0, max_tries_factor: int = 200, **knobs
+    task: str,
+    n_train: int,
+    n_val: int,
+    seed: int = 0,
+    n_sft: int = 0,
+    max_tries_factor: int = 200,
+    **knobs,
 ) -> dict[str, list[dict]]:
-    """Rows for the ``train`` and ``val`` splits: deterministic in ``seed``, no problem in both.
+    """Rows for the ``train`` and ``val`` splits (and ``sft`` when ``n_sft > 0``).
 
-    Problems are drawn from one seeded stream (validation first) and deduplicated by their
-    canonical key across both splits. Demonstration noise uses a separate stream, so knobs that only
-    change demonstrations leave the problems unchanged.
+    Deterministic in ``seed``; no problem appears in two splits. Problems are drawn from one seeded
+    stream (validation first, then train, then sft) and deduplicated by their canonical key across
+    splits, so asking for more rows of a later split leaves the earlier splits unchanged.
+    Demonstration noise uses a separate stream, so knobs that only change demonstrations leave the
+    problems unchanged.
+
+    The optional ``sft`` split holds problems for the supervised warm start only, so that the RL
+    prompts (``train``) are not ones whose demonstrations the warm-started model has memorised --
+    memorised prompts give every sample of a group the same answer and no GRPO signal.
     """
     spec = _spec(task)
     cfg = task_config(task, **knobs)
@@ -113,7 +126,9 @@ def generate_splits(
     demo_rng = random.Random(_sub_seed(seed, "demos"))
     seen: set = set()
     out: dict[str, list[dict]] = {}
-    for split, n in (("val", n_val), ("train", n_train)):
+    for split, n in (("val", n_val), ("train", n_train), ("sft", n_sft)):
+        if split == "sft" and n == 0:
+            continue
         rows: list[dict] = []
         tries = 0
         while len(rows) < n:
@@ -129,7 +144,7 @@ def generate_splits(
             seen.add(prob["key"])
             rows.append(spec.make_row(prob, split, len(rows), demo_rng, cfg))
         out[split] = rows
-    return {"train": out["train"], "val": out["val"]}
+    return out
 
 
 def write_parquet(rows: list[dict], path: str | os.PathLike) -> str:
@@ -145,10 +160,10 @@ def write_parquet(rows: list[dict], path: str | os.PathLike) -> str:
 
 
 def make_dataset(
-    task: str, out_dir: str | os.PathLike, n_train: int, n_val: int, seed: int = 0, **knobs
+    task: str, out_dir: str | os.PathLike, n_train: int, n_val: int, seed: int = 0, n_sft: int = 0, **knobs
 ) -> dict[str, str]:
-    """Generate and write ``out_dir/train.parquet`` and ``out_dir/val.parquet``; returns the paths."""
-    splits = generate_splits(task, n_train, n_val, seed=seed, **knobs)
+    """Write ``out_dir/{train,val}.parquet`` (and ``sft.parquet`` when ``n_sft > 0``); return the paths."""
+    splits = generate_splits(task, n_train, n_val, seed=seed, n_sft=n_sft, **knobs)
     return {
         s: write_parquet(rows, os.path.join(os.fspath(out_dir), f"{s}.parquet")) for s, rows in splits.items()
     }

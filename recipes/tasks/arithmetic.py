@@ -8,14 +8,14 @@ Difficulty knobs (``ArithmeticConfig``): operand count, operand range, operator 
 parenthesised group, a bound on every intermediate value, non-negative intermediates.
 
 ``precedence_trap`` is the fraction of problems drawn so that evaluating left to right gives a wrong
-answer (the rest are unconstrained). ``demo_noise`` makes the *training* demonstrations imperfect in a systematic way: that fraction of
+answer (the rest are unconstrained). ``demo_noise`` makes the training (``train`` and ``sft`` split) demonstrations imperfect in a systematic way: that fraction of
 them is written by a "sloppy teacher" who evaluates strictly left to right, ignoring precedence
 (``3+4*2-1 = 7*2-1 = 14-1 = 13``). The ground truth is always the correct value, and validation
 solutions are always correct. A model that imitates the mixture picks the sloppy branch at the
 decisive step as often as the teacher did (greedy decoding follows the majority), so supervised
 warm-start accuracy stays well below what the model can do; reinforcement learning with the rule
 reward discovers which branch pays (the ``arith_mixed`` task preset: every problem a precedence
-trap, 60% of the demonstrations sloppy). The problems themselves do not
+trap, intermediate values bounded by 20, 60% of the demonstrations sloppy). The problems themselves do not
 depend on ``demo_noise``: the same seed yields the same prompts and ground truths.
 """
 
@@ -104,7 +104,7 @@ def solution_text(toks: list[Token], precedence: bool = True) -> str:
 
 def make_row(problem: dict, split: str, index: int, demo_rng: random.Random, cfg: ArithmeticConfig) -> dict:
     toks = problem["tokens"]
-    sloppy = split == "train" and cfg.demo_noise > 0 and demo_rng.random() < cfg.demo_noise
+    sloppy = split in ("train", "sft") and cfg.demo_noise > 0 and demo_rng.random() < cfg.demo_noise
     question = f"Compute {problem['key']}." + (INSTRUCTION if cfg.instruction else "")
     return {
         "data_source": ARITHMETIC,

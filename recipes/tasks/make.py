@@ -1,7 +1,7 @@
 """Write a task dataset as verl-format parquet.
 
     python -m recipes.tasks.make --task arithmetic --out data/arith --train 2000 --val 200 --seed 0 \\
-        [--knob max_operands=5 --knob paren_prob=0.3 ...]
+        [--sft 1600] [--knob max_operands=5 --knob paren_prob=0.3 ...]
 """
 
 from __future__ import annotations
@@ -41,12 +41,15 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     p.add_argument("--out", required=True, help="output directory (train.parquet, val.parquet)")
     p.add_argument("--train", type=int, default=2000, help="training rows")
     p.add_argument("--val", type=int, default=200, help="validation rows")
+    p.add_argument("--sft", type=int, default=0, help="rows of a separate SFT warm-start split (sft.parquet)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--knob", action="append", default=[], metavar="KEY=VALUE", help="difficulty knob")
     args = p.parse_args(argv)
     knobs = _parse_knobs(args.task, args.knob)
     try:
-        paths = make_dataset(args.task, args.out, args.train, args.val, seed=args.seed, **knobs)
+        paths = make_dataset(
+            args.task, args.out, args.train, args.val, seed=args.seed, n_sft=args.sft, **knobs
+        )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     for split, path in paths.items():

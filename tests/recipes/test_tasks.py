@@ -38,6 +38,20 @@ def test_splits_disjoint_and_sized(task):
         assert {r["extra_info"]["split"] for r in rows} == {split}
 
 
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_sft_split_disjoint_and_earlier_splits_unchanged(task):
+    base = generate_splits(task, 100, 50, seed=0)
+    s = generate_splits(task, 100, 50, seed=0, n_sft=150)
+    assert set(base) == {"train", "val"} and set(s) == {"train", "val", "sft"}
+    assert s["train"] == base["train"] and s["val"] == base["val"]
+    keys = [{_key(r) for r in s[k]} for k in ("train", "val", "sft")]
+    assert [len(k) for k in keys] == [100, 50, 150]
+    assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
+    assert {r["extra_info"]["split"] for r in s["sft"]} == {"sft"}
+    if task == "arith_mixed":  # the warm-start split carries the noisy demonstrations
+        assert {r["extra_info"]["demo_kind"] for r in s["sft"]} == {"correct", "left_to_right"}
+
+
 def test_countdown_disjoint_up_to_number_order():
     s = generate_splits("countdown", 300, 100, seed=0)
 
@@ -141,11 +155,12 @@ def test_expr_parser():
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_parquet_schema(tmp_path, task):
-    paths = make_dataset(task, tmp_path / task, n_train=40, n_val=10, seed=0)
+    paths = make_dataset(task, tmp_path / task, n_train=40, n_val=10, n_sft=20, seed=0)
+    assert sorted(paths) == ["sft", "train", "val"]
     for split, path in paths.items():
         table = pq.read_table(path)
         assert table.column_names == COLUMNS
-        assert table.num_rows == (40 if split == "train" else 10)
+        assert table.num_rows == {"train": 40, "val": 10, "sft": 20}[split]
         for r in table.to_pylist():
             assert r["data_source"] in TASKS[task].data_sources
             assert isinstance(r["prompt"], list) and r["prompt"][0]["role"] == "user"
@@ -162,6 +177,11 @@ def test_cli(tmp_path, capsys):
                "--knob", "max_operands=5", "--knob", "nonnegative=false"])  # fmt: skip
     assert pq.read_table(out / "train.parquet").num_rows == 30
     assert pq.read_table(out / "val.parquet").num_rows == 5
+    assert not (out / "sft.parquet").exists()
+    make_main(
+        ["--task", "arith_mixed", "--out", str(tmp_path / "m"), "--train", "30", "--val", "5", "--sft", "7"]
+    )
+    assert pq.read_table(tmp_path / "m" / "sft.parquet").num_rows == 7
     assert "train:" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         make_main(["--task", "arithmetic", "--out", str(out), "--knob", "nope=1"])
