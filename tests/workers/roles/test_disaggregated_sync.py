@@ -173,6 +173,7 @@ def test_disaggregated_sync(setup):
 
 def test_receive_without_group_names_role_and_rank(setup):
     with pytest.raises(
-        WorkerGroupError, match=r"RolloutWorker rank 0/2: receive_weights before init_weight_sync"
+        WorkerGroupError,
+        match=r"RolloutWorker rank [01]/2: receive_weights before init_weight_sync",  # first to fail wins
     ):
         setup["rollout"].receive_weights(group_name="no_such_group")
