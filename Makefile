@@ -19,7 +19,7 @@ $(STAMP): $(BIN)/python setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m benchmarks.bench_dispatch
+	$(BIN)/python -m recipes.quickstart
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -30,7 +30,7 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_dataproto
-	$(BIN)/python -m benchmarks.bench_dispatch
+	$(BIN)/python -m recipes.quickstart
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,505 @@
+"""Recipe configs: OmegaConf YAML beside each recipe, ``key.sub=value`` overrides, checked before Ray starts.
+
+    cfg = load_config("grpo", ["actor.optim.lr=1e-5", "rollout.n=8"])   # recipes/grpo.yaml + overrides
+
+The schema is the ``RecipeConfig`` dataclass tree below. The role sections reuse the workers' own config
+dataclasses (``workers/config.py``: ``actor``, ``critic``, ``rollout``, ``reward``), so every field a worker
+accepts is a key here under verl's name (``actor.ppo_mini_batch_size``, ``rollout.n``, ...). Loading merges
+schema defaults <- YAML <- overrides; an unknown key or a value of the wrong type is a ``ConfigError`` naming
+the full key, and ``validate`` then checks that the numbers fit together (batch sizes against the
+data-parallel sizes, placement against the devices, estimator against the roles), naming keys and numbers.
+
+Sections (verl names inside each): ``data``, ``task`` (generate a dataset with ``recipes.tasks``),
+``model``, ``actor``, ``rollout``, ``critic`` (PPO), ``reward``, ``algorithm`` (``adv_estimator``,
+``use_kl_in_reward``, ``kl_ctrl.*``), ``trainer`` (steps, validation/checkpoint frequency, resume, loggers,
+devices and placement); the quickstart adds ``sft``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from workers.config import ActorConfig, CriticConfig, ModelConfig, RewardConfig, RolloutConfig
+from workers.engine.fsdp_engine import OptimConfig
+
+RECIPES_DIR = Path(__file__).resolve().parent
+LOGGERS = ("console", "tensorboard", "wandb")
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+class ConfigError(ValueError):
+    """The recipe config is invalid; the message names the offending key(s) and values."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Schema
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet; empty: generated from ``task``
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 256  # longer prompts are dropped (rollout.prompt_length must match)
+    max_response_length: int = 256  # rollout.response_length must match
+    train_batch_size: int = 16  # prompts per RL step (each sampled rollout.n times)
+    val_batch_size: int | None = None  # prompts per validation generate call; None: the whole set
+    train_max_samples: int | None = None  # use only the first k training rows
+    val_max_samples: int | None = None
+    shuffle: bool = True
+    seed: int = 0  # data order: permutation per (seed, epoch)
+
+
+@dataclass
+class TaskConfig:
+    """Generate ``train.parquet`` / ``val.parquet`` with ``recipes.tasks`` into ``<run dir>/data`` when
+    ``data.train_files`` is empty."""
+
+    name: str | None = None  # a key of recipes.tasks.TASKS: arithmetic, arith_mixed, countdown
+    n_train: int = 2000
+    n_val: int = 200
+    seed: int = 0
+    knobs: dict[str, Any] = field(default_factory=dict)  # the task config's difficulty knobs
+
+
+@dataclass
+class RecipeModelConfig(ModelConfig):
+    path: str | None = None  # None: build (once, cached) the tiny Qwen2 model of workers/models/tiny.py
+    tiny_size: str = "tiny"  # nano | tiny | small, when path is None
+    tiny_seed: int = 0
+
+
+@dataclass
+class RecipeCriticConfig(CriticConfig):
+    model_path: str | None = None  # None: the policy's model.path (a fresh value head on top)
+
+
+@dataclass
+class CustomRewardConfig:
+    """verl's ``custom_reward_function``: a Python file whose function scores every data source instead of
+    the registered rule scorers (signature ``fn(data_source, solution_str, ground_truth, extra_info=None)``)."""
+
+    path: str | None = None
+    name: str = "compute_score"
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # any name in algorithms.list_adv_estimators()
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False  # token_level_rewards = scores - beta * KL(actor || ref)
+    kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "hyflow"
+    experiment_name: str = "run"
+    # run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, curves.png, hf_model/
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    total_training_steps: int | None = 20  # None: total_epochs over the training set
+    total_epochs: int = 1
+    test_freq: int = 5  # validate every k steps (and at the last step); <= 0: never during training
+    val_before_train: bool = True
+    save_freq: int = -1  # checkpoint every m steps (and at the last step); <= 0: never
+    max_ckpt_to_keep: int | None = None  # delete older checkpoints beyond this many
+    resume_mode: str = "auto"  # auto (latest checkpoint in the run dir) | disable | <path of a step_N dir>
+    critic_warmup: int = 0  # PPO: steps that update only the critic
+    nnodes: int = 1
+    n_gpus_per_node: int = 1  # devices per node (CPU bundles when there is no GPU)
+    device: str = "auto"  # auto | cpu | cuda
+    placement: str = "colocated"  # colocated: one pool for every role; disaggregated: rollout pool apart
+    rollout_gpus_per_node: int = 0  # disaggregated: devices per node for the rollout pool (rest: training)
+    export_hf: bool = False  # write <run dir>/hf_model at the end
+    progress_bar: bool = True
+    plot: bool = True  # <run dir>/curves.png at the end
+    ray_num_cpus: int | None = None  # only when the recipe starts Ray itself; None: Ray's default
+    omp_num_threads: int | None = None  # torch threads per worker process; None: cores / devices (own Ray)
+    call_timeout_s: float | None = None  # per worker-group call; None: no limit
+    wandb_mode: str | None = None  # e.g. offline
+
+
+@dataclass
+class RecipeConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: RecipeModelConfig = field(default_factory=RecipeModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: RecipeCriticConfig = field(default_factory=RecipeCriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on the task's demonstration solutions (``extra_info.solution``), run through an
+    ActorWorker group (``sft_step``) before RL; the result is exported and RL starts from it."""
+
+    enable: bool = True
+    total_steps: int = 200  # optimizer steps (a cosine schedule needs sft.optim.total_steps, e.g. the same)
+    batch_size: int = 32  # examples per step
+    max_length: int = 256  # prompt + solution tokens; longer examples are dropped
+    max_samples: int | None = None
+    shuffle: bool = True
+    seed: int = 0
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    log_every: int = 25
+
+
+@dataclass
+class QuickstartConfig(RecipeConfig):
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+SCHEMAS: dict[str, type] = {"grpo": RecipeConfig, "ppo": RecipeConfig, "quickstart": QuickstartConfig}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _explain(err: OmegaConfBaseException, source: str, schema: type = RecipeConfig) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).split("\n")[0]
+    if isinstance(err, ConfigKeyError):
+        parent, _, leaf = key.rpartition(".")
+        return ConfigError(f"unknown config key {key!r} ({source}); {_known_keys_hint(schema, parent, leaf)}")
+    if isinstance(err, ValidationError):
+        return ConfigError(f"config key {key!r} ({source}): {msg}")
+    return ConfigError(f"config error at {key!r} ({source}): {msg}")
+
+
+def _known_keys_hint(schema: type, parent: str, leaf: str) -> str:
+    node: Any = OmegaConf.structured(schema)
+    for part in [p for p in parent.split(".") if p]:
+        node = node.get(part) if isinstance(node, DictConfig) else None
+        if node is None:
+            return "no such section"
+    if not isinstance(node, DictConfig):
+        return f"{parent!r} is not a section"
+    keys = sorted(node.keys())
+    close = [k for k in keys if leaf and (leaf in k or k in leaf)]
+    hint = f" (did you mean {close}?)" if close else ""
+    return f"keys in {parent or 'the top level'!r}: {keys}{hint}"
+
+
+def parse_overrides(args: list[str]) -> DictConfig:
+    """``key.sub=value`` items -> a DictConfig (values parsed as YAML: ints, floats, bools, null, lists)."""
+    bad = [a for a in args if "=" not in a or a.startswith("=")]
+    if bad:
+        raise ConfigError(f"overrides must look like key.sub=value, got {bad}")
+    try:
+        return OmegaConf.from_dotlist(list(args))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot parse overrides {args}: {str(err).splitlines()[0]}") from None
+
+
+def default_config_path(recipe: str) -> Path:
+    return RECIPES_DIR / f"{recipe}.yaml"
+
+
+def load_config(
+    recipe: str,
+    overrides: list[str] | None = None,
+    config_path: str | os.PathLike | None = None,
+    check: bool = True,
+) -> RecipeConfig:
+    """Schema of ``recipe`` <- its YAML (``recipes/<recipe>.yaml`` unless ``config_path``) <- ``overrides``;
+    interpolations resolved, converted to the dataclasses and (``check``) validated."""
+    schema_cls = SCHEMAS.get(recipe)
+    if schema_cls is None:
+        raise ConfigError(f"unknown recipe {recipe!r}; known: {sorted(SCHEMAS)}")
+    path = Path(config_path) if config_path is not None else default_config_path(recipe)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    merged = OmegaConf.structured(schema_cls)
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.load(path))
+    except OmegaConfBaseException as err:
+        raise _explain(err, str(path), schema_cls) from None
+    try:
+        merged = OmegaConf.merge(merged, parse_overrides(list(overrides or [])))
+    except OmegaConfBaseException as err:
+        raise _explain(err, "command-line override", schema_cls) from None
+    return to_dataclass(merged, check=check, recipe=recipe)
+
+
+def to_dataclass(cfg: DictConfig, check: bool = True, recipe: str = "grpo") -> RecipeConfig:
+    """A merged DictConfig -> the dataclass tree (interpolations resolved; dataclass checks run)."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise _explain(err, "resolving") from None
+    except (ValueError, TypeError) as err:  # a dataclass __post_init__ (e.g. OptimConfig) refused a value
+        raise ConfigError(f"invalid config at {_failing_section(cfg)!r}: {err}") from None
+    if check:
+        validate(obj, recipe)
+    return obj
+
+
+def _failing_section(cfg: DictConfig, prefix: str = "") -> str:
+    """The deepest section whose dataclass refuses its values (for errors raised in ``__post_init__``)."""
+    for key in cfg.keys():
+        node = cfg[key]
+        if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            try:
+                OmegaConf.to_object(node)
+            except (ValueError, TypeError):
+                return _failing_section(node, f"{prefix}{key}.")
+    return prefix.rstrip(".") or "the top level"
+
+
+def as_dict(cfg: RecipeConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: RecipeConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: RecipeConfig, path: str | os.PathLike) -> str:
+    """Write the resolved config as YAML (atomically); ``load_config(recipe, config_path=path)`` reads it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation: do the numbers fit together?
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def device_counts(cfg: RecipeConfig) -> dict[str, int]:
+    """World sizes of the worker groups: ``train`` (actor, ref, critic, reward) and ``rollout``."""
+    t = cfg.trainer
+    if t.placement == "disaggregated":
+        train = (t.n_gpus_per_node - t.rollout_gpus_per_node) * t.nnodes
+        return {
+            "train": train,
+            "rollout": t.rollout_gpus_per_node * t.nnodes,
+            "total": t.n_gpus_per_node * t.nnodes,
+        }
+    n = t.n_gpus_per_node * t.nnodes
+    return {"train": n, "rollout": n, "total": n}
+
+
+def needs_reference(cfg: RecipeConfig) -> bool:
+    return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def uses_critic(cfg: RecipeConfig) -> bool:
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: int, dp: int) -> None:
+    mini = role_cfg.ppo_mini_batch_size
+    if mini < 1:
+        errors.append(f"{sec}.ppo_mini_batch_size must be >= 1, got {mini}")
+        return
+    if mini > train_bs or train_bs % mini:
+        errors.append(
+            f"{sec}.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs} "
+            f"(prompts per step; each optimizer step takes {mini} of them)"
+        )
+    rows = mini * n
+    if dp > 0 and rows % dp:
+        errors.append(
+            f"{sec}.ppo_mini_batch_size * rollout.n = {mini} * {n} = {rows} rows per optimizer step is not "
+            f"divisible by the training data-parallel size {dp}"
+        )
+    elif dp > 0 and not role_cfg.use_dynamic_bsz:
+        micro = role_cfg.ppo_micro_batch_size_per_gpu
+        per_rank = rows // dp
+        if micro is None or micro < 1:
+            errors.append(f"{sec}.ppo_micro_batch_size_per_gpu must be >= 1 when {sec}.use_dynamic_bsz=false")
+        elif per_rank % micro:
+            errors.append(
+                f"{sec}.ppo_micro_batch_size_per_gpu={micro} must divide the {per_rank} rows each rank gets per "
+                f"optimizer step ({sec}.ppo_mini_batch_size * rollout.n / dp = {mini} * {n} / {dp})"
+            )
+    if role_cfg.ppo_epochs < 1:
+        errors.append(f"{sec}.ppo_epochs must be >= 1, got {role_cfg.ppo_epochs}")
+
+
+def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
+    """Raise ConfigError listing every inconsistency (keys and numbers named)."""
+    from algorithms import list_adv_estimators
+
+    errors: list[str] = []
+    d, t, r, a = cfg.data, cfg.trainer, cfg.rollout, cfg.algorithm
+
+    # devices and placement
+    if t.nnodes < 1:
+        errors.append(f"trainer.nnodes must be >= 1, got {t.nnodes}")
+    if t.n_gpus_per_node < 1:
+        errors.append(f"trainer.n_gpus_per_node must be >= 1, got {t.n_gpus_per_node}")
+    if t.placement not in PLACEMENTS:
+        errors.append(f"trainer.placement must be one of {list(PLACEMENTS)}, got {t.placement!r}")
+    elif t.placement == "disaggregated" and not 0 < t.rollout_gpus_per_node < t.n_gpus_per_node:
+        errors.append(
+            f"trainer.placement=disaggregated needs 0 < trainer.rollout_gpus_per_node < trainer.n_gpus_per_node "
+            f"(a rollout pool and a training pool), got rollout_gpus_per_node={t.rollout_gpus_per_node}, "
+            f"n_gpus_per_node={t.n_gpus_per_node}"
+        )
+    if t.device not in ("auto", "cpu", "cuda"):
+        errors.append(f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
+    counts = device_counts(cfg) if not errors else {"train": 0, "rollout": 0}
+    dp, rollout_dp = counts["train"], counts["rollout"]
+
+    # batch sizes
+    n = r.n
+    if n < 1:
+        errors.append(f"rollout.n must be >= 1, got {n}")
+        n = 1
+    bs = d.train_batch_size
+    if bs < 1:
+        errors.append(f"data.train_batch_size must be >= 1, got {bs}")
+    else:
+        if rollout_dp > 0 and bs % rollout_dp:
+            errors.append(
+                f"data.train_batch_size={bs} prompts must be divisible by the rollout data-parallel size "
+                f"{rollout_dp} (each rollout rank generates for an equal share)"
+            )
+        if dp > 0 and (bs * n) % dp:
+            errors.append(
+                f"data.train_batch_size * rollout.n = {bs} * {n} = {bs * n} rows is not divisible by the training "
+                f"data-parallel size {dp}"
+            )
+        _check_ppo_batches(errors, "actor", cfg.actor, bs, n, dp)
+        if uses_critic(cfg):
+            _check_ppo_batches(errors, "critic", cfg.critic, bs, n, dp)
+    if d.val_batch_size is not None and d.val_batch_size < 1:
+        errors.append(f"data.val_batch_size must be >= 1 or null, got {d.val_batch_size}")
+
+    # lengths: data.* is the source, rollout.* must agree
+    for data_key, roll_key in (
+        ("max_prompt_length", "prompt_length"),
+        ("max_response_length", "response_length"),
+    ):
+        dv, rv = getattr(d, data_key), getattr(r, roll_key)
+        if dv < 1:
+            errors.append(f"data.{data_key} must be >= 1, got {dv}")
+        elif dv != rv:
+            errors.append(
+                f"rollout.{roll_key}={rv} differs from data.{data_key}={dv}; set data.{data_key} "
+                f"(the YAML makes rollout.{roll_key} follow it)"
+            )
+
+    # data source
+    if not d.train_files and not cfg.task.name:
+        errors.append("no training data: set data.train_files (parquet) or task.name (generate a dataset)")
+    if d.train_files and not d.val_files and not cfg.task.name:
+        errors.append("data.val_files is empty (validation needs held-out prompts)")
+    if cfg.task.name:
+        from recipes.tasks import TASKS, task_config
+
+        if cfg.task.name not in TASKS:
+            errors.append(f"task.name={cfg.task.name!r} is not a task; choose one of {sorted(TASKS)}")
+        else:
+            try:
+                task_config(cfg.task.name, **cfg.task.knobs)
+            except (ValueError, TypeError) as err:
+                errors.append(f"task.knobs: {err}")
+        if cfg.task.n_train < bs:
+            errors.append(
+                f"task.n_train={cfg.task.n_train} is smaller than one batch (data.train_batch_size={bs})"
+            )
+        if cfg.task.n_val < 1:
+            errors.append(f"task.n_val must be >= 1, got {cfg.task.n_val}")
+    if cfg.model.path is None:
+        from workers.models.tiny import TINY_MODEL_SIZES
+
+        if cfg.model.tiny_size not in TINY_MODEL_SIZES:
+            errors.append(
+                f"model.tiny_size={cfg.model.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}"
+            )
+
+    crf = cfg.custom_reward_function
+    if crf.path is not None and not os.path.isfile(crf.path):
+        errors.append(f"custom_reward_function.path={crf.path!r} is not a file")
+
+    # algorithm
+    if a.adv_estimator not in list_adv_estimators():
+        errors.append(f"algorithm.adv_estimator={a.adv_estimator!r}; registered: {list_adv_estimators()}")
+    if a.adv_estimator in ("grpo", "rloo") and n < 2:
+        errors.append(
+            f"algorithm.adv_estimator={a.adv_estimator} compares samples of one prompt: rollout.n must be >= 2, got {n}"
+        )
+    if recipe == "ppo" and a.adv_estimator != "gae":
+        errors.append(
+            f"recipes.ppo trains a critic: algorithm.adv_estimator must be gae, got {a.adv_estimator!r}"
+        )
+    if recipe in ("grpo", "quickstart") and a.adv_estimator == "gae":
+        errors.append("algorithm.adv_estimator=gae needs a critic; use recipes.ppo")
+    if a.kl_ctrl.type not in ("fixed", "adaptive"):
+        errors.append(f"algorithm.kl_ctrl.type must be fixed or adaptive, got {a.kl_ctrl.type!r}")
+    if a.kl_ctrl.type == "adaptive" and (a.kl_ctrl.target_kl <= 0 or a.kl_ctrl.horizon <= 0):
+        errors.append(
+            f"algorithm.kl_ctrl (adaptive) needs target_kl > 0 and horizon > 0, got target_kl="
+            f"{a.kl_ctrl.target_kl}, horizon={a.kl_ctrl.horizon}"
+        )
+    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
+        errors.append(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {a.gamma}, {a.lam}")
+
+    # trainer
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        errors.append(f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}")
+    if t.total_training_steps is None and t.total_epochs < 1:
+        errors.append(f"trainer.total_epochs must be >= 1, got {t.total_epochs}")
+    unknown = [lg for lg in t.logger if lg not in LOGGERS]
+    if unknown:
+        errors.append(f"trainer.logger has unknown logger(s) {unknown}; known: {list(LOGGERS)}")
+    if "wandb" in t.logger and importlib.util.find_spec("wandb") is None:
+        errors.append(
+            "trainer.logger includes wandb, but the wandb package is not installed (pip install wandb)"
+        )
+    if t.resume_mode not in ("auto", "disable") and not os.path.isdir(t.resume_mode):
+        errors.append(
+            f"trainer.resume_mode must be auto, disable or an existing checkpoint directory, got {t.resume_mode!r}"
+        )
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
+        errors.append(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {t.max_ckpt_to_keep}")
+    if t.critic_warmup < 0:
+        errors.append(f"trainer.critic_warmup must be >= 0, got {t.critic_warmup}")
+
+    sft = getattr(cfg, "sft", None)
+    if sft is not None and sft.enable:
+        if sft.batch_size < 1 or sft.total_steps < 1:
+            errors.append(
+                f"sft.batch_size and sft.total_steps must be >= 1, got {sft.batch_size}, {sft.total_steps}"
+            )
+        elif dp > 0 and sft.batch_size % dp:
+            errors.append(
+                f"sft.batch_size={sft.batch_size} is not divisible by the training data-parallel size {dp}"
+            )
+
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

@@ -1,0 +1,114 @@
+"""Data plumbing for the recipes: resumable prompt batches, fixed validation batches, SFT batches.
+
+Prompt batches come from ``recipes.data.PromptDataLoader`` (shuffled per ``(data.seed, epoch)``, with
+deterministic ``uid``s), so ``loader.state_dict()`` saved in a checkpoint resumes with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from dataproto import DataProto
+from recipes.config import RecipeConfig
+from recipes.data import PromptDataLoader, PromptDataset, SFTDataset, to_dataproto
+from recipes.data.loader import ResumableLoader
+
+
+def train_loader(cfg: RecipeConfig, run) -> PromptDataLoader:
+    d = cfg.data
+    ds = PromptDataset(
+        run.train_files,
+        run.tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        prompt_key=d.prompt_key,
+        max_samples=d.train_max_samples,
+    )
+    return PromptDataLoader(ds, batch_size=d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True)
+
+
+def val_batches(cfg: RecipeConfig, run) -> list[DataProto]:
+    """The held-out prompts in file order, in batches of data.val_batch_size (None: one batch)."""
+    d = cfg.data
+    ds = PromptDataset(
+        run.val_files,
+        run.tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        prompt_key=d.prompt_key,
+        max_samples=d.val_max_samples,
+    )
+    size = d.val_batch_size or len(ds)
+    loader = PromptDataLoader(ds, batch_size=min(size, len(ds)), shuffle=False, seed=d.seed, drop_last=False)
+    return [to_dataproto(b) for b in loader]
+
+
+def total_steps(cfg: RecipeConfig, loader: PromptDataLoader) -> int:
+    t = cfg.trainer
+    return t.total_training_steps if t.total_training_steps is not None else t.total_epochs * len(loader)
+
+
+def prompt_batches(loader: PromptDataLoader) -> Iterator[DataProto]:
+    """Batches forever, epoch after epoch, from the loader's current position (resumable)."""
+    while True:
+        for batch in loader:
+            yield to_dataproto(batch)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SFT warm start: (prompt, solution) pairs laid out like a rollout (dataproto/BATCH_LAYOUT.md)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def collate_sft_layout(items: list[tuple[list[int], list[int]]], pad_token_id: int) -> DataProto:
+    """Left-padded ``prompts``, right-padded ``responses`` (the solution + EOS), ``input_ids``,
+    ``attention_mask``, ``position_ids`` and ``response_mask`` -- what ``ActorWorker.sft_step`` trains on."""
+    b = len(items)
+    p_len = max(len(p) for p, _ in items)
+    r_len = max(len(a) for _, a in items)
+    prompts = torch.full((b, p_len), pad_token_id, dtype=torch.long)
+    responses = torch.full((b, r_len), pad_token_id, dtype=torch.long)
+    p_mask = torch.zeros((b, p_len), dtype=torch.long)
+    r_mask = torch.zeros((b, r_len), dtype=torch.long)
+    for i, (p, a) in enumerate(items):
+        prompts[i, p_len - len(p) :] = torch.tensor(p, dtype=torch.long)
+        p_mask[i, p_len - len(p) :] = 1
+        responses[i, : len(a)] = torch.tensor(a, dtype=torch.long)
+        r_mask[i, : len(a)] = 1
+    attention_mask = torch.cat([p_mask, r_mask], dim=1)
+    return DataProto.from_dict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": r_mask.float(),
+        }
+    )
+
+
+def sft_loader(cfg, run) -> ResumableLoader:
+    """Shuffled batches of the training split's demonstrations (``extra_info.solution``) in the rollout layout."""
+    s = cfg.sft
+    ds = SFTDataset(
+        run.train_files,
+        run.tokenizer,
+        max_length=s.max_length,
+        prompt_key=cfg.data.prompt_key,
+        max_samples=s.max_samples,
+    )
+    pad = run.tokenizer.pad_token_id
+    return ResumableLoader(
+        ds,
+        batch_size=min(s.batch_size, len(ds)),
+        collate=lambda items, epoch, rows: collate_sft_layout(items, pad),
+        shuffle=s.shuffle,
+        seed=s.seed,
+        drop_last=True,
+    )
+
+
+def sft_batches(loader: ResumableLoader) -> Iterator[DataProto]:
+    while True:
+        yield from loader

@@ -1,0 +1,116 @@
+"""Step metrics under verl's names, timers, and validation accuracy.
+
+* ``compute_data_metrics``: ``critic/score/*`` (sequence score), ``critic/rewards/*`` (after any in-reward KL),
+  ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*`` (PPO), ``response_length/*``
+  (incl. ``clip_ratio``: share of responses cut at max length), ``prompt_length/*``.
+* ``compute_throughput``: ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (tokens /
+  step time / devices, verl's definition).
+* ``timer``: ``with timer("gen", timings): ...`` adds ``timings["gen"]`` seconds -> ``timing_s/gen``.
+* ``validation_metrics``: ``val/accuracy`` (mean score over the held-out set) and ``val-core/<data_source>/acc``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from dataproto import DataProto
+
+
+@contextmanager
+def timer(name: str, timings: dict[str, float]):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
+    return {f"timing_s/{k}": float(v) for k, v in timings.items()}
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {
+        f"{prefix}/mean": float(v.mean()),
+        f"{prefix}/max": float(v.max()),
+        f"{prefix}/min": float(v.min()),
+    }
+
+
+def _masked_values(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return t[mask.bool()]
+
+
+def response_lengths(batch: DataProto) -> torch.Tensor:
+    return batch.batch["response_mask"].sum(-1)
+
+
+def compute_data_metrics(batch: DataProto) -> dict[str, float]:
+    b = batch.batch
+    mask = b["response_mask"]
+    max_resp = mask.shape[-1]
+    resp_len = mask.sum(-1).float()
+    prompt_len = b["attention_mask"][:, : b["attention_mask"].shape[-1] - max_resp].sum(-1).float()
+    out: dict[str, float] = {}
+    if "token_level_scores" in b:
+        out.update(_stats("critic/score", b["token_level_scores"].sum(-1)))
+    if "token_level_rewards" in b:
+        out.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)))
+    for key, name in (
+        ("advantages", "critic/advantages"),
+        ("returns", "critic/returns"),
+        ("values", "critic/values"),
+    ):
+        if key in b:
+            out.update(_stats(name, _masked_values(b[key], mask)))
+    out.update(_stats("response_length", resp_len))
+    out["response_length/clip_ratio"] = float((resp_len >= max_resp).float().mean())
+    out.update(_stats("prompt_length", prompt_len))
+    return out
+
+
+def compute_throughput(batch: DataProto, step_seconds: float, n_devices: int) -> dict[str, float]:
+    tokens = int(batch.batch["attention_mask"].sum())
+    return {
+        "perf/total_num_tokens": float(tokens),
+        "perf/time_per_step": float(step_seconds),
+        "perf/throughput": tokens / max(step_seconds, 1e-9) / max(n_devices, 1),
+    }
+
+
+def validation_metrics(
+    scores: Iterable[float], data_sources: Iterable[str], lengths: Iterable[float]
+) -> dict:
+    scores = np.asarray(list(scores), dtype=np.float64)
+    sources = list(data_sources)
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for s, ds in zip(scores, sources):
+        by_source[ds].append(float(s))
+    out = {f"val-core/{ds}/acc": float(np.mean(v)) for ds, v in sorted(by_source.items())}
+    out["val/accuracy"] = float(scores.mean()) if len(scores) else float("nan")
+    out["val/response_length/mean"] = float(np.mean(list(lengths))) if len(scores) else float("nan")
+    out["val/num_samples"] = float(len(scores))
+    return out
+
+
+def nonfinite(metrics: dict) -> list[str]:
+    return sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isfinite(v))
+
+
+def reduce_metrics(metric_dicts: list[dict]) -> dict[str, float]:
+    """Mean of each metric over several dicts (e.g. per-call metrics of one step)."""
+    acc: dict[str, list[float]] = defaultdict(list)
+    for m in metric_dicts:
+        for k, v in m.items():
+            acc[k].append(float(v))
+    return {k: float(np.mean(v)) for k, v in acc.items()}

@@ -1,0 +1,185 @@
+"""Resource pools and WorkerGroups from the config, for both placements.
+
+``colocated`` (one pool of ``n_gpus_per_node * nnodes`` devices): every device runs ONE process holding the
+actor + rollout engines (``ActorRolloutWorker``, the hybrid engine), the reference, the critic (PPO) and the
+reward scorer (``create_colocated_worker_cls`` + ``spawn``).
+
+``disaggregated`` (two pools): the rollout pool (``rollout_gpus_per_node`` per node) runs ``RolloutWorker``;
+the training pool (the rest) runs ActorWorker + reference + critic + reward colocated. Weights go from the
+actor group to the rollout group with ``sync_weights_disaggregated``.
+
+    roles = build_roles(cfg, run, critic=False)
+    out = roles.generate(prompts, meta)        # rows repeated rollout.n times, interleaved
+    roles.actor.compute_log_prob(out)          # the groups are plain RayWorkerGroups
+    roles.sync_weights()                       # -> {"timing_s/update_weights": ..., "perf/weight_sync_bytes": ...}
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+from dataproto import DataProto
+from recipes.config import RecipeConfig, device_counts, needs_reference
+from recipes.trainer.reward import TaskRewardWorker
+from recipes.trainer.run import Run, model_config
+from resource_pools import ResourcePoolManager
+
+logger = logging.getLogger("recipes")
+
+
+def metrics_of(result) -> dict[str, float]:
+    """The metrics a worker call returned: ``meta_info["metrics"]`` of a DataProto, a dict, or rank 0's of a
+    list of per-rank results."""
+    if isinstance(result, list):
+        result = result[0] if result else {}
+    meta = result.meta_info if isinstance(result, DataProto) else (result or {})
+    m = meta.get("metrics")
+    if m is None:  # no metrics dict: the metric-like ("group/name") entries
+        m = {k: v for k, v in meta.items() if "/" in k}
+    return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@dataclass
+class Roles:
+    placement: str
+    actor: RayWorkerGroup
+    rollout: RayWorkerGroup
+    reward: RayWorkerGroup
+    ref: RayWorkerGroup | None = None
+    critic: RayWorkerGroup | None = None
+    n_devices: int = 1
+    manager: ResourcePoolManager | None = None
+    groups: list[RayWorkerGroup] = field(default_factory=list)
+
+    def generate(self, prompts: DataProto, meta: dict) -> DataProto:
+        prompts.meta_info.update(meta)
+        return self.rollout.generate_sequences(prompts)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Push the actor's current weights to the rollout engine(s)."""
+        if self.placement == "colocated":
+            return metrics_of(self.actor.sync_weights())
+        from workers.roles.rollout import sync_weights_disaggregated
+
+        return metrics_of(sync_weights_disaggregated(self.actor, self.rollout))
+
+    def checkpointed(self) -> dict[str, RayWorkerGroup]:
+        """The roles whose state a checkpoint holds (the reference is frozen, the rollout is synced)."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def shutdown(self) -> None:
+        for wg in self.groups:
+            try:
+                wg.shutdown()
+            except Exception:  # already gone
+                pass
+        if self.manager is not None:
+            self.manager.remove()
+
+
+def _role_classes(
+    cfg: RecipeConfig, run: Run, *, hybrid: bool, critic: bool
+) -> dict[str, RayClassWithInitArgs]:
+    """The training-side roles: actor (hybrid: + rollout engine), reference, critic, reward."""
+    from workers.roles import CriticWorker, RefWorker
+    from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWorker
+
+    mc = model_config(cfg, run.model_path)
+    actor_cls = ActorRolloutWorker if hybrid else DisaggregatedActorWorker  # the latter sends weights out
+    out = {"actor": RayClassWithInitArgs(actor_cls, model=mc, actor=cfg.actor, rollout=cfg.rollout)}
+    if needs_reference(cfg):
+        out["ref"] = RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout)
+    if critic:
+        critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
+        out["critic"] = RayClassWithInitArgs(
+            CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout
+        )
+    crf = cfg.custom_reward_function
+    out["reward"] = RayClassWithInitArgs(TaskRewardWorker, run.model_path, cfg.reward, crf.path, crf.name)
+    return out
+
+
+def build_roles(cfg: RecipeConfig, run: Run, *, critic: bool = False) -> Roles:
+    """Create the pools and worker groups and initialise every model (``init_model``)."""
+    t = cfg.trainer
+    counts = device_counts(cfg)
+    colocated = t.placement == "colocated"
+    if colocated:
+        pool_spec = {"global_pool": [t.n_gpus_per_node] * t.nnodes}
+        role_to_pool = {r: "global_pool" for r in ("actor", "rollout", "ref", "critic", "reward")}
+    else:
+        pool_spec = {
+            "train_pool": [t.n_gpus_per_node - t.rollout_gpus_per_node] * t.nnodes,
+            "rollout_pool": [t.rollout_gpus_per_node] * t.nnodes,
+        }
+        role_to_pool = {r: "train_pool" for r in ("actor", "ref", "critic", "reward")}
+        role_to_pool["rollout"] = "rollout_pool"
+    manager = ResourcePoolManager(pool_spec, role_to_pool, use_gpu=run.use_gpu)
+    manager.create_resource_pools()
+    groups: list[RayWorkerGroup] = []
+    try:
+        classes = _role_classes(cfg, run, hybrid=colocated, critic=critic)
+        train_wg = RayWorkerGroup(
+            manager.get_pool("actor"),
+            create_colocated_worker_cls(classes),
+            name_prefix="train" if not colocated else "hybrid",
+            call_timeout_s=t.call_timeout_s,
+        )
+        groups.append(train_wg)
+        wgs = train_wg.spawn(list(classes))
+        for name in classes:  # actor first: it joins the process group the others then reuse
+            wgs[name].init_model()
+        if colocated:
+            rollout_wg = wgs["actor"]
+        else:
+            from workers.roles.rollout import RolloutWorker
+
+            rollout_wg = RayWorkerGroup(
+                manager.get_pool("rollout"),
+                RayClassWithInitArgs(
+                    RolloutWorker, model=model_config(cfg, run.model_path), rollout=cfg.rollout
+                ),
+                name_prefix="rollout",
+                call_timeout_s=t.call_timeout_s,
+            )
+            groups.append(rollout_wg)
+            rollout_wg.init_model()
+    except BaseException:
+        for wg in groups:
+            wg.shutdown()
+        manager.remove()
+        raise
+    return Roles(
+        placement=t.placement,
+        actor=wgs["actor"],
+        rollout=rollout_wg,
+        reward=wgs["reward"],
+        ref=wgs.get("ref"),
+        critic=wgs.get("critic"),
+        n_devices=counts["total"],
+        manager=manager,
+        groups=groups,
+    )
+
+
+def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[RayWorkerGroup, ResourcePoolManager]:
+    """A plain ActorWorker group on its own pool (the quickstart's supervised warm start)."""
+    from workers.roles import ActorWorker
+
+    t = cfg.trainer
+    manager = ResourcePoolManager(
+        {"sft_pool": [device_counts(cfg)["train"]]}, {"actor": "sft_pool"}, use_gpu=run.use_gpu
+    )
+    manager.create_resource_pools()
+    wg = RayWorkerGroup(
+        manager.get_pool("actor"),
+        RayClassWithInitArgs(
+            ActorWorker, model=model_config(cfg, run.model_path), actor=actor_cfg, rollout=cfg.rollout
+        ),
+        name_prefix="sft",
+        call_timeout_s=t.call_timeout_s,
+    )
+    wg.init_model()
+    return wg, manager

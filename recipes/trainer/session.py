@@ -1,0 +1,116 @@
+"""A training session: what every RL recipe sets up around its step, so the script holds only the algorithm.
+
+s = Session(cfg, run, "grpo")             # data, pools + WorkerGroups, KL controller, resume, tracker
+with s:                                   # weights -> rollout, validation before training; on exit:
+    for batch in s.steps():               #   export, plot, shut the workers down
+        metrics, timings = {}, {}
+        with timer("step", timings):
+            ...                           # the algorithm: generate, reward, log-probs, advantages, updates
+        s.end_step(batch, metrics, timings)   # metrics, validation every test_freq, checkpoint every save_freq
+return s.result()
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from algorithms import get_kl_controller
+from dataproto import DataProto
+from recipes.config import RecipeConfig
+from recipes.trainer.checkpoint import hold_interrupts
+from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_batches
+from recipes.trainer.metrics import compute_data_metrics, compute_throughput, timer, timing_metrics
+from recipes.trainer.roles import build_roles, metrics_of
+from recipes.trainer.run import Run
+from recipes.trainer.steps import due, resume, save_checkpoint, validate
+from recipes.trainer.tracking import Tracker
+
+logger = logging.getLogger("recipes")
+
+
+class Session:
+    def __init__(self, cfg: RecipeConfig, run: Run, recipe: str, *, critic: bool = False):
+        self.cfg, self.run, self.recipe = cfg, run, recipe
+        self.loader = train_loader(cfg, run)
+        self.val_data = val_batches(cfg, run)
+        self.total = total_steps(cfg, self.loader)
+        self.roles = build_roles(cfg, run, critic=critic)
+        try:
+            self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
+            self.state = resume(run, self.roles, self.loader, self.kl_ctrl, cfg)
+            self.tracker = Tracker(cfg, run.dir, self.total, self.state.step, recipe)
+            if self.state.resumed_from:
+                self.tracker.write(
+                    f"[{recipe}] resumed at step {self.state.step} from {self.state.resumed_from}"
+                )
+        except BaseException:
+            self.roles.shutdown()
+            raise
+        self.hf_model: str | None = None
+        self.plot: str | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        try:
+            self.roles.sync_weights()  # the rollout engine starts from the actor's (possibly resumed) weights
+            if self.cfg.trainer.val_before_train and self.state.step == 0:
+                self.tracker.log(validate(self.roles, self.val_data, self.cfg), step=0)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None and self.cfg.trainer.export_hf:
+                self.hf_model = self.roles.actor.export_hf(str(self.run.dir / "hf_model"))[0]
+            if exc_type is KeyboardInterrupt:
+                self.tracker.write(
+                    f"interrupted during step {self.state.step}; checkpoints in {self.run.checkpoint_dir} "
+                    "(resume with trainer.resume_mode=auto)"
+                )
+        finally:
+            self.plot = self.tracker.close()
+            self.roles.shutdown()
+
+    def steps(self) -> Iterator[DataProto]:
+        """The prompt batch of each remaining step (``self.state.step`` is the step being run)."""
+        batches = prompt_batches(self.loader)
+        while self.state.step < self.total:
+            self.state.step += 1
+            yield next(batches)
+
+    # -- end of a step ------------------------------------------------------------------------------------------
+
+    def end_step(self, batch: DataProto, metrics: dict, timings: dict) -> dict:
+        """Data / throughput metrics, skipped-update warnings, validation and checkpoint when due, logging."""
+        step, t = self.state.step, self.cfg.trainer
+        metrics |= {k: v for k, v in metrics_of(batch).items() if k.startswith("rollout/")}  # engine counters
+        metrics |= compute_data_metrics(batch)
+        metrics |= compute_throughput(batch, timings.get("step", 0.0), self.roles.n_devices)
+        self.state.check_skipped(metrics, self.tracker)
+        if due(step, t.test_freq, self.total):
+            with timer("testing", timings):
+                metrics |= validate(self.roles, self.val_data, self.cfg)
+        with hold_interrupts():  # a Ctrl-C lands after this step's checkpoint and log line are both written
+            if due(step, t.save_freq, self.total):
+                with timer("save_checkpoint", timings):
+                    save_checkpoint(self.run, self.roles, self.state, self.loader, self.kl_ctrl, self.cfg)
+            metrics |= timing_metrics(timings)
+            self.tracker.log(metrics, step)
+        return metrics
+
+    def result(self) -> dict:
+        history = self.tracker.history
+        return {
+            "run_dir": str(self.run.dir),
+            "step": self.state.step,
+            "history": history,
+            "final": history[-1] if history else {},
+            "plot": self.plot,
+            "hf_model": self.hf_model,
+            "tensorboard": str(self.tracker.tensorboard_dir),
+            "metrics_file": str(self.tracker.metrics_path),
+        }

@@ -1,0 +1,169 @@
+"""The pieces of one RL step that GRPO and PPO share: sampling settings, merging worker outputs into the batch,
+advantages on the controller, validation, and the trainer state kept in checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from algorithms import apply_kl_penalty, run_adv_estimator
+from dataproto import DataProto
+from recipes.config import AlgorithmConfig, RecipeConfig
+from recipes.trainer import checkpoint as ckpt
+from recipes.trainer.metrics import validation_metrics
+from recipes.trainer.roles import Roles, metrics_of
+
+logger = logging.getLogger("recipes")
+
+SEED_STRIDE = 1_000_003  # seeds of step k: rollout.seed * 2**32 + k * SEED_STRIDE + row
+
+
+def rollout_meta(cfg: RecipeConfig, step: int) -> dict:
+    """Sampling settings of a training rollout; the seed depends only on (rollout.seed, step), and the engine
+    gives row i ``seed + i``, so a resumed run samples exactly what the uninterrupted one did."""
+    r = cfg.rollout
+    return {
+        "n": r.n,
+        "do_sample": True,
+        "validate": False,
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "response_length": r.response_length,
+        "seed": r.seed * 2**32 + step * SEED_STRIDE,
+    }
+
+
+def val_meta(cfg: RecipeConfig) -> dict:
+    r = cfg.rollout
+    greedy = r.val_temperature == 0
+    return {
+        "n": 1 if greedy else r.val_n,
+        "do_sample": not greedy,
+        "validate": True,
+        "temperature": r.val_temperature if not greedy else 1.0,
+        "response_length": r.response_length,
+        "seed": r.seed * 2**32 + 2**31,
+    }
+
+
+def merge(batch: DataProto, out: DataProto, metrics: dict | None = None) -> DataProto:
+    """Add a worker output's tensor and non-tensor columns to ``batch`` (and its metrics to ``metrics``)."""
+    for k, v in out.batch.items():
+        batch.batch[k] = v
+    for k, v in out.non_tensor_batch.items():
+        batch.non_tensor_batch[k] = v
+    batch.check_consistency()
+    if metrics is not None:
+        metrics.update(metrics_of(out))
+    return batch
+
+
+def compute_advantage(batch: DataProto, alg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
+    """token_level_rewards (= scores, minus beta * KL to the reference when algorithm.use_kl_in_reward), then
+    ``advantages`` / ``returns`` from the estimator ``algorithm.adv_estimator``; written into ``batch``."""
+    b = batch.batch
+    metrics: dict[str, float] = {}
+    if alg.use_kl_in_reward:
+        rewards, metrics = apply_kl_penalty(
+            b["token_level_scores"],
+            b["old_log_probs"],
+            b["ref_log_prob"],
+            b["response_mask"],
+            kl_ctrl,
+            alg.kl_penalty,
+        )
+        b["token_level_rewards"] = rewards
+    else:
+        b["token_level_rewards"] = b["token_level_scores"]
+    advantages, returns = run_adv_estimator(
+        alg.adv_estimator,
+        token_level_rewards=b["token_level_rewards"],
+        response_mask=b["response_mask"],
+        values=b.get("values"),
+        index=batch.non_tensor_batch["uid"],
+        gamma=alg.gamma,
+        lam=alg.lam,
+        norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+    )
+    b["advantages"], b["returns"] = advantages.float(), returns.float()
+    return metrics
+
+
+def due(step: int, freq: int, total: int) -> bool:
+    """Every ``freq`` steps and at the last step; never when ``freq <= 0``."""
+    return freq > 0 and (step % freq == 0 or step == total)
+
+
+def validate(roles: Roles, batches: list[DataProto], cfg: RecipeConfig) -> dict[str, float]:
+    """Greedy generation on the held-out prompts, scored by the reward worker: ``val/accuracy`` and
+    ``val-core/<data_source>/acc``."""
+    scores, sources, lengths = [], [], []
+    meta = val_meta(cfg)
+    for prompts in batches:
+        out = roles.generate(
+            DataProto(prompts.batch, prompts.non_tensor_batch, dict(prompts.meta_info)), meta
+        )
+        scored = roles.reward.compute_rm_score(out)
+        scores += scored.batch["token_level_scores"].sum(-1).tolist()
+        sources += list(out.non_tensor_batch["data_source"])
+        lengths += out.batch["response_mask"].sum(-1).tolist()
+    return validation_metrics(scores, sources, lengths)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trainer state (in every checkpoint's ``extra``) and resuming
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    skipped: dict[str, float] = field(default_factory=dict)  # cumulative skipped updates per role
+    resumed_from: str | None = None  # the actor checkpoint this run continued from
+
+    def check_skipped(self, metrics: dict, tracker=None) -> None:
+        """Surface updates the engine skipped for a non-finite loss/gradient (it keeps a running count)."""
+        for role in ("actor", "critic"):
+            key = f"{role}/skipped_steps"
+            if key not in metrics:
+                continue
+            now, before = metrics[key], self.skipped.get(role, 0.0)
+            if now > before:
+                msg = (
+                    f"WARNING step {self.step}: {role} update skipped (non-finite loss or gradient norm); "
+                    f"{int(now)} skipped so far"
+                )
+                (tracker.write if tracker is not None else logger.warning)(msg)
+            self.skipped[role] = now
+            metrics[f"training/{role}_skipped_updates"] = now
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad and tracker is not None:
+            tracker.write(f"WARNING step {self.step}: non-finite metrics {bad}")
+
+
+def save_checkpoint(run, roles: Roles, state: TrainerState, loader, kl_ctrl, cfg: RecipeConfig) -> str:
+    extra = {
+        "step": state.step,
+        "data": loader.state_dict(),
+        "kl_coef": kl_ctrl.value,
+        "skipped": dict(state.skipped),
+    }
+    return ckpt.save(
+        run.checkpoint_dir, state.step, roles.checkpointed(), extra, keep=cfg.trainer.max_ckpt_to_keep
+    )
+
+
+def resume(run, roles: Roles, loader, kl_ctrl, cfg: RecipeConfig) -> TrainerState:
+    """Load the checkpoint ``trainer.resume_mode`` names (model, optimizer, schedule, RNG on the workers; step,
+    data position and KL coefficient here); a fresh state when there is none."""
+    paths = ckpt.resolve_resume(cfg.trainer.resume_mode, run.checkpoint_dir, list(roles.checkpointed()))
+    if paths is None:
+        return TrainerState()
+    extra = ckpt.load(paths, roles.checkpointed())
+    loader.load_state_dict(extra["data"])
+    kl_ctrl.value = float(extra.get("kl_coef", kl_ctrl.value))
+    return TrainerState(
+        step=int(extra["step"]), skipped=dict(extra.get("skipped", {})), resumed_from=paths["actor"]
+    )

@@ -1,0 +1,244 @@
+"""Recipe configs: YAML + overrides validated against the dataclasses before Ray starts; errors name keys and
+numbers; the resolved config is saved with the run and loads back unchanged."""
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+from recipes.config import (
+    ConfigError,
+    QuickstartConfig,
+    RecipeConfig,
+    device_counts,
+    load_config,
+    parse_overrides,
+    save_config,
+)
+from workers.config import ActorConfig, RolloutConfig
+from workers.engine.fsdp_engine import OptimConfig
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo", "quickstart"])
+def test_recipe_yaml_loads_into_the_dataclasses(recipe):
+    cfg = load_config(recipe)
+    assert isinstance(cfg, QuickstartConfig if recipe == "quickstart" else RecipeConfig)
+    assert isinstance(cfg.actor, ActorConfig) and isinstance(cfg.rollout, RolloutConfig)
+    assert isinstance(cfg.actor.optim, OptimConfig)
+    # interpolations are resolved: the rollout lengths follow data.*
+    assert cfg.rollout.response_length == cfg.data.max_response_length
+    assert cfg.rollout.prompt_length == cfg.data.max_prompt_length
+    assert cfg.algorithm.adv_estimator == ("gae" if recipe == "ppo" else "grpo")
+    if recipe == "quickstart":
+        assert cfg.sft.optim.total_steps == cfg.sft.total_steps  # ${sft.total_steps}
+        assert cfg.sft.optim.betas == (0.9, 0.95)
+
+
+def test_overrides_parse_with_types():
+    cfg = load_config(
+        "grpo",
+        [
+            "actor.optim.lr=2e-5",
+            "rollout.n=8",
+            "trainer.logger=[console]",
+            "data.val_batch_size=32",
+            "data.val_max_samples=null",
+            "task.knobs.max_operand=5",
+            "algorithm.kl_ctrl.type=adaptive",
+            "trainer.experiment_name=abc",
+        ],
+    )
+    assert cfg.actor.optim.lr == pytest.approx(2e-5) and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.rollout.n == 8
+    assert cfg.trainer.logger == ["console"]
+    assert cfg.data.val_batch_size == 32 and cfg.data.val_max_samples is None
+    assert cfg.task.knobs == {"max_operand": 5}
+    assert cfg.algorithm.kl_ctrl.type == "adaptive"
+    assert cfg.trainer.default_local_dir == "runs/hyflow/abc"  # interpolation sees the override
+    # overrides are plain key=value items
+    assert dict(parse_overrides(["a.b=1", "c=x"])) == {"a": {"b": 1}, "c": "x"}
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_overrides(["rollout.n"])
+
+
+def test_unknown_key_names_the_key_and_the_close_match():
+    with pytest.raises(ConfigError) as err:
+        load_config("grpo", ["actor.ppo_mini_batchsize=4"])
+    msg = str(err.value)
+    assert "unknown config key 'actor.ppo_mini_batchsize'" in msg
+    assert "command-line override" in msg and "ppo_mini_batch_size" in msg
+    with pytest.raises(ConfigError, match="unknown config key 'nosuchsection'"):
+        load_config("grpo", ["nosuchsection.x=1"])
+    with pytest.raises(
+        ConfigError, match="unknown config key 'sft'"
+    ):  # only the quickstart has an sft section
+        load_config("grpo", ["sft.total_steps=3"])
+
+
+def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  total_training_step: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config("grpo", config_path=path)
+    assert "'trainer.total_training_step'" in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        ("data.train_batch_size=abc", "data.train_batch_size", "abc"),
+        ("actor.optim.lr=fast", "actor.optim.lr", "fast"),
+        ("trainer.val_before_train=maybe", "trainer.val_before_train", "maybe"),
+    ],
+)
+def test_wrong_type_names_key_and_value(override, key, value):
+    with pytest.raises(ConfigError) as err:
+        load_config("grpo", [override])
+    assert f"'{key}'" in str(err.value) and value in str(err.value)
+
+
+def test_dataclass_checks_surface_as_config_errors():
+    with pytest.raises(
+        ConfigError, match="at 'actor.optim': OptimConfig.lr_schedule='cosine' needs total_steps"
+    ):
+        load_config("grpo", ["actor.optim.lr_schedule=cosine"])
+    with pytest.raises(ConfigError, match="at 'critic.optim': OptimConfig.min_lr_ratio must be in"):
+        load_config("ppo", ["critic.optim.min_lr_ratio=2"])
+    cfg = load_config("grpo", ["actor.optim.lr_schedule=cosine", "actor.optim.total_steps=20"])
+    assert cfg.actor.optim.total_steps == 20
+
+
+def _errors(overrides, recipe="grpo"):
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, overrides)
+    return str(err.value)
+
+
+def test_mini_batch_must_divide_the_batch():
+    msg = _errors(["data.train_batch_size=16", "actor.ppo_mini_batch_size=5"])
+    assert "actor.ppo_mini_batch_size=5 must divide data.train_batch_size=16" in msg
+    msg = _errors(["data.train_batch_size=16", "actor.ppo_mini_batch_size=32"])
+    assert "actor.ppo_mini_batch_size=32" in msg
+
+
+def test_rows_must_divide_the_data_parallel_size():
+    msg = _errors(["trainer.n_gpus_per_node=3", "data.train_batch_size=16", "rollout.n=4"])
+    assert (
+        "data.train_batch_size * rollout.n = 16 * 4 = 64 rows is not divisible by the training data-parallel size 3"
+        in msg
+    )
+    assert "data.train_batch_size=16 prompts must be divisible by the rollout data-parallel size 3" in msg
+    # two nodes of two devices: dp 4 divides 16 * 4
+    cfg = load_config("grpo", ["trainer.n_gpus_per_node=2", "trainer.nnodes=2"])
+    assert device_counts(cfg) == {"train": 4, "rollout": 4, "total": 4}
+
+
+def test_micro_batch_must_divide_rows_per_rank():
+    msg = _errors(
+        [
+            "actor.use_dynamic_bsz=false",
+            "actor.ppo_micro_batch_size_per_gpu=3",
+            "trainer.n_gpus_per_node=2",
+            "actor.ppo_mini_batch_size=4",
+            "rollout.n=4",
+        ]
+    )
+    assert "actor.ppo_micro_batch_size_per_gpu=3 must divide the 8 rows each rank gets" in msg
+    assert "4 * 4 / 2" in msg
+
+
+def test_critic_batches_checked_for_ppo_only():
+    msg = _errors(["critic.ppo_mini_batch_size=3"], recipe="ppo")
+    assert "critic.ppo_mini_batch_size=3 must divide data.train_batch_size=16" in msg
+    load_config("grpo", ["critic.ppo_mini_batch_size=3"])  # GRPO has no critic: not checked
+
+
+def test_placement_needs_a_rollout_split():
+    msg = _errors(["trainer.placement=disaggregated", "trainer.n_gpus_per_node=2"])
+    assert "trainer.rollout_gpus_per_node" in msg and "got rollout_gpus_per_node=0, n_gpus_per_node=2" in msg
+    cfg = load_config(
+        "grpo",
+        ["trainer.placement=disaggregated", "trainer.n_gpus_per_node=3", "trainer.rollout_gpus_per_node=1"],
+    )
+    assert device_counts(cfg) == {"train": 2, "rollout": 1, "total": 3}
+    assert "trainer.placement must be one of" in _errors(["trainer.placement=split"])
+
+
+def test_several_problems_are_reported_together():
+    msg = _errors(["rollout.n=1", "trainer.logger=[console,mlflow]", "algorithm.kl_ctrl.type=pid"])
+    assert "rollout.n must be >= 2, got 1" in msg
+    assert "unknown logger(s) ['mlflow']" in msg
+    assert "algorithm.kl_ctrl.type must be fixed or adaptive, got 'pid'" in msg
+
+
+def test_estimator_and_roles_must_agree():
+    assert "algorithm.adv_estimator=gae needs a critic; use recipes.ppo" in _errors(
+        ["algorithm.adv_estimator=gae"]
+    )
+    assert "must be gae, got 'grpo'" in _errors(["algorithm.adv_estimator=grpo"], recipe="ppo")
+    assert "registered:" in _errors(["algorithm.adv_estimator=nope"])
+
+
+def test_lengths_and_data_sources():
+    msg = _errors(["rollout.response_length=32"])
+    assert "rollout.response_length=32 differs from data.max_response_length=64" in msg
+    msg = _errors(["task.name=null"])
+    assert "no training data: set data.train_files (parquet) or task.name" in msg
+    assert "task.name='sudoku' is not a task" in _errors(["task.name=sudoku"])
+    assert "task.knobs" in _errors(["task.knobs.bogus=1"])
+    assert "task.n_train=8 is smaller than one batch (data.train_batch_size=16)" in _errors(
+        ["task.n_train=8"]
+    )
+    assert "trainer.resume_mode" in _errors(["trainer.resume_mode=/no/such/checkpoint"])
+    assert "custom_reward_function.path='/no/such.py' is not a file" in _errors(
+        ["custom_reward_function.path=/no/such.py"]
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_requested_but_missing():
+    assert "trainer.logger includes wandb, but the wandb package is not installed" in _errors(
+        ["trainer.logger=[console,wandb]"]
+    )
+
+
+def test_resolved_config_saved_and_reloaded(tmp_path):
+    cfg = load_config("quickstart", ["rollout.n=4", "trainer.experiment_name=x", "sft.total_steps=7"])
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    text = (tmp_path / "run" / "config.yaml").read_text()
+    assert "${" not in text  # interpolations resolved
+    again = load_config("quickstart", config_path=path)
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+
+
+def test_start_run_saves_config_and_prepares_data(tmp_path):
+    from recipes.trainer.run import start_run
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        "grpo",
+        [
+            f"trainer.default_local_dir={run_dir}",
+            "model.tiny_size=nano",
+            "task.n_train=40",
+            "task.n_val=8",
+            "trainer.resume_mode=disable",
+        ],
+    )
+    run = start_run(cfg, "grpo", start_ray=False)
+    assert (run_dir / "config.yaml").is_file() and run.dir == run_dir
+    assert dataclasses.asdict(load_config("grpo", config_path=run_dir / "config.yaml")) == dataclasses.asdict(
+        cfg
+    )
+    assert run.train_files == [str(run_dir / "data" / "train.parquet")]
+    assert (run_dir / "data" / "val.parquet").is_file() and (run_dir / "data" / "task.json").is_file()
+    assert run.tokenizer.pad_token_id is not None
+
+
+def test_command_line_error_exits_with_the_message(capsys):
+    from recipes.trainer.run import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args("grpo", ["actor.nope=1"])
+    assert exc.value.code == 2
+    assert "unknown config key 'actor.nope'" in capsys.readouterr().err

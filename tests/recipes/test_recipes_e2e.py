@@ -1,0 +1,186 @@
+"""End to end on CPU: the GRPO and PPO recipes in both placements, a reward that rises under GRPO, and the
+quickstart's SFT -> GRPO -> export flow, all on the nano model and a small generated task."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from recipes import grpo, ppo, quickstart
+from recipes.config import load_config
+from recipes.trainer.run import start_run
+
+pytestmark = pytest.mark.e2e
+
+TINY = [
+    "model.tiny_size=nano",
+    "task.name=arithmetic",
+    "task.n_train=64",
+    "task.n_val=8",
+    "data.val_max_samples=8",
+    "data.train_batch_size=4",
+    "data.max_prompt_length=32",
+    "data.max_response_length=16",
+    "rollout.n=2",
+    "trainer.total_training_steps=2",
+    "trainer.test_freq=2",
+    "trainer.save_freq=2",
+    "trainer.resume_mode=disable",
+    "trainer.progress_bar=false",
+    "trainer.logger=[console,tensorboard]",
+]
+PLACEMENT = {
+    "colocated": ["trainer.placement=colocated", "trainer.n_gpus_per_node=1"],
+    # training pool of 2 (FSDP2 over gloo, data-parallel 2) + a rollout pool of 1
+    "disaggregated": [
+        "trainer.placement=disaggregated",
+        "trainer.n_gpus_per_node=3",
+        "trainer.rollout_gpus_per_node=1",
+    ],
+}
+RECIPES = {
+    "grpo": (grpo, ["actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true"]),
+    "ppo": (
+        ppo,
+        ["actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=4", "algorithm.use_kl_in_reward=true"],
+    ),
+}
+STEP_METRICS = [
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "prompt_length/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "perf/throughput",
+    "perf/weight_sync_bytes",
+]
+
+
+def _run(module, recipe, run_dir, overrides):
+    cfg = load_config(recipe, [*TINY, *overrides, f"trainer.default_local_dir={run_dir}"])
+    return module.train(cfg, start_run(cfg, recipe, start_ray=False))
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_recipe_runs_and_writes_everything(ray_session, tmp_path, recipe, placement):
+    module, extra = RECIPES[recipe]
+    result = _run(module, recipe, tmp_path / "run", [*extra, *PLACEMENT[placement]])
+    run_dir = Path(result["run_dir"])
+    hist = result["history"]
+    assert [r["step"] for r in hist] == [0, 1, 2] and result["step"] == 2
+    # validation before training and at the last step (test_freq=2): greedy accuracy on the 8 held-out prompts
+    for row in (hist[0], hist[2]):
+        assert 0.0 <= row["val/accuracy"] <= 1.0 and row["val/num_samples"] == 8
+        assert "val-core/hyflow/arithmetic/acc" in row
+    for row in hist[1:]:
+        missing = [k for k in STEP_METRICS if k not in row]
+        assert not missing, f"missing metrics {missing}"
+        bad = {k: v for k, v in row.items() if not math.isfinite(v)}
+        assert not bad, f"non-finite metrics {bad}"
+        assert row["response_length/mean"] > 0 and row["prompt_length/mean"] > 0
+        assert row["perf/weight_sync_bytes"] > 0 and row["actor/lr"] > 0
+        # 4 prompts x 2 samples: throughput = tokens / step time / devices
+        devices = 1 if placement == "colocated" else 3
+        expect = row["perf/total_num_tokens"] / row["perf/time_per_step"] / devices
+        assert row["perf/throughput"] == pytest.approx(expect)
+        if recipe == "ppo":
+            assert {"critic/vf_loss", "critic/values/mean", "critic/returns/mean", "timing_s/values"} <= set(
+                row
+            )
+            assert "actor/reward_kl_penalty" in row and "timing_s/update_critic" in row
+        else:
+            assert "actor/kl_loss" in row
+        if placement == "disaggregated":
+            assert row["weight_sync/receivers"] == 1  # the rollout pool's one rank got the weights
+    # checkpoint of every trained role at save_freq, written atomically with the trainer state
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest_step").read_text().strip() == "2"
+    roles = ["actor", "critic"] if recipe == "ppo" else ["actor"]
+    for role in roles:
+        assert (ckpt / role / "step_2" / "manifest.json").is_file()
+        assert not list((ckpt / role).glob("*.tmp"))
+    # the run directory: resolved config, per-step metrics, TensorBoard events, the curves
+    assert (run_dir / "config.yaml").is_file()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert Path(result["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+DIGIT_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The share of the response's characters that are digits."""
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+'''
+
+
+def test_grpo_raises_an_easy_reward(ray_session, tmp_path):
+    """A custom reward (share of digits in the response) that a random policy rarely earns: GRPO raises it."""
+    reward_file = tmp_path / "digits.py"
+    reward_file.write_text(DIGIT_REWARD)
+    steps = 10
+    result = _run(
+        grpo,
+        "grpo",
+        tmp_path / "run",
+        [
+            *PLACEMENT["colocated"],
+            f"custom_reward_function.path={reward_file}",
+            f"trainer.total_training_steps={steps}",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.val_before_train=false",
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8",
+            "rollout.n=4",
+            "actor.optim.lr=3e-2",
+            "actor.use_kl_loss=false",
+        ],
+    )
+    scores = [r["critic/score/mean"] for r in result["history"]]
+    assert len(scores) == steps
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert first < 0.05 and last > 0.3 and last > 10 * first, f"reward did not rise: {scores}"
+    entropy = [r["actor/entropy"] for r in result["history"]]
+    assert entropy[-1] < entropy[0]  # the policy sharpened towards digit tokens
+
+
+def test_quickstart_flow(ray_session, tmp_path, capsys):
+    run_dir = tmp_path / "qs"
+    out = quickstart.main(
+        [
+            *TINY,
+            f"trainer.default_local_dir={run_dir}",
+            "sft.total_steps=4",
+            "sft.batch_size=8",
+            "sft.log_every=2",
+            "sft.optim.total_steps=4",
+            "actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=1",
+            "trainer.test_freq=1",
+        ]
+    )
+    text = capsys.readouterr().out
+    assert "[sft] step 4/4 | loss" in text
+    assert f"validation accuracy {out['val_before']:.2f} -> {out['val_after']:.2f}" in text
+    # GRPO started from the exported SFT model, and the final policy was exported again
+    assert out["sft_model"] == str(run_dir / "sft_model")
+    for d in (out["sft_model"], out["hf_model"]):
+        assert (Path(d) / "config.json").is_file() and (Path(d) / "model.safetensors").is_file()
+        assert (Path(d) / "tokenizer.json").is_file()
+    assert Path(out["plot"]).is_file() and str(run_dir / "tensorboard") in text
+    assert list((run_dir / "tensorboard" / "sft").glob("events.out.tfevents.*"))

@@ -1,0 +1,185 @@
+"""Resuming: a GRPO (and a PPO) run interrupted between steps and restarted with trainer.resume_mode=auto reaches the same
+metrics as an uninterrupted run (same data, same seeded samples, same updates); a Ctrl-C during a checkpoint
+save leaves no half-written checkpoint behind the ``latest_step`` marker."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from recipes import grpo, ppo
+from recipes.config import load_config
+from recipes.trainer import checkpoint as ckpt
+from recipes.trainer.run import start_run
+from recipes.trainer.tracking import Tracker
+
+pytestmark = pytest.mark.e2e
+
+SETTINGS = [
+    "model.tiny_size=nano",
+    "task.name=arithmetic",
+    "task.n_train=64",
+    "task.n_val=8",
+    "data.val_max_samples=8",
+    "data.train_batch_size=4",
+    "data.max_prompt_length=32",
+    "data.max_response_length=16",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=2",  # two optimizer steps per RL step: Adam state matters on resume
+    "actor.optim.lr=1e-2",
+    "trainer.total_training_steps=4",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=2",
+    "trainer.progress_bar=false",
+    "trainer.logger=[console]",
+]
+RECIPES = {
+    "grpo": (grpo, ["actor.use_kl_loss=true"]),
+    "ppo": (ppo, ["critic.ppo_mini_batch_size=2", "critic.optim.lr=1e-2", "algorithm.use_kl_in_reward=true"]),
+}
+COMPARED = [
+    "critic/score/mean",
+    "critic/advantages/max",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/ppo_kl",
+]
+COMPARED_BY_RECIPE = {
+    "grpo": ["actor/kl_loss"],
+    "ppo": ["critic/vf_loss", "critic/values/mean", "critic/returns/mean", "actor/reward_kl_penalty"],
+}
+
+
+DIGIT_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
+
+
+def _cfg(recipe, run_dir, *extra):
+    # a dense custom reward (share of digits) so that scores and advantages differ from step to step
+    reward = run_dir.parent / "digits.py"
+    reward.write_text(DIGIT_REWARD)
+    overrides = [*SETTINGS, *RECIPES[recipe][1], f"custom_reward_function.path={reward}"]
+    return load_config(recipe, [*overrides, f"trainer.default_local_dir={run_dir}", *extra])
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "ppo"])
+def test_interrupted_run_resumes_to_the_same_metrics(ray_session, tmp_path, monkeypatch, capsys, recipe):
+    module = RECIPES[recipe][0]
+    # the reference: 4 uninterrupted steps
+    cfg = _cfg(recipe, tmp_path / "full", "trainer.resume_mode=disable")
+    full = {r["step"]: r for r in module.train(cfg, start_run(cfg, recipe, start_ray=False))["history"]}
+
+    # the same run, killed (Ctrl-C) right after step 2 was checkpointed and logged
+    original_log = Tracker.log
+
+    def log_then_interrupt(self, metrics, step):
+        original_log(self, metrics, step)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    run_dir = tmp_path / "interrupted"
+    cfg = _cfg(recipe, run_dir, "trainer.resume_mode=auto")
+    monkeypatch.setattr(Tracker, "log", log_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        module.train(cfg, start_run(cfg, recipe, start_ray=False))
+    monkeypatch.setattr(Tracker, "log", original_log)
+    assert ckpt.latest_step(run_dir / "checkpoints") == 2
+
+    # restarted with resume_mode=auto: continues at step 3 from the checkpoint (model, optimizer, data position)
+    capsys.readouterr()
+    result = module.train(cfg, start_run(cfg, recipe, start_ray=False))
+    actor_ckpt = run_dir / "checkpoints" / "actor" / "step_2"
+    assert f"[{recipe}] resumed at step 2 from {actor_ckpt}" in capsys.readouterr().out
+    resumed = {r["step"]: r for r in result["history"]}
+    assert result["step"] == 4 and sorted(resumed) == [0, 1, 2, 3, 4]  # steps 0-2 kept from the first attempt
+    assert (run_dir / "config.prev.yaml").is_file()
+    for step in (1, 2, 3, 4):
+        for key in COMPARED + COMPARED_BY_RECIPE[recipe]:
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
+    # the comparison is between distinct, non-trivial steps (rewards earned, policy moving)
+    assert len({round(full[s]["critic/score/mean"], 6) for s in (1, 2, 3, 4)}) == 4
+    assert all(full[s]["critic/advantages/max"] > 0 for s in (1, 2, 3, 4))
+    assert ckpt.latest_step(run_dir / "checkpoints") == 4
+
+
+class _SlowSaver:
+    """A worker-group stand-in whose save is interrupted by a SIGINT halfway through writing."""
+
+    def __init__(self):
+        self.saved = []
+
+    def save_checkpoint(self, root, step, extra):
+        path = Path(root) / f"step_{step}"
+        path.mkdir(parents=True)
+        (path / "part1").write_text("x")
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the save
+        (path / "part2").write_text("y")
+        self.saved.append(step)
+        return str(path)
+
+
+def test_ctrl_c_during_a_save_completes_it_first(tmp_path):
+    group = _SlowSaver()
+    with pytest.raises(KeyboardInterrupt, match="the save completed"):
+        ckpt.save(tmp_path, 3, {"actor": group}, extra={"step": 3})
+    assert group.saved == [3]
+    assert (tmp_path / "actor" / "step_3" / "part2").is_file()  # the save ran to the end
+    assert ckpt.latest_step(tmp_path) == 3  # and the marker names it only after it completed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_resume_paths(tmp_path):
+    for role in ("actor", "critic"):
+        (tmp_path / "ckpt" / role / "step_4").mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest_step").write_text("4\n")
+    auto = ckpt.resolve_resume("auto", tmp_path / "ckpt", ["actor", "critic"])
+    assert auto == {r: str(tmp_path / "ckpt" / r / "step_4") for r in ("actor", "critic")}
+    explicit = ckpt.resolve_resume(str(tmp_path / "ckpt" / "actor" / "step_4"), tmp_path / "other", ["actor"])
+    assert explicit == {"actor": str(tmp_path / "ckpt" / "actor" / "step_4")}
+    assert ckpt.resolve_resume("disable", tmp_path / "ckpt", ["actor"]) is None
+    assert ckpt.resolve_resume("auto", tmp_path / "empty", ["actor"]) is None
+    (tmp_path / "ckpt" / "latest_step").write_text("6\n")
+    with pytest.raises(FileNotFoundError, match="resuming step 6: the actor checkpoint"):
+        ckpt.resolve_resume("auto", tmp_path / "ckpt", ["actor"])
+
+
+class _Recorder:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, line):
+        self.lines.append(line)
+
+
+def test_skipped_updates_are_surfaced_with_a_counter():
+    from recipes.trainer.steps import TrainerState
+
+    state, tracker = TrainerState(step=1), _Recorder()
+    metrics = {"actor/skipped_steps": 0.0, "actor/pg_loss": 0.1}
+    state.check_skipped(metrics, tracker)
+    assert not tracker.lines and metrics["training/actor_skipped_updates"] == 0
+    state.step = 2  # the engine dropped this step's update (non-finite gradient norm): its counter went up
+    metrics = {"actor/skipped_steps": 1.0, "actor/pg_loss": float("nan")}
+    state.check_skipped(metrics, tracker)
+    assert metrics["training/actor_skipped_updates"] == 1
+    assert "step 2: actor update skipped" in tracker.lines[0] and "1 skipped so far" in tracker.lines[0]
+    assert "non-finite metrics ['actor/pg_loss']" in tracker.lines[1]
+    assert state.skipped == {"actor": 1.0}  # kept in the checkpoint's trainer state
+
+
+def test_old_checkpoints_pruned_beyond_max_to_keep(tmp_path):
+    class Saver:
+        def save_checkpoint(self, root, step, extra):
+            (Path(root) / f"step_{step}").mkdir(parents=True)
+
+    groups = {"actor": Saver(), "critic": Saver()}
+    for step in (2, 4, 6):
+        ckpt.save(tmp_path, step, groups, extra={}, keep=2)
+    for role in groups:
+        assert ckpt.step_dirs(tmp_path / role) == [4, 6]
+    assert ckpt.latest_step(tmp_path) == 6
