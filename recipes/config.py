@@ -64,7 +64,7 @@ class TaskConfig:
     """Generate ``train.parquet`` / ``val.parquet`` with ``recipes.tasks`` into ``<run dir>/data`` when
     ``data.train_files`` is empty."""
 
-    name: str | None = None  # a key of recipes.tasks.TASKS: arithmetic, arith_mixed, countdown
+    name: str | None = None  # a key of recipes.tasks.ALL_TASKS (math tasks and the long-context RLM tasks)
     n_train: int = 2000
     n_val: int = 200
     seed: int = 0
@@ -419,10 +419,10 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
     if d.train_files and not d.val_files and not cfg.task.name:
         errors.append("data.val_files is empty (validation needs held-out prompts)")
     if cfg.task.name:
-        from recipes.tasks import TASKS, task_config
+        from recipes.tasks import ALL_TASKS, task_config
 
-        if cfg.task.name not in TASKS:
-            errors.append(f"task.name={cfg.task.name!r} is not a task; choose one of {sorted(TASKS)}")
+        if cfg.task.name not in ALL_TASKS:
+            errors.append(f"task.name={cfg.task.name!r} is not a task; choose one of {sorted(ALL_TASKS)}")
         else:
             try:
                 task_config(cfg.task.name, **cfg.task.knobs)

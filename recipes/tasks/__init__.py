@@ -15,6 +15,11 @@ quickstart task where RL visibly beats imitation; about 2,300 distinct problems 
 
     from recipes.tasks import generate_splits, make_dataset
     paths = make_dataset("arith_mixed", "data/arith", n_train=400, n_val=200, n_sft=1600, seed=0)
+
+Long-context RLM tasks (``LONG_CONTEXT_TASKS``, ``recipes.tasks.long_context``): ``sniah``,
+``oolong``, ``oolong_pairs`` -- ability ``long_context``, the prompt is the query alone and the
+context travels in ``extra_info["context"]``. ``ALL_TASKS`` holds both kinds; ``generate_splits`` /
+``make_dataset`` / ``task_config`` take any of them.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from recipes.tasks import arithmetic, countdown
+from recipes.tasks import arithmetic, countdown, long_context
 from recipes.tasks.scoring import ARITHMETIC, COUNTDOWN, DATA_SOURCES, compute_score
 
 __all__ = [
+    "ALL_TASKS",
+    "LONG_CONTEXT_TASKS",
     "TASKS",
     "DATA_SOURCES",
     "TaskSpec",
@@ -76,6 +83,14 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
+# RLM long-context tasks: kept apart from TASKS (a different ability and prompt shape)
+LONG_CONTEXT_TASKS: dict[str, TaskSpec] = {
+    name: TaskSpec(name, config_cls, sample, make_row, (source,))
+    for name, (config_cls, sample, make_row, source) in long_context.GENERATORS.items()
+}
+ALL_TASKS: dict[str, TaskSpec] = {**TASKS, **LONG_CONTEXT_TASKS}
+
+
 def task_config(task: str, **knobs):
     """The task's config dataclass with preset defaults and ``knobs`` applied, validated."""
     spec = _spec(task)
@@ -90,9 +105,9 @@ def task_config(task: str, **knobs):
 
 def _spec(task: str) -> TaskSpec:
     try:
-        return TASKS[task]
+        return ALL_TASKS[task]
     except KeyError:
-        raise ValueError(f"unknown task {task!r}; choose one of {sorted(TASKS)}") from None
+        raise ValueError(f"unknown task {task!r}; choose one of {sorted(ALL_TASKS)}") from None
 
 
 def _sub_seed(seed: int, tag: str) -> int:

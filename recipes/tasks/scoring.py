@@ -10,6 +10,9 @@ match is the data_source names in ``DATA_SOURCES`` and these rules:
 - ``hyflow/countdown``: the last ``\\boxed{...}`` holds an expression over ``+ - * /`` and
   parentheses that uses exactly the multiset ``ground_truth["numbers"]`` and evaluates to
   ``ground_truth["target"]``.
+- ``hyflow/sniah``, ``hyflow/oolong``, ``hyflow/oolong_pairs`` (``recipes.tasks.long_context``):
+  ``solution_str`` is the RLM's final answer string; the rules (exact match, ``0.75 ** |error|``,
+  pair F1) live in ``workers.reward.long_context``, which the reward worker registers itself.
 """
 
 from __future__ import annotations
@@ -19,10 +22,19 @@ from collections import Counter
 from typing import Any
 
 from recipes.tasks.expr import ExprError, evaluate_tokens, extract_boxed, tokenize
+from workers.reward.long_context import (
+    LONG_CONTEXT_DATA_SOURCES,
+    OOLONG,
+    OOLONG_PAIRS,
+    SNIAH,
+    score_oolong,
+    score_oolong_pairs,
+    score_sniah,
+)
 
 ARITHMETIC = "hyflow/arithmetic"
 COUNTDOWN = "hyflow/countdown"
-DATA_SOURCES = (ARITHMETIC, COUNTDOWN)
+DATA_SOURCES = (ARITHMETIC, COUNTDOWN, *LONG_CONTEXT_DATA_SOURCES)
 
 _INT_RE = re.compile(r"[+-]?\d{1,30}")
 
@@ -54,7 +66,13 @@ def score_countdown(solution_str: str, ground_truth: Any) -> float:
         return 0.0
 
 
-_SCORERS = {ARITHMETIC: score_arithmetic, COUNTDOWN: score_countdown}
+_SCORERS = {
+    ARITHMETIC: score_arithmetic,
+    COUNTDOWN: score_countdown,
+    SNIAH: score_sniah,
+    OOLONG: score_oolong,
+    OOLONG_PAIRS: score_oolong_pairs,
+}
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:

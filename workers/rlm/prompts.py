@@ -1,0 +1,192 @@
+"""System prompts for RLM agents, built as chat messages.
+
+The context never goes into the prompt: the system message describes it (type, total length, item
+count and the first item lengths) and the REPL holds it as ``context``. The prompt depends on the
+agent's depth (root = 0; a child started by ``rlm_query`` is one deeper) and the depth cap
+``max_depth``: below the cap ``rlm_query`` starts a child agent with its own REPL; at the cap it is
+a plain one-shot sub-LM call, like ``llm_query``, and the prompt says so.
+
+    msgs = build_messages("What is the magic number for quiet-harbor?", context=text,
+                          depth=0, max_depth=1, max_iterations=12)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ContextInfo", "PromptConfig", "build_messages", "describe_context", "system_prompt"]
+
+
+@dataclass(frozen=True)
+class ContextInfo:
+    type_name: str  # "str", "list[str]", "NoneType", ...
+    total_chars: int
+    n_items: int | None = None  # for a list
+    item_lengths: tuple[int, ...] = ()  # the first few items' lengths, for a list
+
+    def describe(self, max_items: int = 8) -> str:
+        if self.type_name == "NoneType":
+            return "`context` is None: everything you have is in the request below."
+        text = f"`context` is a {self.type_name} of {self.total_chars:,} characters"
+        if self.n_items is not None:
+            shown = ", ".join(f"{n:,}" for n in self.item_lengths[:max_items])
+            more = ", ..." if self.n_items > min(len(self.item_lengths), max_items) else ""
+            text += (
+                f" in {self.n_items:,} items (item lengths: {shown}{more})" if self.n_items else " (empty)"
+            )
+        return text + "."
+
+    def to_dict(self) -> dict:
+        return {
+            "type": self.type_name,
+            "length": self.total_chars,
+            "n_items": self.n_items,
+            "item_lengths": list(self.item_lengths),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ContextInfo:
+        return cls(d["type"], int(d["length"]), d.get("n_items"), tuple(d.get("item_lengths") or ()))
+
+
+def describe_context(context: Any, max_items: int = 8) -> ContextInfo:
+    """Type and size of a REPL context (a str, a list of str, None or anything with a ``str()``)."""
+    if context is None:
+        return ContextInfo("NoneType", 0)
+    if isinstance(context, str):
+        return ContextInfo("str", len(context))
+    if isinstance(context, Sequence | tuple) and not isinstance(context, bytes | bytearray):
+        lengths = [len(x) if isinstance(x, str) else len(str(x)) for x in context]
+        kinds = {type(x).__name__ for x in context}
+        inner = kinds.pop() if len(kinds) == 1 else "Any"
+        return ContextInfo(f"list[{inner}]", sum(lengths), len(lengths), tuple(lengths[:max_items]))
+    return ContextInfo(type(context).__name__, len(str(context)))
+
+
+@dataclass
+class PromptConfig:
+    max_output_chars: int = 20_000  # REPL output shown per block before truncation
+    sub_lm_chars: int | None = None  # roughly how much text one llm_query prompt may hold
+    max_iterations: int | None = None
+    extra_instructions: str = ""  # appended to the system prompt (task-specific hints)
+    tools: dict[str, str] = field(default_factory=dict)  # name -> description of extra REPL functions
+
+
+_ROOT_ROLE = (
+    "You answer a request about a context that may be far longer than you can read at once. The "
+    "context is not in this conversation: it is stored in a persistent Python REPL that you drive "
+    "with code, turn by turn, until you give a final answer."
+)
+
+_CHILD_ROLE = (
+    "You are a helper agent (depth {depth}) started by another agent's `rlm_query` call. Solve "
+    "the request below using your own persistent Python REPL. Your final answer is returned, as a "
+    "string, to the calling agent's code, so make it short and exactly what was asked for."
+)
+
+
+def _tools_section(depth: int, max_depth: int, cfg: PromptConfig) -> str:
+    sub = f" (keep each prompt under about {cfg.sub_lm_chars:,} characters)" if cfg.sub_lm_chars else ""
+    lines = [
+        "- `context` -- the data for the request (see above). Slice it, search it, split it; do not "
+        "print it whole.",
+        f"- `llm_query(prompt) -> str` -- one call to a language model without a REPL{sub}. Good for "
+        "reading, classifying or summarising one chunk of text you pass in the prompt.",
+        "- `llm_query_batched(prompts) -> list[str]` -- many `llm_query` calls at once, answers in "
+        "the same order; much faster than a loop of single calls.",
+    ]
+    if depth < max_depth:
+        lines += [
+            "- `rlm_query(prompt, context=None) -> str` -- hand a sub-task to a helper agent like you, "
+            "with its own REPL holding `context` (whatever you pass: a str or list of str). Use it "
+            "when the sub-task needs several steps of code, not a single read.",
+            "- `rlm_query_batched(prompts, contexts=None) -> list[str]` -- several helper agents at once.",
+        ]
+    else:
+        lines += [
+            "- `rlm_query(prompt, context=None)` / `rlm_query_batched(prompts, contexts=None)` -- at "
+            "this depth no further helper agents can be started: these behave like `llm_query` / "
+            "`llm_query_batched` (a single model call; a `context` you pass is appended to the "
+            "prompt).",
+        ]
+    lines += [
+        "- `SHOW_VARS()` -- lists the variables you have defined.",
+        '- `FINAL(value)` / `FINAL_VAR("name")` -- finish: answer with `str(value)`, or with the '
+        "value of the named variable.",
+    ]
+    lines += [f"- `{name}` -- {desc}" for name, desc in cfg.tools.items()]
+    return "\n".join(lines)
+
+
+def system_prompt(
+    context_info: ContextInfo,
+    *,
+    depth: int = 0,
+    max_depth: int = 1,
+    config: PromptConfig | None = None,
+) -> str:
+    """The system message for an agent at ``depth`` (0 = root) under the cap ``max_depth``."""
+    if depth < 0 or max_depth < 0:
+        raise ValueError(f"depth and max_depth must be >= 0, got {depth}, {max_depth}")
+    cfg = config or PromptConfig()
+    role = _ROOT_ROLE if depth == 0 else _CHILD_ROLE.format(depth=depth)
+    limit = f" You have at most {cfg.max_iterations} turns." if cfg.max_iterations else ""
+    parts = [
+        role,
+        f"## The context\n{context_info.describe()}",
+        "## The REPL\nPut Python code in fenced blocks marked `repl`:\n```repl\n"
+        "print(len(context))\nprint(context[:500])\n```\n"
+        "Every ```repl block in your message runs, in order, and variables persist between blocks and "
+        "turns. Other fences (```python, ...) are not run. After your message you see what each block "
+        f"printed (cut to {cfg.max_output_chars:,} characters per block), its errors and the names of "
+        "your variables. Only printed output is shown: a bare expression on the last line shows "
+        "nothing. Keep long text in variables and pass it to sub-calls instead of printing it.\n\n"
+        "Available in the REPL:\n" + _tools_section(depth, max_depth, cfg),
+        "## Finishing\nWhen you know the answer, finish in one of two ways:\n"
+        '- call `FINAL(answer)` or `FINAL_VAR("variable_name")` inside a ```repl block, or\n'
+        "- write `FINAL(your answer)` or `FINAL_VAR(variable_name)` alone on its own line, outside "
+        "code. A FINAL_VAR line is read after your code blocks ran, so you can set the variable in a "
+        "block of the same message.\n"
+        "FINAL mentioned inside a sentence does not count. Do not finish before you have looked at "
+        "the context." + limit,
+        "## Strategy\nFirst find out what the context looks like (its size, a few lines, its "
+        "structure). Then solve the request in code: search with string methods or regular "
+        "expressions, split the context into chunks and read them with `llm_query_batched`, collect "
+        "partial results in variables, and combine them. Check your result before you answer.",
+    ]
+    if cfg.extra_instructions:
+        parts.append(cfg.extra_instructions.strip())
+    return "\n\n".join(parts)
+
+
+def build_messages(
+    query: str,
+    context: Any = None,
+    *,
+    context_info: ContextInfo | Mapping | None = None,
+    depth: int = 0,
+    max_depth: int = 1,
+    config: PromptConfig | None = None,
+    max_iterations: int | None = None,
+) -> list[dict[str, str]]:
+    """``[system, user]`` chat messages for an agent. Pass ``context`` (it is only measured, never
+    copied into the messages) or its precomputed ``context_info`` (e.g. from a dataset row)."""
+    if context_info is None:
+        info = describe_context(context)
+    elif isinstance(context_info, ContextInfo):
+        info = context_info
+    else:
+        info = ContextInfo.from_dict(context_info)
+    cfg = config or PromptConfig()
+    if max_iterations is not None:
+        cfg = PromptConfig(**{**cfg.__dict__, "max_iterations": max_iterations})
+    user = (
+        f"{query.strip()}\n\n"
+        "The context is in the REPL variable `context`. Start by inspecting it in a ```repl block."
+    )
+    return [
+        {"role": "system", "content": system_prompt(info, depth=depth, max_depth=max_depth, config=cfg)},
+        {"role": "user", "content": user},
+    ]
