@@ -63,7 +63,9 @@ def compute_data_metrics(batch: DataProto) -> dict[str, float]:
     prompt_len = b["attention_mask"][:, : b["attention_mask"].shape[-1] - max_resp].sum(-1).float()
     out: dict[str, float] = {}
     if "token_level_scores" in b:
-        out.update(_stats("critic/score", b["token_level_scores"].sum(-1)))
+        scores = b["token_level_scores"].sum(-1)
+        out.update(_stats("critic/score", scores))
+        out["train/accuracy"] = float((scores >= 1.0).float().mean())  # sampled responses with full score
     if "token_level_rewards" in b:
         out.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)))
     for key, name in (

@@ -42,6 +42,8 @@ def console_line(metrics: dict, step: int, total: int, recipe: str) -> str:
     parts = [f"[{recipe}] step {step}/{total}"]
     if REWARD_KEY in metrics:
         parts.append(f"reward {_fmt(metrics[REWARD_KEY])}")
+    if "train/accuracy" in metrics:
+        parts.append(f"acc {_fmt(metrics['train/accuracy'])}")
     if VAL_KEY in metrics:
         parts.append(f"val_acc {_fmt(metrics[VAL_KEY])}")
     if "response_length/mean" in metrics:
@@ -49,6 +51,8 @@ def console_line(metrics: dict, step: int, total: int, recipe: str) -> str:
     kl = kl_of(metrics)
     if kl is not None:
         parts.append(f"kl {_fmt(kl)}")
+    elif "actor/ppo_kl" in metrics:  # no reference KL configured: show the update's old->new policy KL
+        parts.append(f"ppo_kl {_fmt(metrics['actor/ppo_kl'])}")
     if "actor/entropy" in metrics:
         parts.append(f"entropy {_fmt(metrics['actor/entropy'])}")
     if "actor/pg_loss" in metrics:
