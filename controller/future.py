@@ -60,7 +60,8 @@ class DataProtoFuture:
             timeout = self._timeout_s if timeout_s is None else timeout_s
             outputs = wait_for_results(self.refs, self.ranks, self.role, self.method, timeout)
             result = self._collect(outputs)
-            if self.pad_size:
+            # A row-less result (metrics only in meta_info, e.g. an update step) has no padding to strip.
+            if self.pad_size and not (isinstance(result, DataProto) and len(result) == 0):
                 if not isinstance(result, DataProto):
                     raise TypeError(
                         f"{self.role}.{self.method}: padded call returned {type(result).__name__}, "

@@ -79,6 +79,11 @@ class EchoWorker(Worker):
             {"tag": np.array([f"{self.tag}{i}" for i in data.batch["ids"].tolist()], dtype=object)},
         )
 
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def rows_seen(self, data):
+        """Metrics only, no rows (like an update step): collected even when the input was padded."""
+        return DataProto(meta_info={"metrics": {"rows": len(data)}})
+
     @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def double_async(self, data):
         return self.double(data)
@@ -150,6 +155,11 @@ def test_dp_compute_proto_pads_chunks_and_strips(group3, monkeypatch):
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 0, 1]]  # padding = copies of leading rows
     out = group3.double(data=_batch(3))  # keyword arguments are chunked the same way
     assert out.batch["ids"].tolist() == [0, 1, 2] and out.batch["rank"].tolist() == [0, 1, 2]
+
+
+def test_dp_compute_proto_row_less_output_after_padding(group3):
+    out = group3.rows_seen(_batch(10))  # padded to 12: 4 rows per rank
+    assert len(out) == 0 and out.meta_info == {"metrics": {"rows": 4}}
 
 
 def test_dp_compute_proto_rejects_non_dataproto(group3):
