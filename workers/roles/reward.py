@@ -72,7 +72,8 @@ class RewardWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``token_level_scores`` [B, R] float32 (the row's score on its last valid response token, on token 0
-        for an empty response), ``non_tensor_batch["response_text"]`` (the decoded responses) and
+        for an empty response), ``non_tensor_batch["response_text"]`` (the decoded responses, or the RLM
+        final answers when the batch has an ``answer`` column) and
         ``["reward_error"]`` ("" or the row's error)."""
         if "responses" not in data.batch:
             raise KeyError(
@@ -84,9 +85,14 @@ class RewardWorker(Worker):
         sources = self._column(data, "data_source")
         reward_models = self._column(data, "reward_model")
         extra_infos = data.non_tensor_batch.get("extra_info")
-        texts = self.tokenizer.batch_decode(
-            [responses[i, : int(lengths[i])].tolist() for i in range(len(data))], skip_special_tokens=True
-        )
+        if "answer" in data.non_tensor_batch:
+            # RLM trajectories: `responses` is the whole multi-turn transcript; the scored text is the
+            # agent's final answer (None when it never called FINAL, which scores as an empty answer).
+            texts = ["" if a is None else str(a) for a in data.non_tensor_batch["answer"]]
+        else:
+            texts = self.tokenizer.batch_decode(
+                [responses[i, : int(lengths[i])].tolist() for i in range(len(data))], skip_special_tokens=True
+            )
 
         scores = torch.zeros(len(data), dtype=torch.float32)
         row_errors = [""] * len(data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -154,3 +155,14 @@ def test_default_scorer_covers_unknown_sources(tokenizer_dir, tokenizer, monkeyp
     assert out.batch["token_level_scores"].sum().item() == 1.0
     with pytest.raises(KeyError, match="non_tensor_batch key 'data_source'"):
         worker.compute_rm_score(DataProto.from_dict(dict(data.batch)))
+
+
+def test_rlm_rows_are_scored_on_their_final_answer(reward_wg, tokenizer):
+    """An `answer` column (RLM trajectories, whose responses are whole transcripts) is what gets scored."""
+    data, lengths = make_batch(tokenizer, rows=ROWS[:2])
+    data.non_tensor_batch["data_source"] = np.array(["hyflow/sniah"] * 2, dtype=object)
+    data.non_tensor_batch["reward_model"] = np.array([{"ground_truth": "1234567"}] * 2, dtype=object)
+    data.non_tensor_batch["answer"] = np.array(["1234567", None], dtype=object)
+    out = reward_wg.compute_rm_score(data)
+    assert out.batch["token_level_scores"].sum(dim=1).tolist() == [1.0, 0.0]
+    assert list(out.non_tensor_batch["response_text"]) == ["1234567", ""]

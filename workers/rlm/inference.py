@@ -1,0 +1,268 @@
+"""Run an RLM for inference: ``RLM(...).completion(prompt, context=...) -> RLMResult``.
+
+The same agent loop as training (`workers.rlm.agent`), over
+
+* a token engine -- ``NativeEngine``, the SGLang adapter (``SGLangRollout``: same ``async generate``), or
+  any ``async gen(prompt_ids, SamplingParams) -> GenerationOutput`` with its ``tokenizer``;
+* an OpenAI-compatible HTTP endpoint -- ``RLM(engine="http://host:port/v1", model="name")`` posts to
+  ``/v1/chat/completions`` (stdlib ``urllib``, one thread per request in flight); these trajectories
+  carry text only (no token ids).
+
+::
+
+    rlm = RLM(engine=NativeEngine.from_pretrained(path), max_depth=1, max_iterations=8,
+              log_path="outputs/rlm.jsonl")
+    res = rlm.completion("What is the magic number for quiet-harbor?", context=long_text)
+    res.answer, res.status, res.trajectory_tree     # nested dict: root, its turns' children, ...
+    rlm.close()
+
+``sub_engine`` (same kinds) answers ``llm_query``; default: the main engine. Every completion appends its
+trajectories (root first, then children) to ``log_path`` as JSONL (`workers.rlm.protocol.load_jsonl` reads
+it; ``python -m workers.rlm.viewer`` renders it as HTML).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from workers.rlm.agent import AgentConfig, ChatLLM, EngineLLM, LoopThread, RLMAgent
+from workers.rlm.protocol import RLMTrajectory
+from workers.rlm.trajectory_batch import trajectory_json
+
+__all__ = ["RLM", "OpenAIChatLLM", "RLMResult", "trajectory_tree"]
+
+
+def trajectory_tree(trajectories: list[RLMTrajectory], root_id: str | None = None) -> dict:
+    """Nested summary of a run: ``{id, depth, status, answer, query, turns, elapsed_s, children: [...]}``."""
+    by_id = {t.id: t for t in trajectories}
+    root = by_id[root_id] if root_id is not None else next(t for t in trajectories if t.parent_id is None)
+
+    def node(t: RLMTrajectory) -> dict:
+        return {
+            "id": t.id,
+            "depth": t.depth,
+            "status": t.status,
+            "answer": t.final_answer,
+            "query": t.query,
+            "turns": len(t.turns),
+            "elapsed_s": t.timings.get("total_s"),
+            "children": [node(by_id[c]) for c in t.children if c in by_id],
+        }
+
+    return node(root)
+
+
+@dataclass
+class RLMResult:
+    answer: str | None
+    status: str
+    root: RLMTrajectory
+    trajectories: list[RLMTrajectory] = field(default_factory=list)  # root first, children in start order
+    elapsed_s: float = 0.0
+
+    @property
+    def trajectory_tree(self) -> dict:
+        return trajectory_tree(self.trajectories, self.root.id)
+
+
+# --------------------------------------------------------------------------------------------------
+# OpenAI-compatible HTTP
+
+
+def _chat_url(base_url: str) -> str:
+    url = base_url.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    if url.endswith("/v1"):
+        return url + "/chat/completions"
+    return url + "/v1/chat/completions"
+
+
+class OpenAIChatLLM(ChatLLM):
+    """``POST {base_url}/v1/chat/completions`` (``base_url`` may already end in ``/v1``). The API key comes
+    from ``api_key`` or the ``OPENAI_API_KEY`` environment variable (sent only when set)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        extra_body: dict[str, Any] | None = None,
+    ):
+        super().__init__(self._chat, name=model)
+        self.url = _chat_url(base_url)
+        self.model = model
+        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        self.timeout_s = timeout_s
+        self.extra_body = dict(extra_body or {})
+
+    def _post(self, body: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read().decode("utf-8"))
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode("utf-8", "replace")[:500]
+            raise RuntimeError(f"{self.url}: HTTP {exc.code}: {detail}") from None
+
+    async def _chat(self, messages, *, max_tokens, temperature, top_p=1.0, seed=None, stop=None):
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": list(messages),
+            "max_tokens": int(max_tokens),
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            **self.extra_body,
+        }
+        if seed is not None:
+            body["seed"] = int(seed) % (2**31)
+        if stop:
+            body["stop"] = list(stop)
+        data = await asyncio.to_thread(self._post, body)
+        try:
+            text = data["choices"][0]["message"]["content"] or ""
+        except (KeyError, IndexError, TypeError):
+            raise RuntimeError(f"{self.url}: unexpected response {str(data)[:300]}") from None
+        usage = data.get("usage") or {}
+        return text, int(usage.get("completion_tokens") or max(1, len(text) // 4))
+
+
+# --------------------------------------------------------------------------------------------------
+# The API
+
+
+def _llm(backend, tokenizer, model: str | None, name: str):
+    if isinstance(backend, (EngineLLM, ChatLLM)):
+        return backend
+    if isinstance(backend, str):
+        if not backend.startswith(("http://", "https://")):
+            raise ValueError(f"{name}: a string engine must be an http(s) URL, got {backend!r}")
+        if not model:
+            raise ValueError(f"{name}: an HTTP endpoint needs model=...")
+        return OpenAIChatLLM(backend, model)
+    tok = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
+    if tok is None:
+        raise ValueError(f"{name}: pass tokenizer=... (the engine does not carry one)")
+    return EngineLLM(backend, tok, name=name)
+
+
+class RLM:
+    """A Recursive Language Model for inference. See the module docstring.
+
+    Keyword arguments left as None keep ``agent_config``'s values (``AgentConfig`` defaults otherwise).
+    """
+
+    def __init__(
+        self,
+        engine=None,
+        sub_engine=None,
+        tokenizer=None,
+        *,
+        sub_tokenizer=None,
+        model: str | None = None,
+        sub_model: str | None = None,
+        max_depth: int | None = None,
+        max_iterations: int | None = None,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+        agent_config: AgentConfig | None = None,
+        sandbox_config=None,
+        sandbox=None,
+        log_path: str | os.PathLike | None = None,
+        log_tokens: bool = False,
+    ):
+        if engine is None:
+            raise ValueError("RLM needs engine=... (a token engine, a generate function or an http URL)")
+        self.policy = _llm(engine, tokenizer, model, "engine")
+        self.sub_llm = (
+            _llm(sub_engine, sub_tokenizer or tokenizer, sub_model or model, "sub_engine")
+            if sub_engine is not None
+            else self.policy
+        )
+        cfg = agent_config or AgentConfig()
+        overrides = {
+            k: v
+            for k, v in {
+                "max_depth": max_depth,
+                "max_iterations": max_iterations,
+                "temperature": temperature,
+                "max_new_tokens": max_new_tokens,
+            }.items()
+            if v is not None
+        }
+        self.config = replace(cfg, **overrides)
+        self._sandbox = sandbox
+        self._own_sandbox = sandbox is None
+        self._sandbox_config = sandbox_config
+        self.log_path = os.fspath(log_path) if log_path is not None else None
+        self.log_tokens = log_tokens
+        self._loop: LoopThread | None = None
+        self._log_lock = threading.Lock()
+
+    @property
+    def sandbox(self):
+        if self._sandbox is None:
+            from workers.sandbox import ReplSandbox
+
+            self._sandbox = ReplSandbox(self._sandbox_config)
+        return self._sandbox
+
+    async def acompletion(
+        self,
+        prompt: str,
+        context=None,
+        *,
+        seed: int | None = None,
+        uid: str | None = None,
+        metadata: dict | None = None,
+    ) -> RLMResult:
+        """Answer ``prompt`` about ``context`` (a str, a list of str, or None)."""
+        agent = RLMAgent(self.policy, self.sandbox, self.config, sub_llm=self.sub_llm)
+        t0 = time.perf_counter()
+        res = await agent.run(prompt, context, uid=uid, seed=seed, metadata=metadata)
+        out = RLMResult(
+            res.root.final_answer, res.root.status, res.root, res.trajectories, time.perf_counter() - t0
+        )
+        if self.log_path:
+            self._log(out.trajectories)
+        return out
+
+    def completion(self, prompt: str, context=None, **kwargs) -> RLMResult:
+        """Synchronous `acompletion`, run on the RLM's private event-loop thread (so it also works where an
+        event loop is already running, e.g. a notebook); ``kwargs`` as for `acompletion`."""
+        if self._loop is None:
+            self._loop = LoopThread(name="rlm-inference")
+        return self._loop.run(self.acompletion(prompt, context, **kwargs))
+
+    def _log(self, trajectories: list[RLMTrajectory]) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        with self._log_lock, open(self.log_path, "a", encoding="utf-8") as f:
+            for t in trajectories:
+                f.write(trajectory_json(t, tokens=self.log_tokens) + "\n")
+
+    def close(self) -> None:
+        if self._sandbox is not None and self._own_sandbox:
+            self._sandbox.close()
+            self._sandbox = None
+        if self._loop is not None:
+            self._loop.stop()
+        self._loop = None
+
+    def __enter__(self) -> RLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
