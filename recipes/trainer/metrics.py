@@ -66,6 +66,10 @@ def compute_data_metrics(batch: DataProto) -> dict[str, float]:
         scores = b["token_level_scores"].sum(-1)
         out.update(_stats("critic/score", scores))
         out["train/accuracy"] = float((scores >= 1.0).float().mean())  # sampled responses with full score
+    if "answer" in batch.non_tensor_batch:  # RLM trajectories: how many reached FINAL / FINAL_VAR
+        out["reward/answered_frac"] = float(
+            np.mean([a is not None and a != "" for a in batch.non_tensor_batch["answer"]])
+        )
     if "reward_error" in batch.non_tensor_batch:  # every rank's rows (the worker's own count is rank 0's)
         out["reward/errors"] = float(sum(bool(e) for e in batch.non_tensor_batch["reward_error"]))
     if "token_level_rewards" in b:

@@ -80,15 +80,18 @@ class Roles:
 
 
 def _role_classes(
-    cfg: RecipeConfig, run: Run, *, hybrid: bool, critic: bool
+    cfg: RecipeConfig, run: Run, *, hybrid: bool, critic: bool, hybrid_cls=None, rollout_kwargs=None
 ) -> dict[str, RayClassWithInitArgs]:
     """The training-side roles: actor (hybrid: + rollout engine), reference, critic, reward."""
     from workers.roles import CriticWorker, RefWorker
     from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWorker
 
     mc = model_config(cfg, run.model_path)
-    actor_cls = ActorRolloutWorker if hybrid else DisaggregatedActorWorker  # the latter sends weights out
-    out = {"actor": RayClassWithInitArgs(actor_cls, model=mc, actor=cfg.actor, rollout=cfg.rollout)}
+    if hybrid:
+        actor_cls, kw = hybrid_cls or ActorRolloutWorker, dict(rollout_kwargs or {})
+    else:
+        actor_cls, kw = DisaggregatedActorWorker, {}  # it sends weights out
+    out = {"actor": RayClassWithInitArgs(actor_cls, model=mc, actor=cfg.actor, rollout=cfg.rollout, **kw)}
     if needs_reference(cfg):
         out["ref"] = RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout)
     if critic:
@@ -101,8 +104,20 @@ def _role_classes(
     return out
 
 
-def build_roles(cfg: RecipeConfig, run: Run, *, critic: bool = False) -> Roles:
-    """Create the pools and worker groups and initialise every model (``init_model``)."""
+def build_roles(
+    cfg: RecipeConfig,
+    run: Run,
+    *,
+    critic: bool = False,
+    hybrid_cls: type | None = None,
+    rollout_cls: type | None = None,
+    rollout_kwargs: dict | None = None,
+) -> Roles:
+    """Create the pools and worker groups and initialise every model (``init_model``).
+
+    Hook for recipes whose rollout is not plain generation (e.g. ``recipes/rlm.py``): ``hybrid_cls`` replaces
+    ``ActorRolloutWorker`` (colocated), ``rollout_cls`` replaces ``RolloutWorker`` (disaggregated), and both get
+    ``rollout_kwargs`` as extra constructor arguments."""
     t = cfg.trainer
     counts = device_counts(cfg)
     colocated = t.placement == "colocated"
@@ -120,7 +135,9 @@ def build_roles(cfg: RecipeConfig, run: Run, *, critic: bool = False) -> Roles:
     manager.create_resource_pools()
     groups: list[RayWorkerGroup] = []
     try:
-        classes = _role_classes(cfg, run, hybrid=colocated, critic=critic)
+        classes = _role_classes(
+            cfg, run, hybrid=colocated, critic=critic, hybrid_cls=hybrid_cls, rollout_kwargs=rollout_kwargs
+        )
         train_wg = RayWorkerGroup(
             manager.get_pool("actor"),
             create_colocated_worker_cls(classes),
@@ -139,7 +156,10 @@ def build_roles(cfg: RecipeConfig, run: Run, *, critic: bool = False) -> Roles:
             rollout_wg = RayWorkerGroup(
                 manager.get_pool("rollout"),
                 RayClassWithInitArgs(
-                    RolloutWorker, model=model_config(cfg, run.model_path), rollout=cfg.rollout
+                    rollout_cls or RolloutWorker,
+                    model=model_config(cfg, run.model_path),
+                    rollout=cfg.rollout,
+                    **dict(rollout_kwargs or {}),
                 ),
                 name_prefix="rollout",
                 call_timeout_s=t.call_timeout_s,

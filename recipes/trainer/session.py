@@ -30,12 +30,13 @@ logger = logging.getLogger("recipes")
 
 
 class Session:
-    def __init__(self, cfg: RecipeConfig, run: Run, recipe: str, *, critic: bool = False):
+    def __init__(self, cfg: RecipeConfig, run: Run, recipe: str, *, critic: bool = False, **role_classes):
+        """``role_classes``: ``build_roles``' hook (``hybrid_cls``, ``rollout_cls``, ``rollout_kwargs``)."""
         self.cfg, self.run, self.recipe = cfg, run, recipe
         self.loader = train_loader(cfg, run)
         self.val_data = val_batches(cfg, run)
         self.total = total_steps(cfg, self.loader)
-        self.roles = build_roles(cfg, run, critic=critic)
+        self.roles = build_roles(cfg, run, critic=critic, **role_classes)
         try:
             self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
             self.state = resume(run, self.roles, self.loader, self.kl_ctrl, cfg)
