@@ -20,7 +20,7 @@ import torch
 
 from dataproto import DataProto
 from workers.rollout.base import RolloutEngine
-from workers.rollout.sampling import GenerationOutput, SamplingParams
+from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta
 from workers.rollout.sglang import (
     SGLangRollout,
     SGLangRolloutConfig,
@@ -30,7 +30,6 @@ from workers.rollout.sglang import (
     output_to_generation,
     parse_finish_reason,
     prompt_id_lists,
-    sampling_from_meta,
     to_sglang_sampling_params,
 )
 from workers.rollout.sglang import rollout as rollout_module

@@ -38,7 +38,7 @@ import torch
 from workers.rollout.base import RolloutEngine
 from workers.rollout.native.model import NativeCausalLM
 from workers.rollout.native.sampler import BatchSampler
-from workers.rollout.sampling import GenerationOutput, SamplingParams
+from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta, token_id_list
 
 
 @dataclass
@@ -118,14 +118,6 @@ class Request:
         )
 
 
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 class NativeEngine(RolloutEngine):
     """Generation engine for Hugging Face Qwen2/Qwen3/Llama/Mistral causal LMs, in plain torch.
 
@@ -149,12 +141,12 @@ class NativeEngine(RolloutEngine):
         self.max_model_len = max_len
         self.vocab_size = self.model.spec.vocab_size
         if self.config.eos_token_ids is not None:
-            eos = _ids(self.config.eos_token_ids)
+            eos = token_id_list(self.config.eos_token_ids)
         else:
-            eos = _ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-            eos += _ids(getattr(cfg, "eos_token_id", None))
+            eos = token_id_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+            eos += token_id_list(getattr(cfg, "eos_token_id", None))
             if tokenizer is not None:
-                eos += _ids(tokenizer.eos_token_id)
+                eos += token_id_list(tokenizer.eos_token_id)
         self.eos_token_ids: list[int] = sorted(set(eos))
         pad = self.config.pad_token_id
         if pad is None and tokenizer is not None:
@@ -492,43 +484,9 @@ class NativeEngine(RolloutEngine):
     # ---- controller batch API (DataProto) ------------------------------------------------------------
 
     def sampling_from_meta(self, meta: dict) -> tuple[SamplingParams, int | None]:
-        """The sampling parameters of one ``generate_sequences`` call and the response width to pad to.
-
-        ``meta_info`` keys (all optional; defaults from ``EngineConfig.sampling``): ``do_sample`` (default
-        ``not validate``; False means greedy and n = 1), ``temperature``, ``top_p``, ``top_k``, ``n``,
-        ``response_length`` (pad responses to exactly this and cap generation at it; default
-        ``EngineConfig.response_length``, else pad to the longest response), ``max_new_tokens`` (default
-        ``response_length``, else the default's), ``seed`` (row i of the output is sampled with seed + i),
-        ``stop_token_ids``, ``stop``, ``eos_token_id`` (extra stop ids)."""
-        default = self.config.sampling
-        validate = bool(meta.get("validate", False))
-        do_sample = bool(meta.get("do_sample", not validate))
-        response_length = meta.get("response_length", self.config.response_length)
-        max_new = meta.get(
-            "max_new_tokens", response_length if response_length is not None else default.max_new_tokens
-        )
-        if response_length is not None:
-            response_length = int(response_length)
-            max_new = min(int(max_new), response_length)
-        stop_ids: list[int] = []
-        for t in (
-            list(default.stop_token_ids) + _ids(meta.get("stop_token_ids")) + _ids(meta.get("eos_token_id"))
-        ):
-            if t not in stop_ids:
-                stop_ids.append(t)
-        seed = meta.get("seed", default.seed)
-        params = SamplingParams(
-            max_new_tokens=int(max_new),
-            temperature=float(meta.get("temperature", default.temperature)) if do_sample else 0.0,
-            top_p=float(meta.get("top_p", default.top_p)) if do_sample else 1.0,
-            top_k=int(meta.get("top_k", default.top_k)) if do_sample else -1,
-            seed=None if seed is None else int(seed),
-            stop_token_ids=stop_ids,
-            stop=list(meta.get("stop", default.stop)),
-            n=int(meta.get("n", default.n)) if do_sample else 1,
-            logprobs=default.logprobs,
-        )
-        return params, response_length
+        """The sampling parameters of one ``generate_sequences`` call and the response width to pad to (the
+        keys are documented in ``workers.rollout.sampling.sampling_from_meta``)."""
+        return sampling_from_meta(meta, self.config.sampling, self.config.response_length)
 
     def generate_sequences(self, prompts):
         """Generate responses for a batch of left-padded prompts (``dataproto/BATCH_LAYOUT.md``).

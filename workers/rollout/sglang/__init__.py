@@ -51,9 +51,7 @@ from workers.rollout.sglang.convert import (
     output_to_generation,
     parse_finish_reason,
     prompt_id_lists,
-    sampling_from_meta,
     to_sglang_sampling_params,
-    token_id_list,
 )
 from workers.rollout.sglang.rollout import (
     INSTALL_HINT,
@@ -74,7 +72,5 @@ __all__ = [
     "output_to_generation",
     "parse_finish_reason",
     "prompt_id_lists",
-    "sampling_from_meta",
     "to_sglang_sampling_params",
-    "token_id_list",
 ]

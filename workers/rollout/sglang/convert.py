@@ -35,7 +35,10 @@ from typing import Any
 
 import torch
 
-from workers.rollout.sampling import GenerationOutput, SamplingParams
+from workers.rollout.sampling import (
+    GenerationOutput,
+    SamplingParams,
+)
 
 # hyflow SamplingParams field -> SGLang sampling_params key (fields not listed are handled apart)
 _SAMPLING_KEYS = {
@@ -62,61 +65,6 @@ def to_sglang_sampling_params(params: SamplingParams, seed: int | None = None) -
         out["sampling_seed"] = int(seed)
     out["n"] = 1
     return out
-
-
-def token_id_list(value: Any) -> list[int]:
-    """``None`` / an int / a sequence of ints -> a list of ints."""
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def sampling_from_meta(
-    meta_info: Mapping[str, Any] | None, default: SamplingParams, response_length: int | None = None
-) -> tuple[SamplingParams, int | None]:
-    """The sampling parameters of one ``generate_sequences`` call and the response width to pad to.
-
-    Same ``meta_info`` keys and defaults as the native engine's ``generate_sequences``, with the
-    engine's configured ``SamplingParams`` as the defaults: ``do_sample`` (default ``not validate``;
-    False means greedy and n = 1), ``temperature``, ``top_p``, ``top_k``, ``n``, ``response_length``
-    (pad to exactly this and cap generation at it; default ``response_length``, else pad to the longest
-    response), ``max_new_tokens`` (default ``response_length``, else ``default.max_new_tokens``),
-    ``seed`` (row i of the output is sampled with seed + i), ``stop_token_ids``, ``stop``,
-    ``eos_token_id`` (extra stop ids).
-    """
-    meta = meta_info or {}
-    validate = bool(meta.get("validate", False))
-    do_sample = bool(meta.get("do_sample", not validate))
-    response_length = meta.get("response_length", response_length)
-    max_new = meta.get(
-        "max_new_tokens", response_length if response_length is not None else default.max_new_tokens
-    )
-    if response_length is not None:
-        response_length = int(response_length)
-        max_new = min(int(max_new), response_length)
-    stop_ids: list[int] = []
-    for t in (
-        list(default.stop_token_ids)
-        + token_id_list(meta.get("stop_token_ids"))
-        + token_id_list(meta.get("eos_token_id"))
-    ):
-        if t not in stop_ids:
-            stop_ids.append(t)
-    seed = meta.get("seed", default.seed)
-    params = SamplingParams(
-        max_new_tokens=int(max_new),
-        temperature=float(meta.get("temperature", default.temperature)) if do_sample else 0.0,
-        top_p=float(meta.get("top_p", default.top_p)) if do_sample else 1.0,
-        top_k=int(meta.get("top_k", default.top_k)) if do_sample else -1,
-        seed=None if seed is None else int(seed),
-        stop_token_ids=stop_ids,
-        stop=list(meta.get("stop", default.stop)),
-        n=int(meta.get("n", default.n)) if do_sample else 1,
-        logprobs=default.logprobs,
-    )
-    return params, response_length
 
 
 def prompt_id_lists(

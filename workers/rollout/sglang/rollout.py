@@ -7,7 +7,7 @@ Same interface and ``meta_info`` contract as the native engine (``workers/rollou
   ``attention_mask`` ``[B, P]`` in; out the keys of ``dataproto/BATCH_LAYOUT.md``: ``prompts``,
   right-padded ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``
   (float32, 1 through the EOS / stop token), ``rollout_log_probs`` (float32, 0 on padding). Sampling
-  settings come from ``meta_info`` (see ``convert.sampling_from_meta``) with the configured
+  settings come from ``meta_info`` (see ``workers.rollout.sampling.sampling_from_meta``) with the configured
   ``SamplingParams`` as defaults. With ``n > 1`` every row (tensors and non-tensor columns) is
   repeated n times, interleaved (a, a, b, b). Output ``meta_info`` = input meta + ``eos_token_id``,
   ``pad_token_id``, ``timing_s/gen``, ``rollout/generated_tokens``, ``rollout/tokens_per_s``.
@@ -43,14 +43,12 @@ import torch
 
 from dataproto import DataProto
 from workers.rollout.base import RolloutEngine
-from workers.rollout.sampling import GenerationOutput, SamplingParams
+from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta, token_id_list
 from workers.rollout.sglang.convert import (
     build_rollout_batch,
     expand_requests,
     output_to_generation,
     prompt_id_lists,
-    sampling_from_meta,
-    token_id_list,
 )
 from workers.weight_sync.buckets import bucket_mb_to_bytes, flatten_bucket, iter_buckets
 
