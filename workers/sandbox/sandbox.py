@@ -1026,27 +1026,33 @@ class Repl:
         """Whether the REPL process is up (a dead one is replaced on the next block)."""
         return not self._closed and self._sock is not None and self._exit_info is None
 
-    def close(self) -> None:
-        """Kill the REPL's processes, delete its scratch dir and free its slot (idempotent)."""
+    def _begin_close(self):
+        """Mark closed and drop the socket; the zygote to ask for the slot's release, or None (idempotent:
+        None also when already closed)."""
         if not self._finalizer.alive:
-            return
+            return None
         self._finalizer.detach()
         self._closed = True
         zyg = self._zygote
         self._drop_socket()
-        if zyg is not None and zyg.alive:
+        return zyg if zyg is not None and zyg.alive else None
+
+    def close(self) -> None:
+        """Kill the REPL's processes, delete its scratch dir and free its slot (idempotent)."""
+        if not self._finalizer.alive:
+            return
+        zyg = self._begin_close()
+        if zyg is not None:
             with contextlib.suppress(Exception):
                 zyg.request({"op": "release", "slot": self.slot}).result(15)
         self._sb._release_slot(self.slot)
 
     async def aclose(self) -> None:
+        """``close`` without blocking the event loop."""
         if not self._finalizer.alive:
             return
-        self._finalizer.detach()
-        self._closed = True
-        zyg = self._zygote
-        self._drop_socket()
-        if zyg is not None and zyg.alive:
+        zyg = self._begin_close()
+        if zyg is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
                     asyncio.wrap_future(zyg.request({"op": "release", "slot": self.slot})), 15
