@@ -241,9 +241,28 @@ class SNIAHConfig(_Common):
     needle_depth_max: float = 1.0
     n_distractors: int = 0  # needles for other keys
     item_chars: int = 2000  # context_format="list": about this many characters per item
+    # how the reference solution searches: "key" -- a regex with the asked key (the model must copy it from
+    # the question); "pattern" -- every magic-number sentence, then the only hit (no distractors; a program
+    # small models learn without copying, e.g. the CPU recipe's warm start)
+    search: str = "key"
+    key_words: int = (
+        0  # > 0: needle keys from the first k adjectives x k nouns only (k*k keys; easier to copy)
+    )
 
     def validate(self) -> None:
         super().validate()
+        if not 0 <= self.key_words <= min(len(_KEY_ADJ), len(_KEY_NOUN)):
+            raise ValueError(
+                f"key_words must be in [0, {min(len(_KEY_ADJ), len(_KEY_NOUN))}], got {self.key_words}"
+            )
+        if self.key_words and self.key_words**2 <= self.n_distractors:
+            raise ValueError(
+                f"key_words={self.key_words} gives too few keys for {self.n_distractors} distractors"
+            )
+        if self.search not in ("key", "pattern"):
+            raise ValueError(f"search must be 'key' or 'pattern', got {self.search!r}")
+        if self.search == "pattern" and self.n_distractors:
+            raise ValueError("search='pattern' finds every needle: it needs n_distractors=0")
         if not 0.0 <= self.needle_depth_min <= self.needle_depth_max <= 1.0:
             raise ValueError("need 0 <= needle_depth_min <= needle_depth_max <= 1")
         if not 0 <= self.n_distractors <= 50:
@@ -322,11 +341,14 @@ def _needle(key: str, value: str) -> str:
 
 def sample_sniah(rng: random.Random, cfg: SNIAHConfig) -> dict | None:
     length = rng.choice(cfg.length_values)
-    key = f"{rng.choice(_KEY_ADJ)}-{rng.choice(_KEY_NOUN)}"
+    adjs, nouns = (
+        (_KEY_ADJ[: cfg.key_words], _KEY_NOUN[: cfg.key_words]) if cfg.key_words else (_KEY_ADJ, _KEY_NOUN)
+    )
+    key = f"{rng.choice(adjs)}-{rng.choice(nouns)}"
     value = str(rng.randint(1_000_000, 9_999_999))
     needles = [(key, value)]
     while len(needles) < 1 + cfg.n_distractors:
-        k = f"{rng.choice(_KEY_ADJ)}-{rng.choice(_KEY_NOUN)}"
+        k = f"{rng.choice(adjs)}-{rng.choice(nouns)}"
         v = str(rng.randint(1_000_000, 9_999_999))
         if all(k != nk and v != nv for nk, nv in needles):
             needles.append((k, v))
@@ -344,7 +366,7 @@ def sample_sniah(rng: random.Random, cfg: SNIAHConfig) -> dict | None:
     joined = context if isinstance(context, str) else "\n".join(context)
     offset = joined.index(texts[0])
     return {
-        "key": ("sniah", key),
+        "key": ("sniah", key, value),  # distinct problems: the key alone repeats under key_words
         "needle_key": key,
         "answer": value,
         "context": context,
@@ -360,15 +382,27 @@ def make_sniah_row(prob: dict, split: str, index: int, demo_rng: random.Random, 
         f"What is the special magic number for {key} mentioned in the context? Answer with the number only."
     )
     fmt = "string" if isinstance(prob["context"], str) else "list of text chunks"
+    if cfg.search == "key":
+        target, regex, pick = (
+            f"the sentence about {key}",
+            rf"special magic number for {key} is (\d+)",
+            "hits[0]",
+        )
+    else:  # every needle; with no distractors the only one
+        target, regex, pick = (
+            "the magic number sentence",
+            r"special magic number for ([\w-]+) is (\d+)",
+            "hits[0][1]",
+        )
     first = (
         f"The context is a {fmt} of about {prob['length']:,} characters, too long to read, so I search "
-        f"it for the sentence about {key}.\n```repl\nimport re\n\n"
+        f"it for {target}.\n```repl\nimport re\n\n"
         'text = context if isinstance(context, str) else "\\n".join(context)\n'
-        f'hits = re.findall(r"special magic number for {key} is (\\d+)", text)\n'
+        f'hits = re.findall(r"{regex}", text)\n'
         "print(len(text), hits)\n```"
     )
     turns = [first] + _finish(
-        cfg.final_style, "The needle occurs once; its number is the answer.", "answer = hits[0]", value
+        cfg.final_style, "The needle occurs once; its number is the answer.", f"answer = {pick}", value
     )
     return _row(
         SNIAH, question, value, prob["context"], split, index, cfg, turns, "exact", prob["length"],

@@ -191,6 +191,20 @@ def test_sniah_depth_knobs_and_distractors():
         assert run_reference(r) == r["reward_model"]["ground_truth"]
 
 
+def test_sniah_pattern_search_and_small_key_vocabulary():
+    rows = generate_splits("sniah", 24, 4, seed=0, lengths="2000", search="pattern", key_words=2)
+    keys = {r["extra_info"]["needle_key"] for split in rows.values() for r in split}
+    assert len(keys) <= 4  # 2 adjectives x 2 nouns
+    for r in rows["train"]:
+        first = r["extra_info"]["reference_turns"][0]
+        assert r["extra_info"]["needle_key"] not in first  # the program never names the key
+        assert run_reference(r) == r["reward_model"]["ground_truth"]
+    with pytest.raises(ValueError, match="n_distractors=0"):
+        generate_splits("sniah", 2, 0, seed=0, lengths="2000", search="pattern", n_distractors=1)
+    with pytest.raises(ValueError, match="search must be"):
+        generate_splits("sniah", 2, 0, seed=0, lengths="2000", search="grep")
+
+
 # ------------------------------------------------------------------------------------------- OOLONG
 
 

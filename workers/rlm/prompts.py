@@ -72,6 +72,16 @@ class PromptConfig:
     max_iterations: int | None = None
     extra_instructions: str = ""  # appended to the system prompt (task-specific hints)
     tools: dict[str, str] = field(default_factory=dict)  # name -> description of extra REPL functions
+    # "full": the whole protocol with strategy advice; "compact": the same rules in a few lines, for small
+    # models and short context windows (the full prompt is ~1,300 tokens of the tiny tokenizer)
+    style: str = "full"
+
+    def __post_init__(self):
+        if self.style not in PROMPT_STYLES:
+            raise ValueError(f"PromptConfig.style must be one of {PROMPT_STYLES}, got {self.style!r}")
+
+
+PROMPT_STYLES = ("full", "compact")
 
 
 _ROOT_ROLE = (
@@ -131,6 +141,8 @@ def system_prompt(
     if depth < 0 or max_depth < 0:
         raise ValueError(f"depth and max_depth must be >= 0, got {depth}, {max_depth}")
     cfg = config or PromptConfig()
+    if cfg.style == "compact":
+        return _compact_prompt(context_info, depth, max_depth, cfg)
     role = _ROOT_ROLE if depth == 0 else _CHILD_ROLE.format(depth=depth)
     limit = f" You have at most {cfg.max_iterations} turns." if cfg.max_iterations else ""
     parts = [
@@ -159,6 +171,19 @@ def system_prompt(
     if cfg.extra_instructions:
         parts.append(cfg.extra_instructions.strip())
     return "\n\n".join(parts)
+
+
+def _compact_prompt(info: ContextInfo, depth: int, max_depth: int, cfg: PromptConfig) -> str:
+    rlm = "rlm_query(prompt, context=None) (a helper agent with its own REPL)" if depth < max_depth else ""
+    calls = ", ".join(x for x in ("llm_query(prompt)", "llm_query_batched(prompts)", rlm, "SHOW_VARS()") if x)
+    extra = "".join(f", {name} ({desc})" for name, desc in cfg.tools.items())
+    limit = f" At most {cfg.max_iterations} turns." if cfg.max_iterations else ""
+    text = (
+        f"Answer the request using a persistent Python REPL. {info.describe()} Write code in ```repl "
+        f"blocks; you see what they print (up to {cfg.max_output_chars:,} characters). Functions: {calls}"
+        f"{extra}. Finish with FINAL(answer) or FINAL_VAR(name), in code or alone on a line.{limit}"
+    )
+    return text + ("\n\n" + cfg.extra_instructions.strip() if cfg.extra_instructions else "")
 
 
 def build_messages(

@@ -22,6 +22,7 @@ from workers.engine import OptimConfig
 from workers.reward.long_context import score_oolong, score_sniah
 from workers.rlm.agent import AgentConfig, ReplayScript, scripted_generate
 from workers.rlm.env_worker import RLMActorRolloutWorker, RLMEnvConfig, RLMEnvWorker
+from workers.rlm.prompts import PromptConfig
 from workers.sandbox import SandboxConfig
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -219,6 +220,58 @@ def test_colocated_actor_rollout_rlm_with_real_engine(ray_session, model_path):
             not torch.equal(out.batch["responses"], again.batch["responses"])
             or float(first.abs().max()) > 1e-3
         )
+    finally:
+        wg.close_env()
+        wg.shutdown()
+        pool.remove()
+
+
+def test_llm_query_goes_to_the_configured_frozen_sub_model(ray_session, model_path):
+    """``env.sub_model_path``: llm_query from sandbox code is answered by a separately loaded frozen model
+    (here the real nano checkpoint on the native engine), not by the policy -- whose scripted ``sub`` would
+    answer "SUMMARY"; greedy sub-calls are reproducible."""
+    script = {
+        "Q-frozen": [f"{F}repl\nfirst = llm_query('summarise: ' + context[:5])\n{F}", "FINAL_VAR(first)"]
+    }
+    rollout = RolloutConfig(n=1, prompt_length=512, response_length=512, temperature=1.0)
+    env = RLMEnvConfig(
+        agent=AgentConfig(
+            max_iterations=3, max_depth=0, sub_max_new_tokens=12, prompt=PromptConfig(style="compact")
+        ),
+        sandbox=SandboxConfig(timeout_s=10),
+        sub_model_path=model_path,
+        sub_max_num_seqs=4,
+    )
+    pool = ResourcePool([1], name="test_rlm_sub_model_pool")
+    wg = RayWorkerGroup(
+        pool,
+        RayClassWithInitArgs(
+            RLMEnvWorker,
+            model=ModelConfig(path=model_path),
+            rollout=rollout,
+            env=env,
+            policy_factory=ScriptFactory(script),
+        ),
+        name_prefix="rlm_env_sub",
+    )
+    try:
+        wg.init_model()
+        row = {
+            "data_source": "test/sub",
+            "prompt": [{"role": "user", "content": "Q-frozen"}],
+            "reward_model": {"ground_truth": "x"},
+            "extra_info": {"context": "abcdefghij"},
+        }
+        answers = []
+        for _ in range(2):
+            data = rows_to_proto([row], ["u"])
+            data.meta_info.update(n=1, do_sample=False, seed=3)
+            out = wg.generate_rlm(data)
+            assert list(out.non_tensor_batch["status"]) == ["finished"]
+            assert out.meta_info["metrics"]["env/subcalls/mean"] == 1.0
+            answers.append(out.non_tensor_batch["answer"][0])
+        assert answers[0] == answers[1]  # greedy frozen model: the same completion twice
+        assert answers[0] not in ("SUMMARY", "?") and not answers[0].startswith("Error")
     finally:
         wg.close_env()
         wg.shutdown()

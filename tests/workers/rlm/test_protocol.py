@@ -318,3 +318,28 @@ def test_prompts_depth_aware_and_context_free():
     assert (
         build_messages("q", context_info=info)[0]["content"] == build_messages("q", "y" * 1234)[0]["content"]
     )
+
+
+def test_compact_prompt_keeps_the_protocol_in_a_fraction_of_the_length():
+    from workers.rlm.prompts import PromptConfig
+
+    context = ["chunk one", "chunk two!"]
+    full = build_messages("Find X.", context, max_depth=1, max_iterations=4)[0]["content"]
+    cfg = PromptConfig(style="compact", max_output_chars=500, tools={"grep(pattern)": "search lines"})
+    compact = build_messages("Find X.", context, max_depth=1, max_iterations=4, config=cfg)[0]["content"]
+    assert len(compact) * 4 < len(full)
+    for name in (
+        "```repl",
+        "llm_query(",
+        "rlm_query(",
+        "FINAL(",
+        "FINAL_VAR(",
+        "grep(pattern)",
+        "At most 4 turns",
+    ):
+        assert name in compact, name
+    assert "list[str] of 19 characters in 2 items" in compact and "500 characters" in compact
+    capped = build_messages("q", "abc", depth=1, max_depth=1, config=cfg)[0]["content"]
+    assert "rlm_query(" not in capped  # at the depth cap no helper agents are offered
+    with pytest.raises(ValueError, match="style"):
+        PromptConfig(style="short")
