@@ -4,6 +4,7 @@ so a verl user finds ``actor.ppo_mini_batch_size`` where they expect it); worker
 from dataclasses import dataclass, field
 
 from workers.engine.fsdp_engine import OptimConfig
+from workers.engine.megatron.engine import MegatronConfig
 
 
 @dataclass
@@ -17,7 +18,8 @@ class ModelConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"  # "fsdp" (FSDP2); "megatron" once that engine exists
+    strategy: str = "fsdp"  # "fsdp" (FSDP2) or "megatron" (megatron-core; DP only inside role workers)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # TP/PP sizes for strategy=megatron
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (multiplied by rollout.n, as in verl)
     ppo_micro_batch_size_per_gpu: int | None = 4  # rows per forward/backward when use_dynamic_bsz is off
     use_dynamic_bsz: bool = True  # micro-batches by token budget instead of row count
@@ -40,7 +42,7 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    strategy: str = "fsdp"
+    strategy: str = "fsdp"  # "fsdp" or "megatron" (DP only inside role workers)
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int | None = 4
     use_dynamic_bsz: bool = True

@@ -29,6 +29,7 @@ from workers.roles.common import (
     FORWARD_KEYS,
     EngineRoleWorker,
     StepMetrics,
+    build_engine,
     engine_config,
     log_prob_settings,
     micro_batch_kwargs,
@@ -77,7 +78,8 @@ class ActorWorker(EngineRoleWorker):
         """Join the process group, build the engine (model + AdamW + LR schedule) and load the tokenizer."""
         self.init_distributed()
         cfg = engine_config(self.model_config, optim=self.actor_config.optim, seed=self.actor_config.seed)
-        self.engine = FSDPEngine(cfg)
+        a = self.actor_config
+        self.engine = build_engine(cfg, a.strategy, a.megatron, tag=self.tag)
         self.tokenizer = load_tokenizer(
             self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
         )

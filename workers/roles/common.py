@@ -49,6 +49,29 @@ def engine_config(
     )
 
 
+def build_engine(config: EngineConfig, strategy: str = "fsdp", megatron=None, tag: str = "engine"):
+    """The training engine of a role by ``strategy``: "fsdp" (FSDP2 over every rank of the group) or
+    "megatron" (``workers/engine/megatron``; ``megatron``: its ``MegatronConfig``). Role workers dispatch
+    one DP chunk per rank (``DP_COMPUTE_PROTO``), so with Megatron every rank must be its own DP rank:
+    TP/PP > 1 needs a dispatch mode that hands one chunk to a whole TP/PP group, which controller/ lacks."""
+    if strategy == "fsdp":
+        return FSDPEngine(config)
+    if strategy == "megatron":
+        from workers.engine.megatron.engine import MegatronConfig, MegatronEngine
+
+        megatron = megatron or MegatronConfig()
+        if megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size > 1:
+            raise NotImplementedError(
+                f"{tag}: strategy=megatron with tensor_model_parallel_size="
+                f"{megatron.tensor_model_parallel_size}, pipeline_model_parallel_size="
+                f"{megatron.pipeline_model_parallel_size} inside a role worker: the controller has no dispatch "
+                "mode that sends one data-parallel chunk to a whole TP/PP group yet (use sizes 1, i.e. DP only, "
+                "or MegatronEngine directly)"
+            )
+        return MegatronEngine(config, megatron)
+    raise ValueError(f"{tag}: strategy must be 'fsdp' or 'megatron', got {strategy!r}")
+
+
 def micro_batch_kwargs(
     use_dynamic_bsz: bool, micro_batch_size: int | None, max_token_len: int | None
 ) -> dict[str, int | None]:
@@ -85,9 +108,13 @@ def token_share(mean_value: torch.Tensor | float, mask: torch.Tensor, ctx: LossC
 
 def all_reduce_sum(engine: FSDPEngine, t: torch.Tensor) -> torch.Tensor:
     """SUM ``t`` over the engine's data-parallel group (identity for an unsharded engine); returns it on CPU."""
-    if engine.use_fsdp:
+    if hasattr(engine, "dp_group"):  # MegatronEngine: its DP group (None with one DP rank)
+        group = engine.dp_group
+    else:
+        group = engine.device_mesh.get_group() if engine.use_fsdp else None
+    if group is not None:
         t = t.to(engine.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=engine.device_mesh.get_group())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.cpu()
 
 

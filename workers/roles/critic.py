@@ -19,6 +19,7 @@ from workers.roles.common import (
     FORWARD_KEYS,
     EngineRoleWorker,
     StepMetrics,
+    build_engine,
     engine_config,
     micro_batch_kwargs,
     token_share,
@@ -58,7 +59,7 @@ class CriticWorker(EngineRoleWorker):
         cfg = engine_config(
             self.model_config, optim=self.critic_config.optim, seed=self.critic_config.seed, value_head=True
         )
-        self.engine = FSDPEngine(cfg)
+        self.engine = build_engine(cfg, self.critic_config.strategy, tag=self.tag)
         self.tokenizer = load_tokenizer(
             self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
         )
