@@ -17,7 +17,7 @@ setup(
         # a range that it satisfies keeps pip from pulling a CUDA build.
         "torch>=2.6",
         "numpy>=1.26",
-        "ray==2.60.0",
+        "ray[default]==2.60.0",  # [default]: dashboard + job server for `ray job submit`
         "transformers>=4.51",
         "tokenizers>=0.21",
         "safetensors>=0.4",
@@ -29,10 +29,13 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        # GPU cluster only: SGLang's kernels are CUDA wheels; megatron-core needs CUDA for its optimizers.
+        # GPU cluster only: SGLang's kernels are CUDA wheels.
         "sglang": ["sglang>=0.5"],
-        "megatron": ["megatron-core>=0.12,<0.17"],
+        # megatron-core: a 2.6 MB wheel (deps: torch, numpy, packaging); hyflow's Megatron engine runs on CPU
+        # through workers/engine/megatron/cpu_compat.py and is tested against 0.16.0.
+        "megatron": ["megatron-core>=0.16,<0.17"],
         "wandb": ["wandb"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6"],
+        # megatron-core in dev: installs in seconds without touching torch, so CI runs the Megatron tests.
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "megatron-core==0.16.0"],
     },
 )

@@ -27,12 +27,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from resource_pools.plans import PLACEMENTS
 from workers.config import ActorConfig, CriticConfig, ModelConfig, RewardConfig, RolloutConfig
 from workers.engine.fsdp_engine import OptimConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent
 LOGGERS = ("console", "tensorboard", "wandb")
-PLACEMENTS = ("colocated", "disaggregated")
 
 
 class ConfigError(ValueError):
@@ -129,8 +129,10 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 1  # devices per node (CPU bundles when there is no GPU)
     device: str = "auto"  # auto | cpu | cuda
-    placement: str = "colocated"  # colocated: one pool for every role; disaggregated: rollout pool apart
+    # colocated: one pool for every role; disaggregated: rollout pool apart; split_critic: critic pool apart
+    placement: str = "colocated"
     rollout_gpus_per_node: int = 0  # disaggregated: devices per node for the rollout pool (rest: training)
+    critic_gpus_per_node: int = 0  # split_critic: devices per node for the critic pool (rest: actor)
     export_hf: bool = False  # write <run dir>/hf_model at the end
     progress_bar: bool = True
     plot: bool = True  # <run dir>/curves.png at the end
@@ -298,8 +300,17 @@ def save_config(cfg: RecipeConfig, path: str | os.PathLike) -> str:
 
 
 def device_counts(cfg: RecipeConfig) -> dict[str, int]:
-    """World sizes of the worker groups: ``train`` (actor, ref, critic, reward) and ``rollout``."""
+    """World sizes of the worker groups: ``train`` (actor, ref, critic, reward) and ``rollout``; under
+    ``split_critic`` ``train`` is the actor pool (actor + rollout, ref, reward) and ``critic`` the critic's."""
     t = cfg.trainer
+    if t.placement == "split_critic":
+        actor = (t.n_gpus_per_node - t.critic_gpus_per_node) * t.nnodes
+        return {
+            "train": actor,
+            "rollout": actor,
+            "critic": t.critic_gpus_per_node * t.nnodes,
+            "total": t.n_gpus_per_node * t.nnodes,
+        }
     if t.placement == "disaggregated":
         train = (t.n_gpus_per_node - t.rollout_gpus_per_node) * t.nnodes
         return {
@@ -312,7 +323,10 @@ def device_counts(cfg: RecipeConfig) -> dict[str, int]:
 
 
 def needs_reference(cfg: RecipeConfig) -> bool:
-    return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+    # the hybrid advantage's OPD teacher is the reference model conditioned on a hint
+    return bool(
+        cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or cfg.algorithm.adv_estimator == "hybrid"
+    )
 
 
 def uses_critic(cfg: RecipeConfig) -> bool:
@@ -369,10 +383,28 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
             f"(a rollout pool and a training pool), got rollout_gpus_per_node={t.rollout_gpus_per_node}, "
             f"n_gpus_per_node={t.n_gpus_per_node}"
         )
+    elif t.placement == "split_critic":
+        if not 0 < t.critic_gpus_per_node < t.n_gpus_per_node:
+            errors.append(
+                f"trainer.placement=split_critic needs 0 < trainer.critic_gpus_per_node < trainer.n_gpus_per_node "
+                f"(a critic pool and an actor pool), got critic_gpus_per_node={t.critic_gpus_per_node}, "
+                f"n_gpus_per_node={t.n_gpus_per_node}"
+            )
+        if not uses_critic(cfg):
+            errors.append(
+                f"trainer.placement=split_critic puts the critic on its own pool, but algorithm.adv_estimator="
+                f"{a.adv_estimator} trains no critic (use recipes.ppo with adv_estimator=gae)"
+            )
+    if t.placement != "split_critic" and t.critic_gpus_per_node != 0:
+        errors.append(
+            f"trainer.critic_gpus_per_node={t.critic_gpus_per_node} is only used with "
+            f"trainer.placement=split_critic (got placement={t.placement!r})"
+        )
     if t.device not in ("auto", "cpu", "cuda"):
         errors.append(f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
     counts = device_counts(cfg) if not errors else {"train": 0, "rollout": 0}
     dp, rollout_dp = counts["train"], counts["rollout"]
+    critic_dp = counts.get("critic", dp)
 
     # batch sizes
     n = r.n
@@ -395,7 +427,7 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
             )
         _check_ppo_batches(errors, "actor", cfg.actor, bs, n, dp)
         if uses_critic(cfg):
-            _check_ppo_batches(errors, "critic", cfg.critic, bs, n, dp)
+            _check_ppo_batches(errors, "critic", cfg.critic, bs, n, critic_dp)
     if d.val_batch_size is not None and d.val_batch_size < 1:
         errors.append(f"data.val_batch_size must be >= 1 or null, got {d.val_batch_size}")
 

@@ -1,4 +1,4 @@
-"""Resource pools and WorkerGroups from the config, for both placements.
+"""Resource pools and WorkerGroups from the config, for every placement (``resource_pools.placement_plan``).
 
 ``colocated`` (one pool of ``n_gpus_per_node * nnodes`` devices): every device runs ONE process holding the
 actor + rollout engines (``ActorRolloutWorker``, the hybrid engine), the reference, the critic (PPO) and the
@@ -7,6 +7,10 @@ reward scorer (``create_colocated_worker_cls`` + ``spawn``).
 ``disaggregated`` (two pools): the rollout pool (``rollout_gpus_per_node`` per node) runs ``RolloutWorker``;
 the training pool (the rest) runs ActorWorker + reference + critic + reward colocated. Weights go from the
 actor group to the rollout group with ``sync_weights_disaggregated``.
+
+``split_critic`` (two pools): the actor pool runs the hybrid engine + reference + reward colocated as above; the
+critic pool (``critic_gpus_per_node`` per node) runs ``CriticWorker`` alone, so actor and critic train on
+different devices.
 
     roles = build_roles(cfg, run, critic=False)
     out = roles.generate(prompts, meta)        # rows repeated rollout.n times, interleaved
@@ -24,7 +28,7 @@ from dataproto import DataProto
 from recipes.config import RecipeConfig, device_counts, needs_reference
 from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
-from resource_pools import ResourcePoolManager
+from resource_pools import ResourcePoolManager, placement_plan
 
 logger = logging.getLogger("recipes")
 
@@ -59,7 +63,7 @@ class Roles:
 
     def sync_weights(self) -> dict[str, float]:
         """Push the actor's current weights to the rollout engine(s)."""
-        if self.placement == "colocated":
+        if self.rollout is self.actor:  # hybrid engine (colocated, split_critic): in-process stream
             return metrics_of(self.actor.sync_weights())
         from workers.roles.rollout import sync_weights_disaggregated
 
@@ -83,7 +87,7 @@ def _role_classes(
     cfg: RecipeConfig, run: Run, *, hybrid: bool, critic: bool, hybrid_cls=None, rollout_kwargs=None
 ) -> dict[str, RayClassWithInitArgs]:
     """The training-side roles: actor (hybrid: + rollout engine), reference, critic, reward."""
-    from workers.roles import CriticWorker, RefWorker
+    from workers.roles import RefWorker
     from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWorker
 
     mc = model_config(cfg, run.model_path)
@@ -95,13 +99,17 @@ def _role_classes(
     if needs_reference(cfg):
         out["ref"] = RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout)
     if critic:
-        critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
-        out["critic"] = RayClassWithInitArgs(
-            CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout
-        )
+        out["critic"] = _critic_class(cfg, run)
     crf = cfg.custom_reward_function
     out["reward"] = RayClassWithInitArgs(TaskRewardWorker, run.model_path, cfg.reward, crf.path, crf.name)
     return out
+
+
+def _critic_class(cfg: RecipeConfig, run: Run) -> RayClassWithInitArgs:
+    from workers.roles import CriticWorker
+
+    critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
+    return RayClassWithInitArgs(CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout)
 
 
 def build_roles(
@@ -120,23 +128,26 @@ def build_roles(
     ``rollout_kwargs`` as extra constructor arguments."""
     t = cfg.trainer
     counts = device_counts(cfg)
-    colocated = t.placement == "colocated"
-    if colocated:
-        pool_spec = {"global_pool": [t.n_gpus_per_node] * t.nnodes}
-        role_to_pool = {r: "global_pool" for r in ("actor", "rollout", "ref", "critic", "reward")}
-    else:
-        pool_spec = {
-            "train_pool": [t.n_gpus_per_node - t.rollout_gpus_per_node] * t.nnodes,
-            "rollout_pool": [t.rollout_gpus_per_node] * t.nnodes,
-        }
-        role_to_pool = {r: "train_pool" for r in ("actor", "ref", "critic", "reward")}
-        role_to_pool["rollout"] = "rollout_pool"
-    manager = ResourcePoolManager(pool_spec, role_to_pool, use_gpu=run.use_gpu)
+    plan = placement_plan(
+        t.placement,
+        t.n_gpus_per_node,
+        t.nnodes,
+        rollout_per_node=t.rollout_gpus_per_node,
+        critic_per_node=t.critic_gpus_per_node,
+    )
+    colocated = plan.pool_of("rollout") == plan.pool_of("actor")  # the hybrid actor + rollout engine
+    critic_apart = critic and plan.pool_of("critic") != plan.pool_of("actor")
+    manager = ResourcePoolManager(plan.pool_spec, plan.role_to_pool, use_gpu=run.use_gpu)
     manager.create_resource_pools()
     groups: list[RayWorkerGroup] = []
     try:
         classes = _role_classes(
-            cfg, run, hybrid=colocated, critic=critic, hybrid_cls=hybrid_cls, rollout_kwargs=rollout_kwargs
+            cfg,
+            run,
+            hybrid=colocated,
+            critic=critic and not critic_apart,
+            hybrid_cls=hybrid_cls,
+            rollout_kwargs=rollout_kwargs,
         )
         train_wg = RayWorkerGroup(
             manager.get_pool("actor"),
@@ -166,6 +177,16 @@ def build_roles(
             )
             groups.append(rollout_wg)
             rollout_wg.init_model()
+        if critic_apart:
+            critic_wg = RayWorkerGroup(
+                manager.get_pool("critic"),
+                _critic_class(cfg, run),
+                name_prefix="critic",
+                call_timeout_s=t.call_timeout_s,
+            )
+            groups.append(critic_wg)
+            critic_wg.init_model()
+            wgs["critic"] = critic_wg
     except BaseException:
         for wg in groups:
             wg.shutdown()

@@ -1,0 +1,408 @@
+"""Cluster launch for real on this machine: a Ray head (`ray start --head` on loopback) plus a second
+`ray start` node with its own resources, a recipe submitted with `ray job submit` (recipes/slurm/submit.sh), and
+the Slurm batch script (recipes/slurm/hyflow.sbatch) driven end to end.
+
+Both clusters are separate from the test session's own Ray (tests/conftest.py): their own ports, temp dir,
+token and environment (no RAY_* variables of this process leak in); each `ray start --block` runs in its own
+session and is stopped with SIGTERM by id in a finalizer, after which no process of its temp dir may remain.
+The recipe runs with trainer.nnodes=2 on nodes of 1 CPU each, so its pool needs a placement group on both
+nodes: a success means both Ray nodes ran workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.launch import DRIVER_ENV_KEYS, runtime_env
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+RAY = shutil.which("ray", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+if RAY is None:
+    pytest.skip("the ray CLI is not installed (pip install 'ray[default]')", allow_module_level=True)
+
+JOB = [  # one GRPO step of the nano model on 2 nodes x 1 CPU bundle
+    "model.tiny_size=nano",
+    "task.n_train=16",
+    "task.n_val=4",
+    "data.train_batch_size=2",
+    "data.max_prompt_length=32",
+    "data.max_response_length=8",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=2",
+    "trainer.total_training_steps=1",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=-1",
+    "trainer.save_freq=-1",
+    "trainer.resume_mode=disable",
+    "trainer.progress_bar=false",
+    "trainer.plot=false",
+    "trainer.logger=[console]",
+    "trainer.nnodes=2",
+    "trainer.n_gpus_per_node=1",
+]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _node_ports(ports: list[int], worker_range: int) -> list[str]:
+    """Per-node ports, so two nodes (and the test session's Ray) can share one machine."""
+    agent, agent_grpc, runtime_env_agent, metrics, node_manager, object_manager = ports
+    return [
+        f"--dashboard-agent-listen-port={agent}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--runtime-env-agent-port={runtime_env_agent}",
+        f"--metrics-export-port={metrics}",
+        f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}",
+        f"--min-worker-port={worker_range}",
+        f"--max-worker-port={worker_range + 999}",
+        "--object-store-memory=150000000",
+    ]
+
+
+def _clean_env(token: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=token,
+        OMP_NUM_THREADS="1",
+        HYFLOW_PYTHON=sys.executable,
+        HYFLOW_JOB_PYTHON=sys.executable,
+    )
+    env.update(extra)
+    env.pop("PYTHONPATH", None)  # the job must find the code through its runtime env, not ours
+    return env
+
+
+def _ours(tmp: str) -> list[int]:
+    """Pids of processes whose command line names our temp dir (the Ray processes this test started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if tmp in cmd and int(entry.name) != os.getpid():
+            pids.append(int(entry.name))
+    return pids
+
+
+def _cmdlines(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160])
+        except OSError:
+            pass
+    return out
+
+
+def _stop(procs: list[subprocess.Popen], tmp: str) -> list[int]:
+    """SIGTERM each `ray start --block` we started (it stops its node's Ray processes); returns the pids of
+    any process of ours still alive after 30 s (then killed)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+    while (left := _ours(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _run(
+    cmd: list[str], env: dict[str, str], timeout: float, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """Run to completion; output through files, not pipes (a daemon it leaves behind would hold a pipe open)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=out, stderr=err, timeout=timeout)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(
+            cmd, proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+        )
+
+
+class LocalCluster:
+    """A head and a worker node started with `ray start --block` on loopback, each in its own session."""
+
+    def __init__(self, tmp: str):
+        self.tmp = tmp
+        self.token = secrets.token_hex(32)
+        ports = _free_ports(15)
+        self.gcs_port, self.dash_port, self.client_port = ports[:3]
+        self.head_ports, self.worker_ports = ports[3:9], ports[9:15]
+        self.dashboard = f"http://127.0.0.1:{self.dash_port}"
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return _clean_env(self.token, **extra)
+
+    def _start_node(self, args: list[str], log: str) -> None:
+        with open(Path(self.tmp) / log, "wb") as out:
+            self.procs.append(
+                subprocess.Popen(
+                    [RAY, "start", "--block", f"--temp-dir={self.tmp}", *args],
+                    env=self.env(),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+
+    def wait_nodes(self, n: int) -> str:
+        cmd = [sys.executable, "-m", "recipes.launch", "wait-nodes", "--address", self.dashboard]
+        res = _run([*cmd, "--nodes", str(n), "--timeout", "60"], self.env(PYTHONPATH=str(REPO)), 90)
+        assert res.returncode == 0, f"cluster did not come up:\n{res.stderr}\n{self.logs()}"
+        return res.stdout
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in Path(self.tmp).glob("*.log"))
+
+    def start(self) -> None:
+        head = [
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dash_port}",
+            "--include-dashboard=true",
+            f"--ray-client-server-port={self.client_port}",
+            "--num-cpus=1",
+        ]
+        self._start_node([*head, *_node_ports(self.head_ports, 22000)], "head.log")
+        self.wait_nodes(1)
+        worker = [
+            f"--address=127.0.0.1:{self.gcs_port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=1",
+            '--resources={"hyflow_worker_node": 1}',
+        ]
+        self._start_node([*worker, *_node_ports(self.worker_ports, 23000)], "worker.log")
+
+
+@pytest.fixture(scope="module")
+def local_cluster():
+    tmp = tempfile.mkdtemp(prefix="hyfc", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    cluster = LocalCluster(tmp)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        left = _stop(cluster.procs, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert not left, f"Ray processes survived SIGTERM of `ray start --block`: {left}"
+
+
+def test_runtime_env_modes_and_errors():
+    up = runtime_env("upload", "/repo", {"NCCL_DEBUG": "WARN"})
+    assert (
+        up["working_dir"] == "/repo"
+        and "runs/" in up["excludes"]
+        and up["env_vars"] == {"NCCL_DEBUG": "WARN"}
+    )
+    assert runtime_env("shared", "/repo") == {"env_vars": {"PYTHONPATH": "/repo"}}
+    with pytest.raises(ValueError, match="TOKENIZERS_PARALLELISM"):
+        runtime_env("upload", "/repo", {"TOKENIZERS_PARALLELISM": "true"})
+    with pytest.raises(ValueError, match="upload or shared"):
+        runtime_env("rsync", "/repo")
+    assert set(DRIVER_ENV_KEYS) >= {"TOKENIZERS_PARALLELISM"}
+
+
+def test_wait_nodes_times_out_naming_the_cluster_and_the_error():
+    port = _free_ports(1)[0]  # nothing listens there
+    res = _run(
+        [sys.executable, "-m", "recipes.launch", "wait-nodes", "--address", f"http://127.0.0.1:{port}"]
+        + ["--nodes", "2", "--timeout", "1"],
+        _clean_env("0" * 64, PYTHONPATH=str(REPO)),
+        60,
+    )
+    assert res.returncode == 1
+    assert f"the Ray cluster at http://127.0.0.1:{port} has 0 of 2 node(s) ready" in res.stderr
+    assert "last error:" in res.stderr
+
+
+def test_ray_job_submit_runs_a_recipe_on_two_nodes(local_cluster, tmp_path):
+    nodes = local_cluster.wait_nodes(2)
+    assert nodes.count("node ") == 2 and "(head)" in nodes
+    run_dir = tmp_path / "run"
+    env = local_cluster.env(HYFLOW_DASHBOARD=local_cluster.dashboard, HYFLOW_SUBMISSION_ID="hyflow-test-grpo")
+    res = _run(
+        ["bash", str(REPO / "recipes/slurm/submit.sh"), "grpo", *JOB, f"trainer.default_local_dir={run_dir}"],
+        env,
+        240,
+        cwd=tmp_path,  # submit.sh finds the repo from its own path
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"job failed:\n{out[-6000:]}\n{local_cluster.logs()}"
+    assert "Job 'hyflow-test-grpo' succeeded" in out
+    assert "[grpo] step 1/1" in out  # the job's own log lines were streamed
+    # the job's outputs: resolved config and one metrics row of the step
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["perf/total_num_tokens"] > 0 and "timing_s/update_weights" in rows[0]
+    assert "nnodes: 2" in (run_dir / "config.yaml").read_text()
+    # the job server kept its status and logs
+    status = _run([RAY, "job", "status", "--address", local_cluster.dashboard, "hyflow-test-grpo"], env, 60)
+    assert "Job 'hyflow-test-grpo' succeeded" in status.stdout + status.stderr
+    logs = _run([RAY, "job", "logs", "--address", local_cluster.dashboard, "hyflow-test-grpo"], env, 60)
+    assert "[grpo] step 1/1" in logs.stdout
+
+
+def test_submit_refuses_an_unknown_recipe():
+    bad = _run(["bash", str(REPO / "recipes/slurm/submit.sh"), "nosuch"], _clean_env("0" * 64), 30)
+    assert bad.returncode == 2 and "no recipe 'nosuch'" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Slurm batch script, with stand-ins for Slurm's commands
+# ---------------------------------------------------------------------------------------------------------------
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# Stand-in for Slurm's srun (no Slurm here): records the call, drops srun's own --options and runs the
+# command on this machine in place of the named node (exec, so signals reach it as they would via srun).
+echo "srun $*" >> "$FAKE_SLURM_LOG"
+while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# Stand-in for `scontrol show hostnames LIST`: prints the space/comma separated names of FAKE_NODES.
+[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: only 'show hostnames'" >&2; exit 2; }
+for n in ${FAKE_NODES//,/ }; do echo "$n"; done
+"""
+
+
+def _fake_slurm_bin(tmp_path: Path) -> Path:
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    return fake_bin
+
+
+def test_slurm_script_refuses_a_bad_allocation_before_starting_anything(tmp_path):
+    """Same stand-ins as below; no Ray is started: the script stops at its checks."""
+    fake_bin = _fake_slurm_bin(tmp_path)
+    base = _clean_env("0" * 64, PATH=f"{fake_bin}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    base |= {"FAKE_SLURM_LOG": str(tmp_path / "srun.log"), "SLURM_SUBMIT_DIR": str(REPO)}
+    script = ["bash", str(REPO / "recipes/slurm/hyflow.sbatch"), "grpo"]
+    outside = _run(script, base, 30, cwd=tmp_path)
+    assert outside.returncode != 0 and "not inside a Slurm allocation" in outside.stderr
+    short = _run(script, base | {"SLURM_JOB_NUM_NODES": "1", "HYFLOW_NNODES": "3", "FAKE_NODES": "node1",
+                                 "SLURM_JOB_NODELIST": "node1"}, 30, cwd=tmp_path)  # fmt: skip
+    assert short.returncode == 2 and "HYFLOW_NNODES=3 but the allocation has 1 node(s): node1" in short.stderr
+    elsewhere = _run(
+        script, base | {"SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NUM_NODES": "1"}, 30, cwd=tmp_path
+    )
+    assert elsewhere.returncode == 2 and "is not the hyflow repository" in elsewhere.stderr
+    assert not (tmp_path / "srun.log").exists()  # no step was started
+
+
+def test_slurm_script_starts_head_and_worker_submits_and_tears_down(tmp_path):
+    """hyflow.sbatch run as Slurm would run it on the first node of a 2-node allocation, with stand-ins for
+    what Slurm provides: `srun` (runs the step's command here instead of on the named node), `scontrol show
+    hostnames` (the node list) and the SLURM_* variables. Everything else is real: two `ray start` nodes on
+    loopback, `ray job submit` in shared-code mode, the teardown when the script exits. The job is the GRPO
+    recipe with a misspelt key: it fails on the cluster after the code was found, and the script must exit 1
+    with the job's error in its log and still tear both nodes down (the failure path; a successful training
+    run through `ray job submit` is test_ray_job_submit_runs_a_recipe_on_two_nodes)."""
+    tmp = tempfile.mkdtemp(prefix="hyfs", dir="/tmp")
+    fake_bin = _fake_slurm_bin(tmp_path)
+    gcs, dash, client, *ports = _free_ports(15)
+    run_dir = tmp_path / "run"
+    env = _clean_env(
+        secrets.token_hex(32),
+        PATH=f"{fake_bin}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        FAKE_SLURM_LOG=str(tmp_path / "srun.log"),
+        FAKE_NODES="node1,node2",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="node[1-2]",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_CPUS_PER_TASK="1",
+        HYFLOW_HEAD_IP="127.0.0.1",  # both "nodes" are this machine
+        HYFLOW_DASHBOARD_HOST="127.0.0.1",
+        HYFLOW_RAY_PORT=str(gcs),
+        HYFLOW_DASHBOARD_PORT=str(dash),
+        HYFLOW_RAY_TMPDIR=tmp,
+        HYFLOW_WAIT_TIMEOUT="60",
+        HYFLOW_RAY_HEAD_ARGS=" ".join([f"--ray-client-server-port={client}", *_node_ports(ports[:6], 24000)]),
+        HYFLOW_RAY_WORKER_ARGS=" ".join(["--node-ip-address=127.0.0.1", *_node_ports(ports[6:12], 25000)]),
+    )
+    env.pop("RAY_AUTH_TOKEN")  # the script makes its own per-job token
+    try:
+        res = _run(
+            [
+                "bash",
+                str(REPO / "recipes/slurm/hyflow.sbatch"),
+                "grpo",
+                *JOB,
+                f"trainer.default_local_dir={run_dir}",
+                "rollout.nn=3",
+            ],
+            env,
+            300,
+            cwd=tmp_path,
+        )
+        out = res.stdout + res.stderr
+        left_at_exit = _ours(tmp)
+        assert res.returncode == 1, out[
+            -6000:
+        ]  # `ray job submit` exits 1 for a failed job; the script passes it on
+        assert "Job 'hyflow-4242-grpo' failed" in out
+        assert "unknown config key 'rollout.nn'" in out  # the job's own error, streamed
+        assert "stopping Ray on 2 node(s)" in out
+        calls = (tmp_path / "srun.log").read_text().splitlines()
+        head = [c for c in calls if "ray start --head" in c]
+        worker = [c for c in calls if f"ray start --address=127.0.0.1:{gcs}" in c]
+        assert len(head) == 1 and "--nodelist=node1" in head[0] and "--num-cpus=1" in head[0]
+        assert len(worker) == 1 and "--nodelist=node2" in worker[0]
+        assert any("--nodelist=node1" in c and "submit.sh grpo" in c for c in calls)
+        assert all("--overlap" in c for c in calls)
+        # teardown: the script waited for both nodes' Ray to stop before it exited
+        assert not left_at_exit, f"Ray processes outlived hyflow.sbatch: {_cmdlines(left_at_exit)}"
+    finally:
+        for pid in _ours(tmp):  # only if the script's teardown failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(tmp, ignore_errors=True)
