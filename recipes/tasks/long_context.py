@@ -245,9 +245,13 @@ class SNIAHConfig(_Common):
     # the question); "pattern" -- every magic-number sentence, then the only hit (no distractors; a program
     # small models learn without copying, e.g. the CPU recipe's warm start)
     search: str = "key"
-    key_words: int = (
-        0  # > 0: needle keys from the first k adjectives x k nouns only (k*k keys; easier to copy)
-    )
+    key_words: int = 0  # > 0: keys from the first k adjectives x k nouns only (k*k keys; easier to copy)
+    # decoys: sentences that name the asked key next to a wrong seven-digit number, phrased so that neither
+    # reference regex matches them; they defeat the shortcut "take the first seven-digit number"
+    n_decoys: int = 0
+    # fraction of rows whose reference solution takes that shortcut (right only when the needle comes
+    # first): an imperfect teacher, so RL has a better program to find (cf. the quickstart's arith_mixed)
+    sloppy_frac: float = 0.0
 
     def validate(self) -> None:
         super().validate()
@@ -269,6 +273,10 @@ class SNIAHConfig(_Common):
             raise ValueError(f"n_distractors must be in [0, 50], got {self.n_distractors}")
         if self.item_chars < 200:
             raise ValueError(f"item_chars must be >= 200, got {self.item_chars}")
+        if not 0 <= self.n_decoys <= 10:
+            raise ValueError(f"n_decoys must be in [0, 10], got {self.n_decoys}")
+        if not 0.0 <= self.sloppy_frac <= 1.0:
+            raise ValueError(f"sloppy_frac must be in [0, 1], got {self.sloppy_frac}")
 
 
 def _sentence(rng: random.Random) -> str:
@@ -339,6 +347,10 @@ def _needle(key: str, value: str) -> str:
     return f"The special magic number for {key} is {value}."
 
 
+def _decoy(key: str, value: str) -> str:
+    return f"An old note wrongly gave {value} as the special magic number for {key}."
+
+
 def sample_sniah(rng: random.Random, cfg: SNIAHConfig) -> dict | None:
     length = rng.choice(cfg.length_values)
     adjs, nouns = (
@@ -353,6 +365,12 @@ def sample_sniah(rng: random.Random, cfg: SNIAHConfig) -> dict | None:
         if all(k != nk and v != nv for nk, nv in needles):
             needles.append((k, v))
     texts = [_needle(k, v) for k, v in needles]
+    numbers = {v for _, v in needles}
+    while len(numbers) < len(needles) + cfg.n_decoys:
+        v = str(rng.randint(1_000_000, 9_999_999))
+        if v not in numbers:
+            numbers.add(v)
+            texts.append(_decoy(key, v))
     list_mode = cfg.context_format == "list"
     # for a list the item joins are not counted, so aim at the length plus the item separators
     extra = length // cfg.item_chars if list_mode else 0
@@ -382,7 +400,10 @@ def make_sniah_row(prob: dict, split: str, index: int, demo_rng: random.Random, 
         f"What is the special magic number for {key} mentioned in the context? Answer with the number only."
     )
     fmt = "string" if isinstance(prob["context"], str) else "list of text chunks"
-    if cfg.search == "key":
+    search = "sloppy" if cfg.sloppy_frac and demo_rng.random() < cfg.sloppy_frac else cfg.search
+    if search == "sloppy":  # the first seven-digit number: wrong when a decoy comes before the needle
+        target, regex, pick = "a seven-digit number", r"\d{7}", "hits[0]"
+    elif search == "key":
         target, regex, pick = (
             f"the sentence about {key}",
             rf"special magic number for {key} is (\d+)",
@@ -406,7 +427,7 @@ def make_sniah_row(prob: dict, split: str, index: int, demo_rng: random.Random, 
     )
     return _row(
         SNIAH, question, value, prob["context"], split, index, cfg, turns, "exact", prob["length"],
-        needle=prob["needle"], needle_key=key, needle_depth=prob["needle_depth"],
+        needle=prob["needle"], needle_key=key, needle_depth=prob["needle_depth"], reference_search=search,
     )  # fmt: skip
 
 

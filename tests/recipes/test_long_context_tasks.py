@@ -205,6 +205,27 @@ def test_sniah_pattern_search_and_small_key_vocabulary():
         generate_splits("sniah", 2, 0, seed=0, lengths="2000", search="grep")
 
 
+def test_sniah_decoys_defeat_the_sloppy_shortcut_only():
+    rows = generate_splits(
+        "sniah", 60, 0, seed=0, lengths="2000", search="pattern", n_decoys=1, sloppy_frac=0.5
+    )["train"]
+    styles = {"sloppy": [], "pattern": []}
+    for r in rows:
+        ei, truth = r["extra_info"], r["reward_model"]["ground_truth"]
+        numbers = re.findall(r"\d{7}", ei["context"])
+        assert len(numbers) == 2 and truth in numbers  # the needle and one decoy with another number
+        assert (
+            f"wrongly gave {(set(numbers) - {truth}).pop()} as the special magic number for " in ei["context"]
+        )
+        got = run_reference(r)
+        styles[ei["reference_search"]].append(got == truth)
+        if ei["reference_search"] == "sloppy":
+            assert got == numbers[0]  # the shortcut: the first seven-digit number, decoy or not
+    assert all(styles["pattern"])  # the careful program is never fooled
+    assert 0 < sum(styles["sloppy"]) < len(styles["sloppy"])  # the shortcut is right only sometimes
+    assert 15 <= len(styles["sloppy"]) <= 45
+
+
 # ------------------------------------------------------------------------------------------- OOLONG
 
 
