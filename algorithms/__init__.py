@@ -4,7 +4,8 @@ Names and semantics follow verl's ``core_algos`` (also importable as ``algorithm
 
 * masked helpers: ``masked_sum``, ``masked_mean``, ``masked_var``, ``masked_whiten``
 * advantage estimators, by name through ``get_adv_estimator_fn`` / ``run_adv_estimator``:
-  ``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``;
+  ``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``,
+  ``hybrid`` (GRPO + process-reward steps + hindsight on-policy distillation, ``algorithms.hybrid``);
   add more with ``@register_adv_est("name")``
 * policy losses, by name through ``get_policy_loss_fn``: ``vanilla`` (PPO clip, dual-clip), ``gspo``;
   add more with ``@register_policy_loss("name")``
@@ -27,6 +28,7 @@ from algorithms.advantages import (
 )
 from algorithms.aggregation import GLOBAL_BATCH_INFO_KEYS, LOSS_AGG_MODES, agg_loss, make_global_batch_info
 from algorithms.entropy import compute_entropy_loss, entropy_from_logits
+from algorithms.hybrid import compute_hybrid_advantage, normalize_step_rewards, step_index_from_mask
 from algorithms.kl import (
     KL_PENALTY_NAMES,
     AdaptiveKLController,
@@ -73,6 +75,7 @@ __all__ = [
     "compute_entropy_loss",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
+    "compute_hybrid_advantage",
     "compute_kl_loss",
     "compute_policy_loss_gspo",
     "compute_policy_loss_vanilla",
@@ -95,7 +98,9 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "normalize_step_rewards",
     "register_adv_est",
     "register_policy_loss",
     "run_adv_estimator",
+    "step_index_from_mask",
 ]

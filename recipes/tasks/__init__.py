@@ -11,7 +11,8 @@ Each row has the columns verl's RL datasets use::
 Tasks (``TASKS``): ``arithmetic`` (clean step-by-step demonstrations), ``arith_mixed`` (problems where
 precedence matters, every intermediate value <= 20 so the arithmetic is easy for a 1M-parameter
 model, 60% of the training demonstrations written left to right ignoring precedence -- the
-quickstart task where RL visibly beats imitation; about 2,300 distinct problems exist), ``countdown`` (target reaching, a search problem).
+quickstart task where RL visibly beats imitation; about 2,300 distinct problems exist), ``countdown`` (target reaching, a search problem),
+``tool_math`` (multi-digit sums/products for the tool-use env: multi-turn ``reference_turns`` demonstrations).
 
     from recipes.tasks import generate_splits, make_dataset
     paths = make_dataset("arith_mixed", "data/arith", n_train=400, n_val=200, n_sft=1600, seed=0)
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from recipes.tasks import arithmetic, countdown, long_context
+from recipes.tasks import arithmetic, countdown, long_context, tool_math
 from recipes.tasks.scoring import ARITHMETIC, COUNTDOWN, DATA_SOURCES, compute_score
 
 __all__ = [
@@ -79,6 +80,10 @@ TASKS: dict[str, TaskSpec] = {
     ),
     "countdown": TaskSpec(
         "countdown", countdown.CountdownConfig, countdown.sample_problem, countdown.make_row, (COUNTDOWN,)
+    ),
+    # multi-digit sums/products solved with a sandboxed Python tool (recipes/hybrid_rl.py)
+    "tool_math": TaskSpec(
+        "tool_math", tool_math.ToolMathConfig, tool_math.sample_problem, tool_math.make_row, (ARITHMETIC,)
     ),
 }
 

@@ -3,9 +3,15 @@
 A forward-only engine (no optimizer, parameters frozen), FSDP2-sharded over the group when it has more than one
 rank. Usually colocated with the actor in the same processes (``create_colocated_worker_cls``); the two hold
 separate engines, and the reference never changes.
+
+``compute_teacher_log_prob`` makes the reference a hint-conditioned teacher (hindsight on-policy distillation,
+``algorithms/hybrid.py``): the log-probs of the policy's own response tokens under [prompt + hint + response],
+aligned token for token with ``responses`` (`build_teacher_inputs`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from controller import Dispatch, register
 from dataproto import DataProto
@@ -13,6 +19,44 @@ from workers.config import ModelConfig, RolloutConfig
 from workers.engine import FSDPEngine
 from workers.models import load_tokenizer
 from workers.roles.common import FORWARD_KEYS, EngineRoleWorker, engine_config, log_prob_settings
+
+
+def build_teacher_inputs(
+    prompts: torch.Tensor,
+    responses: torch.Tensor,
+    attention_mask: torch.Tensor,
+    hint_ids: list[list[int]],
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """The engine batch of [prompt + hint + response] per row, the response tokens unchanged.
+
+    ``prompts`` [B, P] are left-padded (their real tokens are the ones ``attention_mask[:, :P]`` marks) and
+    ``responses`` [B, R] right-padded. Row b's hint tokens go right after its real prompt tokens; the new
+    prompt block is left-padded to P' = P + the longest hint, so response token j sits at column P' + j and
+    the engine's log-probs come back [B, R] aligned with ``responses``. With every hint empty the batch is
+    the input's, token for token (the teacher is then exactly the reference)."""
+    B, P = prompts.shape
+    if len(hint_ids) != B:
+        raise ValueError(f"{len(hint_ids)} hints for {B} rows")
+    H = max((len(h) for h in hint_ids), default=0)
+    if H == 0:
+        return {
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "responses": responses,
+        }
+    new_prompts = torch.full((B, P + H), pad_token_id, dtype=prompts.dtype)
+    new_mask = torch.zeros((B, P + H), dtype=attention_mask.dtype)
+    for b in range(B):
+        real = prompts[b][attention_mask[b, :P].bool()]
+        row = torch.cat([real, torch.as_tensor(hint_ids[b], dtype=prompts.dtype)])
+        new_prompts[b, P + H - len(row) :] = row
+        new_mask[b, P + H - len(row) :] = 1
+    return {
+        "input_ids": torch.cat([new_prompts, responses], dim=1),
+        "attention_mask": torch.cat([new_mask, attention_mask[:, P:]], dim=1),
+        "responses": responses,
+    }
 
 
 class RefWorker(EngineRoleWorker):
@@ -39,3 +83,31 @@ class RefWorker(EngineRoleWorker):
         temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
         out = engine.compute_log_prob(self._select(data, FORWARD_KEYS), temperature=temperature, **micro)
         return DataProto.from_dict({"ref_log_prob": out["log_probs"]}, meta_info={"temperature": temperature})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        """``teacher_log_prob`` [B, R]: log-probs of ``responses`` under [prompt + hint + response], where the
+        hint of row b is ``non_tensor_batch["teacher_hint"][b]`` (text, tokenised as is; "" or a missing
+        column: no hint, the ordinary reference log-prob). Needs ``prompts``, ``responses``,
+        ``attention_mask``; temperature and micro-batching as ``compute_ref_log_prob``."""
+        engine = self._require_engine("compute_teacher_log_prob")
+        self._require_keys(data, ("prompts", "responses", "attention_mask"), "compute_teacher_log_prob")
+        temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
+        hints = data.non_tensor_batch.get("teacher_hint")
+        texts = ["" if h is None else str(h) for h in hints] if hints is not None else [""] * len(data)
+        hint_ids = [list(self.tokenizer.encode(t, add_special_tokens=False)) if t else [] for t in texts]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        b = data.batch
+        inputs = build_teacher_inputs(b["prompts"], b["responses"], b["attention_mask"], hint_ids, pad)
+        out = engine.compute_log_prob(inputs, temperature=temperature, **micro)
+        n_hint = sum(bool(h) for h in hint_ids)
+        return DataProto.from_dict(
+            {"teacher_log_prob": out["log_probs"]},
+            meta_info={
+                "temperature": temperature,
+                "metrics": {
+                    "teacher/hint_tokens/mean": sum(map(len, hint_ids)) / max(n_hint, 1),
+                    "teacher/rows_with_hint": float(n_hint),
+                },
+            },
+        )

@@ -1,0 +1,108 @@
+r"""Multi-digit arithmetic where a Python tool genuinely helps (the tool-use env of ``workers.math_env``).
+
+Prompt: ``Compute 4821 + 9377 - 1504 + 37 * 212.``  -- several multi-digit terms (``digits`` digits each),
+optionally one product of a multi-digit and a 2-digit number: exact mental arithmetic is hard for a small
+model, one ``<python>print(...)</python>`` call is not. Ground truth: the integer value, scored by the
+``hyflow/arithmetic`` rule (the last ``\boxed{}`` holds that integer) -- the same rule as
+``workers.math_env.verify_boxed``.
+
+Demonstrations for the warm start are multi-turn (``extra_info["reference_turns"]``, replayed in the sandbox
+so the observations are real):
+
+* ``tool`` (the rest): ``<python>print(<expression>)</python>`` then ``\boxed{<value>}``;
+* ``error_frac``: a first call with a typo (a dangling operator: a SyntaxError observation), then the
+  fixed call, then the answer -- recovery from a tool error;
+* ``direct_frac``: an immediate ``\boxed{}`` guess with one digit wrong (no tool) -- an imitation policy
+  that skips the tool that often, and is wrong when it does; RL has a reason to prefer the tool.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from recipes.tasks.scoring import ARITHMETIC
+
+
+@dataclass
+class ToolMathConfig:
+    min_terms: int = 3
+    max_terms: int = 4
+    digits: int = 4  # each term has this many digits
+    ops: str = "+-"
+    mul_prob: float = 0.5  # chance that one term is <digits-digit> * <2-digit>
+    error_frac: float = 0.2  # demonstrations that recover from a SyntaxError
+    direct_frac: float = 0.2  # demonstrations that guess without the tool (wrong by one digit)
+
+    def validate(self) -> None:
+        if not 2 <= self.min_terms <= self.max_terms:
+            raise ValueError(f"need 2 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        if not 1 <= self.digits <= 12:
+            raise ValueError(f"digits must be in [1, 12], got {self.digits}")
+        if not self.ops or set(self.ops) - set("+-"):
+            raise ValueError(f"ops must be a non-empty subset of '+-', got {self.ops!r}")
+        for name in ("mul_prob", "error_frac", "direct_frac"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if self.error_frac + self.direct_frac > 1.0:
+            raise ValueError(
+                f"error_frac + direct_frac must be <= 1, got {self.error_frac} + {self.direct_frac}"
+            )
+
+
+def _number(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 1, 10**digits - 1)
+
+
+def sample_problem(rng: random.Random, cfg: ToolMathConfig) -> dict | None:
+    n = rng.randint(cfg.min_terms, cfg.max_terms)
+    terms = [str(_number(rng, cfg.digits)) for _ in range(n)]
+    if rng.random() < cfg.mul_prob:
+        k = rng.randrange(n)
+        terms[k] = f"{terms[k]} * {rng.randint(11, 99)}"
+    expr = terms[0]
+    for t in terms[1:]:
+        expr += f" {rng.choice(cfg.ops)} {t}"
+    value = eval(expr, {"__builtins__": {}})  # digits and + - * only, built above
+    return {"key": expr, "expr": expr, "value": int(value)}
+
+
+def _wrong_digit(value: int, rng: random.Random) -> int:
+    s = str(abs(value))
+    i = rng.randrange(len(s))
+    d = str((int(s[i]) + rng.randint(1, 9)) % 10)
+    out = int(s[:i] + d + s[i + 1 :]) if (i or d != "0" or len(s) == 1) else value + 1
+    return -out if value < 0 else out
+
+
+def reference_turns(problem: dict, kind: str, rng: random.Random) -> list[str]:
+    expr, value = problem["expr"], problem["value"]
+    if kind == "direct":
+        return [f"\\boxed{{{_wrong_digit(value, rng)}}}"]
+    call = f"<python>print({expr})</python>"
+    if kind == "error":
+        return [f"<python>print({expr} +)</python>", call, f"\\boxed{{{value}}}"]
+    return [call, f"\\boxed{{{value}}}"]
+
+
+def make_row(problem: dict, split: str, index: int, demo_rng: random.Random, cfg: ToolMathConfig) -> dict:
+    question = f"Compute {problem['expr']}."
+    u = demo_rng.random()
+    kind = "error" if u < cfg.error_frac else "direct" if u < cfg.error_frac + cfg.direct_frac else "tool"
+    if split == "val":
+        kind = "tool"
+    return {
+        "data_source": ARITHMETIC,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "math",
+        "reward_model": {"ground_truth": str(problem["value"]), "style": "rule"},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "question": question,
+            "reference_turns": reference_turns(problem, kind, demo_rng),
+            "solution": f"{problem['expr']} = {problem['value']}. The answer is \\boxed{{{problem['value']}}}.",
+            "demo_kind": kind,
+        },
+    }

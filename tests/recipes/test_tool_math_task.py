@@ -1,0 +1,70 @@
+"""The ``tool_math`` task and the hybrid recipe's warm-start demonstrations and pass@k estimator."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from recipes.tasks import generate_splits, task_config
+from recipes.tasks.scoring import compute_score
+from recipes.trainer.hybrid import pass_at_k, reference_batch, reference_trajectories
+from workers.math_env import verify_boxed
+from workers.math_env.env_worker import MathToolEnvConfig
+
+
+def test_problems_are_seeded_and_ground_truth_is_the_value():
+    a = generate_splits("tool_math", 40, 10, seed=3)
+    b = generate_splits("tool_math", 40, 10, seed=3)
+    assert a == b
+    for r in a["train"] + a["val"]:
+        expr = r["extra_info"]["question"].removeprefix("Compute ").removesuffix(".")
+        assert str(eval(expr)) == r["reward_model"]["ground_truth"]
+        assert r["data_source"] == "hyflow/arithmetic"
+    assert {r["extra_info"]["demo_kind"] for r in a["val"]} == {"tool"}  # held-out demos are always clean
+    kinds = collections.Counter(
+        r["extra_info"]["demo_kind"] for r in generate_splits("tool_math", 400, 0)["train"]
+    )
+    assert 40 <= kinds["error"] <= 120 and 40 <= kinds["direct"] <= 120  # 20% / 20% by default
+
+
+def test_knobs_are_validated():
+    with pytest.raises(ValueError, match="ops"):
+        task_config("tool_math", ops="*")
+    with pytest.raises(ValueError, match="error_frac \\+ direct_frac"):
+        task_config("tool_math", error_frac=0.7, direct_frac=0.7)
+    with pytest.raises(ValueError, match="unknown knob"):
+        task_config("tool_math", digit=3)
+
+
+def test_demonstrations_replayed_in_the_sandbox():
+    from workers.models import load_tokenizer
+    from workers.models.tiny import ensure_tiny_model
+
+    rows = generate_splits("tool_math", 12, 0, seed=1, error_frac=0.4, direct_frac=0.3)["train"]
+    tok = load_tokenizer(ensure_tiny_model("nano"))
+    trajs = reference_trajectories(rows, tok, MathToolEnvConfig())
+    assert len(trajs) == len(rows)  # every demonstration ends with an answer
+    for r, t in zip(rows, trajs):
+        truth, kind = r["reward_model"]["ground_truth"], r["extra_info"]["demo_kind"]
+        score = verify_boxed(t.final_answer, truth)
+        assert score == compute_score(
+            "hyflow/arithmetic", t.final_answer, truth
+        )  # env verifier == reward rule
+        assert score == (0.0 if kind == "direct" else 1.0), (kind, t.final_answer, truth)
+        steps = t.metadata["steps"]
+        if kind == "error":  # the typo gives a real SyntaxError observation, the fix the value
+            assert "SyntaxError" in steps[0]["observation"] and truth in steps[1]["observation"]
+        if kind == "tool":
+            assert steps[0]["observation"] == f"Output:\n{truth}"
+    batch = reference_batch(rows, tok, MathToolEnvConfig())
+    assert len(batch) == len(rows) and (batch.batch["response_mask"].sum(-1) > 0).all()
+
+
+def test_pass_at_k():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(4, 2, 4) == 1.0
+    with pytest.raises(ValueError, match="pass@5"):
+        pass_at_k(4, 1, 5)

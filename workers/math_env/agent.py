@@ -1,0 +1,205 @@
+"""The tool-use math agent loop: multi-turn generation with a sandboxed Python tool, token-exact records.
+
+    messages = [system (the tool protocol), user (the problem)]
+    loop up to max_turns:
+        response    = policy.generate(sequence)                    -> the engine's own tokens (mask 1)
+        action      = parse_action(decode(response))
+        answer      -> the trajectory ends ("finished")
+        tool call   -> run the code in the trajectory's REPL (created on the first call, persistent)
+        malformed   -> a format-correction observation (the trajectory goes on)
+        sequence   += end of turn + user observation + generation prompt          (mask 0)
+
+The conversation, token bookkeeping and scripted test policies come from ``workers.rlm.agent``
+(``EngineLLM``: the model's tokens are never re-tokenised), and the records are ``RLMTrajectory`` /
+``RLMTurn`` so ``workers.rlm.trajectory_batch.trajectories_to_dataproto`` makes the training batch.
+``trajectory.metadata["steps"]`` holds one record per turn -- ``kind`` (tool / answer / malformed),
+``action`` (the turn's text), ``observation`` (what the environment answered; "" after the answer) -- the
+PRM judges these. ``final_answer`` is ``\\boxed{<answer>}``, so rule scorers that read ``\\boxed{}`` score it.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from workers.math_env.protocol import (
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    format_correction,
+    format_tool_observation,
+    parse_action,
+)
+from workers.rlm.agent import ContextFull, EngineLLM
+from workers.rlm.protocol import CodeResult, RLMTrajectory, RLMTurn
+from workers.rollout.sampling import SamplingParams
+
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "MathToolAgent", "ToolAgentConfig"]
+
+DEFAULT_SYSTEM_PROMPT = (
+    f"Solve the problem. You may run Python: write {TOOL_OPEN}code{TOOL_CLOSE} and you will see what it "
+    "prints. Give the final answer as \\boxed{N}."
+)
+
+
+@dataclass
+class ToolAgentConfig:
+    max_turns: int = 4  # model turns per trajectory
+    max_new_tokens: int = 128  # per model turn
+    max_sequence_tokens: int | None = None  # prompt + all turns + observations (None: engine limit)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_at_tool_close: bool = True  # end a turn at </python> (the engine stops on the string)
+    max_observation_chars: int = 400
+    exec_timeout_s: float | None = None  # per tool call (None: the sandbox's timeout_s)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"ToolAgentConfig.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"ToolAgentConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_observation_chars < 1:
+            raise ValueError("ToolAgentConfig.max_observation_chars must be >= 1")
+
+
+@dataclass
+class _Stats:
+    tool_calls: int = 0
+    tool_errors: int = 0
+    timeouts: int = 0
+    malformed: int = 0
+    empty_output: int = 0
+    timings: dict = field(default_factory=lambda: {"gen_s": 0.0, "exec_s": 0.0})
+
+
+class MathToolAgent:
+    """``await agent.run(problem, uid=..., traj_id=..., seed=...)`` -> an ``RLMTrajectory`` (module docstring).
+
+    ``policy``: an ``EngineLLM`` (engine or scripted ``GenerateFn`` + tokenizer); ``sandbox``: a
+    ``workers.sandbox.ReplSandbox`` (one REPL per trajectory, closed when it ends)."""
+
+    def __init__(self, policy: EngineLLM, sandbox, config: ToolAgentConfig | None = None):
+        self.policy = policy
+        self.sandbox = sandbox
+        self.config = config or ToolAgentConfig()
+
+    def messages(self, problem: str) -> list[dict]:
+        msgs = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+        return msgs + [{"role": "user", "content": problem}]
+
+    def _params(self, seed: int | None) -> SamplingParams:
+        c = self.config
+        greedy = c.temperature <= 0
+        return SamplingParams(
+            max_new_tokens=c.max_new_tokens,
+            temperature=0.0 if greedy else c.temperature,
+            top_p=1.0 if greedy else c.top_p,
+            top_k=-1 if greedy else c.top_k,
+            seed=seed,
+            stop=[TOOL_CLOSE] if c.stop_at_tool_close else [],
+            logprobs=True,
+        )
+
+    async def run(
+        self, problem: str, *, uid: str = "", traj_id: str = "t0", seed: int | None = None, metadata=None
+    ) -> RLMTrajectory:
+        """One trajectory to its end; never raises for anything the model or its code does."""
+        c = self.config
+        traj = RLMTrajectory(id=traj_id, query=str(problem), root_uid=str(uid or traj_id))
+        traj.metadata.update(dict(metadata or {}))
+        steps: list[dict] = []
+        traj.metadata["steps"] = steps
+        stats = _Stats()
+        repl = None
+        t0 = time.perf_counter()
+        try:
+            conv = self.policy.conversation(self.messages(problem), c.max_sequence_tokens)
+            for k in range(c.max_turns):
+                tg = time.perf_counter()
+                try:
+                    resp = await conv.respond(self._params(None if seed is None else seed + 7919 * k))
+                except ContextFull as exc:
+                    traj.status, traj.error = "budget", str(exc)
+                    break
+                stats.timings["gen_s"] += time.perf_counter() - tg
+                turn = RLMTurn(
+                    index=k,
+                    prompt_text=resp.prompt_text,
+                    response_text=resp.text,
+                    prompt_token_ids=list(resp.prompt_ids),
+                    response_token_ids=list(resp.token_ids),
+                    response_logprobs=list(resp.log_probs),
+                )
+                traj.turns.append(turn)
+                action = parse_action(resp.text)
+                step = {"kind": action.kind, "action": resp.text, "observation": ""}
+                steps.append(step)
+                if action.kind == "answer":
+                    traj.final_answer, traj.status = f"\\boxed{{{action.answer}}}", "finished"
+                    break
+                if action.kind == "tool":
+                    te = time.perf_counter()
+                    if repl is None:
+                        repl = await self.sandbox.acreate()
+                    res = await repl.aexecute(
+                        action.code, timeout_s=c.exec_timeout_s or self.sandbox.config.timeout_s
+                    )
+                    if res.killed and not res.restarted:
+                        raise RuntimeError(res.error or "the REPL died and could not be restarted")
+                    stats.tool_calls += 1
+                    stats.tool_errors += bool(res.error) and not res.timed_out
+                    stats.timeouts += bool(res.timed_out)
+                    stats.empty_output += not (res.stdout.strip() or res.stderr.strip() or res.error)
+                    obs = format_tool_observation(
+                        res.stdout,
+                        res.stderr,
+                        res.error,
+                        res.timed_out,
+                        c.max_observation_chars,
+                        action.problem,
+                    )
+                    turn.code_results = [
+                        CodeResult(
+                            code=action.code,
+                            stdout=res.stdout,
+                            stderr=res.stderr,
+                            error=res.error,
+                            elapsed_s=res.elapsed_s,
+                            timed_out=res.timed_out,
+                        )
+                    ]
+                    stats.timings["exec_s"] += time.perf_counter() - te
+                else:
+                    stats.malformed += 1
+                    obs = format_correction(action)
+                step["observation"] = obs
+                if k == c.max_turns - 1:
+                    traj.status = "max_iterations"
+                    break
+                if k == c.max_turns - 2:
+                    obs += "\nNext turn is the last: give the answer as \\boxed{N}."
+                if not conv.add_user(obs):
+                    traj.status, traj.error = "budget", "the next observation does not fit the token limit"
+                    break
+        except Exception as exc:  # a sandbox or engine failure ends this trajectory, not the batch
+            traj.status = "error"
+            traj.error = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        finally:
+            if traj.status == "running":
+                traj.status, traj.error = "error", traj.error or "the loop ended without a status"
+            if repl is not None:
+                try:
+                    await repl.aclose()
+                except Exception:  # closing a dead REPL must not hide the result
+                    pass
+        traj.timings.update(stats.timings, total_s=time.perf_counter() - t0)
+        traj.metadata["tool"] = {
+            "tool_calls": stats.tool_calls,
+            "tool_errors": stats.tool_errors,
+            "timeouts": stats.timeouts,
+            "malformed": stats.malformed,
+            "empty_output": stats.empty_output,
+        }
+        return traj

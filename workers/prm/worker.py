@@ -1,0 +1,219 @@
+"""PRMWorker: a model-based process reward model over tool trajectories, and the hindsight bridge thoughts.
+
+``score_steps(data)`` (``DP_COMPUTE_PROTO``) reads per row ``non_tensor_batch["steps"]`` (JSON list of
+``{"kind", "action", "observation"}``, as ``workers.math_env`` writes it) and the problem (``extra_info
+["question"]``, else the last user message of ``raw_prompt``), and returns:
+
+* ``prm_step_scores`` [B, S] float32: the mean of ``votes`` (m) judgements of each step, each parsed from
+  ``\\boxed{1}`` / ``\\boxed{-1}`` (unparseable = 0), for the first S = ``max_steps`` steps;
+* ``prm_step_mask`` [B, S] float32: 1 on the steps that exist;
+* ``non_tensor_batch["hint"]``: the bridge thought (text between ``<hint>`` markers) or "" for "no
+  intervention"; asked for rows whose outcome ``token_level_scores.sum(-1)`` is below 1 (``hint_on=
+  "failure"``: a correct trajectory needs no hint) or every row (``"always"``) when ``hint`` is on;
+* ``meta_info["metrics"]``: ``prm/score/mean``, ``prm/unparseable_frac``, ``prm/hint_frac``,
+  ``prm/hint_requested_frac``, ``prm/steps/mean``, ``timing_s/prm``.
+
+The judge (``PRMConfig.scorer``): ``reference`` -- the policy's reference checkpoint (the worker's
+``reference_path``), ``checkpoint`` -- ``model_path``, both frozen on the native engine; ``http`` -- an
+OpenAI-compatible endpoint (``endpoint``, ``api_model``, ``api_key_env``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from controller import Dispatch, Worker, register
+from dataproto import DataProto
+from workers.prm.prompts import hint_prompt, judge_prompt, parse_hint, parse_vote
+
+__all__ = ["PRMConfig", "PRMMixin", "PRMWorker", "build_scorer"]
+
+SCORERS = ("reference", "checkpoint", "http")
+
+
+@dataclass
+class PRMConfig:
+    enable: bool = True  # off: the hybrid recipe runs plain GRPO on the tool env (the baseline)
+    scorer: str = "reference"  # reference | checkpoint | http
+    model_path: str | None = None  # scorer=checkpoint: a Hugging Face directory
+    endpoint: str | None = None  # scorer=http: base URL, e.g. http://host:8000/v1
+    api_model: str = "default"  # scorer=http: the "model" field of requests
+    api_key_env: str | None = None  # scorer=http: environment variable holding the API key
+    http_timeout_s: float = 60.0
+    placement: str = "separate"  # separate: its own pool | colocated: inside the rollout worker's processes
+    votes: int = 3  # m judgements per step
+    temperature: float = 1.0  # of the votes
+    max_new_tokens: int = 16  # per vote
+    max_steps: int = 6  # S: steps judged per trajectory (the width of the step tensors)
+    hint: bool = True  # ask for bridge thoughts
+    hint_on: str = "failure"  # failure (outcome < 1) | always
+    hint_max_new_tokens: int = 48
+    hint_temperature: float = 0.7
+    max_chars: int = 300  # of each action / observation shown to the judge
+    max_num_seqs: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.scorer not in SCORERS:
+            raise ValueError(f"prm.scorer must be one of {list(SCORERS)}, got {self.scorer!r}")
+        if self.scorer == "checkpoint" and not self.model_path:
+            raise ValueError("prm.scorer=checkpoint needs prm.model_path")
+        if self.scorer == "http" and not self.endpoint:
+            raise ValueError("prm.scorer=http needs prm.endpoint (an OpenAI-compatible base URL)")
+        if self.placement not in ("separate", "colocated"):
+            raise ValueError(f"prm.placement must be separate or colocated, got {self.placement!r}")
+        if self.hint_on not in ("failure", "always"):
+            raise ValueError(f"prm.hint_on must be failure or always, got {self.hint_on!r}")
+        if self.votes < 1 or self.max_steps < 1 or self.max_new_tokens < 1 or self.hint_max_new_tokens < 1:
+            raise ValueError(
+                "prm.votes, prm.max_steps, prm.max_new_tokens and prm.hint_max_new_tokens must be >= 1, got "
+                f"{self.votes}, {self.max_steps}, {self.max_new_tokens}, {self.hint_max_new_tokens}"
+            )
+
+
+def build_scorer(cfg: PRMConfig, reference_path: str | None, rank: int = 0):
+    from workers.prm.scorers import EngineScorer, HTTPScorer
+
+    if cfg.scorer == "http":
+        return HTTPScorer(
+            cfg.endpoint, cfg.api_model, api_key_env=cfg.api_key_env, timeout_s=cfg.http_timeout_s
+        )
+    path = cfg.model_path if cfg.scorer == "checkpoint" else reference_path
+    if not path:
+        raise ValueError("prm.scorer=reference needs the reference checkpoint path (the policy's model.path)")
+    return EngineScorer(path, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed * 1_000_003 + rank)
+
+
+def _problem(nt: dict, i: int) -> str:
+    extra = nt["extra_info"][i] if "extra_info" in nt else None
+    if isinstance(extra, dict) and extra.get("question"):
+        return str(extra["question"])
+    raw = nt["raw_prompt"][i] if "raw_prompt" in nt else None
+    msgs = raw.tolist() if isinstance(raw, np.ndarray) else raw
+    for m in reversed(list(msgs or [])):
+        if isinstance(m, dict) and m.get("role") == "user":
+            return str(m.get("content", ""))
+    return ""
+
+
+class PRMMixin:
+    """``score_steps`` for any worker: ``PRMWorker`` (a role of its own) or a training/rollout worker that
+    hosts the judge in its own process (colocated); the scorer is built on first use."""
+
+    def _prm_init(self, config: PRMConfig, reference_path: str | None = None, scorer=None) -> None:
+        self.prm_config = config
+        self.prm_reference_path = reference_path
+        self._prm_judge = scorer
+        self.prm_calls = 0
+
+    def _prm_scorer(self):
+        if self._prm_judge is None:
+            path = self.prm_reference_path or getattr(getattr(self, "model_config", None), "path", None)
+            self._prm_judge = build_scorer(self.prm_config, path, self.rank)
+        return self._prm_judge
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def score_steps(self, data: DataProto) -> DataProto:
+        """Step scores, step mask and hints of every row (module docstring)."""
+        t0 = time.perf_counter()
+        scorer = self._prm_scorer()
+        tag = f"{type(self).__name__} rank {self.rank}/{self.world_size}"
+        nt = data.non_tensor_batch
+        if "steps" not in nt:
+            raise KeyError(
+                f"{tag}: score_steps needs non_tensor_batch['steps'] (JSON step records of the tool env); "
+                f"the batch has {sorted(nt)}"
+            )
+        c = self.prm_config
+        B, S = len(data), c.max_steps
+        rows = []
+        for i in range(B):
+            try:
+                steps = json.loads(nt["steps"][i]) if nt["steps"][i] else []
+            except (TypeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{tag}: row {i}: steps is not JSON step records: {err}") from None
+            rows.append((_problem(nt, i), steps[:S]))
+        prompts, where = [], []
+        for i, (problem, steps) in enumerate(rows):
+            for k, step in enumerate(steps):
+                prompts.append(judge_prompt(problem, steps[:k], step, c.max_chars))
+                where.append((i, k))
+        seed = c.seed * 2**32 + self.prm_calls * 1_000_003
+        self.prm_calls += 1
+        outs = scorer.complete(
+            prompts, c.votes, max_new_tokens=c.max_new_tokens, temperature=c.temperature, seed=seed
+        )
+        scores = torch.zeros(B, S, dtype=torch.float32)
+        mask = torch.zeros(B, S, dtype=torch.float32)
+        votes = [[[] for _ in range(len(steps))] for _, steps in rows]
+        unparseable = 0
+        for (i, k), texts in zip(where, outs):
+            v = [parse_vote(t) for t in texts]
+            unparseable += sum(x == 0 for x in v)
+            votes[i][k] = v
+            scores[i, k] = sum(v) / len(v)
+            mask[i, k] = 1.0
+
+        outcome = None
+        if "token_level_scores" in data.batch:
+            outcome = data.batch["token_level_scores"].sum(-1).tolist()
+        want = [
+            c.hint and bool(steps) and (c.hint_on == "always" or outcome is None or outcome[i] < 1.0)
+            for i, (_, steps) in enumerate(rows)
+        ]
+        hint_rows = [i for i in range(B) if want[i]]
+        hint_texts = scorer.complete(
+            [
+                hint_prompt(rows[i][0], rows[i][1], None if outcome is None else outcome[i], c.max_chars)
+                for i in hint_rows
+            ],
+            1,
+            max_new_tokens=c.hint_max_new_tokens,
+            temperature=c.hint_temperature,
+            seed=seed + 999_983,
+        )
+        hints = [""] * B
+        raw_hints = [""] * B
+        for i, texts in zip(hint_rows, hint_texts):
+            raw_hints[i] = texts[0]
+            hints[i] = parse_hint(texts[0]) or ""
+        n_steps = float(mask.sum())
+        metrics = {
+            "prm/score/mean": float(scores.sum() / max(n_steps, 1.0)),
+            "prm/unparseable_frac": unparseable / max(n_steps * c.votes, 1.0),
+            "prm/hint_frac": sum(bool(h) for h in hints) / max(B, 1),
+            "prm/hint_requested_frac": len(hint_rows) / max(B, 1),
+            "prm/steps/mean": n_steps / max(B, 1),
+            "timing_s/prm": time.perf_counter() - t0,
+        }
+        return DataProto.from_dict(
+            {"prm_step_scores": scores, "prm_step_mask": mask},
+            non_tensors={
+                "hint": hints,
+                "prm_hint_raw": raw_hints,
+                "prm_votes": [json.dumps(v) for v in votes],
+            },
+            meta_info={"metrics": metrics},
+        )
+
+
+class PRMWorker(PRMMixin, Worker):
+    """The PRM as a role of its own (its own resource pool, or colocated with others by the group)."""
+
+    def __init__(self, config: PRMConfig, reference_path: str | None = None, scorer=None):
+        """``scorer``: an object with ``complete(prompts, n, max_new_tokens=, temperature=, seed=)`` used
+        instead of building one (tests)."""
+        self._prm_init(config, reference_path, scorer)
+
+    @property
+    def config(self) -> PRMConfig:
+        return self.prm_config
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        self._prm_scorer()
