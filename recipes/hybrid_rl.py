@@ -23,15 +23,12 @@
 
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import replace
 
 from recipes.hybrid_config import HybridConfig, check, register_schema
 from recipes.trainer import (
     Run,
     Session,
-    build_actor_group,
     cli,
     compute_advantage,
     due,
@@ -48,10 +45,10 @@ from recipes.trainer.hybrid import (
     hybrid_advantage,
     reference_batch,
     role_classes,
-    sample_rows,
     tool_generate,
     tool_validate,
 )
+from recipes.trainer.warm_start import sft_warm_start
 
 RECIPE = "hybrid_rl"
 
@@ -70,22 +67,7 @@ def warm_start(cfg: HybridConfig, run: Run) -> str:
         f"[sft] {len(data)} demonstrations replayed in the sandbox in {time.perf_counter() - t0:.1f}s "
         f"({mask.sum(-1).mean():.0f} trained / {data.batch['attention_mask'].sum(-1).float().mean():.0f} tokens each)"
     )
-    actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim))
-    rng, bs = random.Random(cfg.sft.seed), min(cfg.sft.batch_size, len(data))
-    try:
-        t0 = time.perf_counter()
-        for step in range(1, cfg.sft.total_steps + 1):
-            m = metrics_of(actor.sft_step(sample_rows(data, rng.sample(range(len(data)), bs))))
-            if step % cfg.sft.log_every == 0 or step == cfg.sft.total_steps:
-                print(
-                    f"[sft] step {step}/{cfg.sft.total_steps} | loss {m['sft/loss']:.4f} | "
-                    f"{(time.perf_counter() - t0) / step:.2f}s/step",
-                    flush=True,
-                )
-        return actor.export_hf(str(run.dir / "sft_model"))[0]
-    finally:
-        actor.shutdown()
-        manager.remove()
+    return sft_warm_start(cfg, run, data)
 
 
 def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:

@@ -18,14 +18,11 @@ that holds a long context, turn by turn, until ``FINAL(...)`` / ``FINAL_VAR(...)
 
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import replace
 
 from recipes.trainer import (
     Run,
     Session,
-    build_actor_group,
     cli,
     compute_advantage,
     due,
@@ -45,8 +42,8 @@ from recipes.trainer.rlm import (
     rlm_generate,
     rlm_role_classes,
     rlm_validate,
-    sample_rows,
 )
+from recipes.trainer.warm_start import sft_warm_start
 
 
 def warm_start(cfg: RLMConfig, run: Run) -> str:
@@ -63,22 +60,7 @@ def warm_start(cfg: RLMConfig, run: Run) -> str:
         f"[sft] {len(data)} reference trajectories replayed in the sandbox in {time.perf_counter() - t0:.1f}s "
         f"({mask.sum(-1).mean():.0f} trained / {data.batch['attention_mask'].sum(-1).float().mean():.0f} tokens each)"
     )
-    actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim))
-    rng, bs = random.Random(cfg.sft.seed), min(cfg.sft.batch_size, len(data))
-    try:
-        t0 = time.perf_counter()
-        for step in range(1, cfg.sft.total_steps + 1):
-            m = metrics_of(actor.sft_step(sample_rows(data, rng.sample(range(len(data)), bs))))
-            if step % cfg.sft.log_every == 0 or step == cfg.sft.total_steps:
-                print(
-                    f"[sft] step {step}/{cfg.sft.total_steps} | loss {m['sft/loss']:.4f} | lr {m['sft/lr']:.2e} "
-                    f"| {(time.perf_counter() - t0) / step:.2f}s/step",
-                    flush=True,
-                )
-        return actor.export_hf(str(run.dir / "sft_model"))[0]
-    finally:
-        actor.shutdown()
-        manager.remove()
+    return sft_warm_start(cfg, run, data)
 
 
 def train(cfg: RLMConfig, run: Run, recipe: str = "rlm") -> dict:

@@ -42,7 +42,6 @@ __all__ = [
     "pass_at_k",
     "reference_batch",
     "role_classes",
-    "sample_rows",
     "tool_generate",
     "tool_validate",
 ]
@@ -269,9 +268,3 @@ def reference_batch(rows: Sequence[Mapping], tokenizer, env: MathToolEnvConfig) 
     return trajectories_to_dataproto(
         trajs, max_prompt_length=P, max_response_length=max(R, 1), pad_token_id=pad, include_json=False
     )
-
-
-def sample_rows(data: DataProto, idx: Sequence[int]) -> DataProto:
-    """The tensor rows ``idx`` of ``data`` (an SFT minibatch)."""
-    i = torch.as_tensor(list(idx), dtype=torch.long)
-    return DataProto.from_dict({k: v[i] for k, v in data.batch.items()})

@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 
 from dataproto import DataProto
 from recipes.config import SCHEMAS, QuickstartConfig
@@ -164,9 +163,3 @@ def reference_batch(rows: Sequence[Mapping], tokenizer, env: RLMEnvConfig) -> Da
     return trajectories_to_dataproto(
         trajs, max_prompt_length=P, max_response_length=max(R, 1), pad_token_id=pad, include_json=False
     )
-
-
-def sample_rows(data: DataProto, idx: Sequence[int]) -> DataProto:
-    """The tensor rows ``idx`` of ``data`` (an SFT minibatch)."""
-    i = torch.as_tensor(list(idx), dtype=torch.long)
-    return DataProto.from_dict({k: v[i] for k, v in data.batch.items()})

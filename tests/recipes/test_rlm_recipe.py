@@ -59,3 +59,29 @@ def test_rlm_recipe_colocated(ray_session, tmp_path):
         assert key in final, key
     bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)]
     assert not bad, bad
+
+
+def test_rlm_recipe_disaggregated_on_oolong(ray_session, tmp_path):
+    """The env role on its own pool (``RLMEnvWorker``), weights broadcast from the training pool, on the
+    OOLONG-style aggregation task with the compact prompt."""
+    result = rlm.main(
+        [
+            *TINY,
+            "task.name=oolong",
+            "env.agent.max_iterations=4",  # the OOLONG reference solutions take 3 turns
+            "env.agent.prompt.style=compact",
+            "data.max_prompt_length=384",
+            "trainer.placement=disaggregated",
+            "trainer.n_gpus_per_node=2",
+            "trainer.rollout_gpus_per_node=1",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
+    assert result["step"] == 1 and [s for s, _ in result["val_history"]] == [0, 1]
+    batch = result["last_batch"]
+    assert len(batch) == 4 and set(batch.non_tensor_batch["data_source"]) == {"hyflow/oolong"}
+    assert batch.batch["input_ids"].shape[1] <= 384 + batch.batch["responses"].shape[1]
+    final = result["final"]
+    assert final["perf/weight_sync_bytes"] > 0  # the actor's weights crossed to the env pool
+    for key in ("env/turns/mean", "critic/score/mean", "actor/pg_loss", "timing_s/update_weights"):
+        assert key in final and math.isfinite(final[key]), key
