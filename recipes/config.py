@@ -363,6 +363,43 @@ def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: 
         errors.append(f"{sec}.ppo_epochs must be >= 1, got {role_cfg.ppo_epochs}")
 
 
+def _model_parallel(role_cfg) -> tuple[int, int]:
+    m = role_cfg.megatron
+    return m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+
+
+def _megatron_dp(errors: list[str], sec: str, role_cfg, world: int) -> int:
+    """Data-parallel size of a role on ``world`` devices (``world / (tp * pp)`` under strategy=megatron);
+    0 (skip the batch checks) after adding an error when the world is not a multiple of tp * pp."""
+    if role_cfg.strategy not in ("fsdp", "megatron"):
+        errors.append(f"{sec}.strategy must be fsdp or megatron, got {role_cfg.strategy!r}")
+        return 0
+    if role_cfg.strategy != "megatron" or world <= 0:
+        return world
+    tp, pp = _model_parallel(role_cfg)
+    if world % (tp * pp):
+        errors.append(
+            f"{sec}.megatron.tensor_model_parallel_size * {sec}.megatron.pipeline_model_parallel_size = "
+            f"{tp} * {pp} = {tp * pp} must divide the {world} device(s) of the {sec}'s worker group"
+        )
+        return 0
+    return world // (tp * pp)
+
+
+def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
+    """Megatron's parallel state is per process: a colocated actor and critic (one process per device) that
+    both use Megatron must use the same TP/PP sizes."""
+    a, c = cfg.actor, cfg.critic
+    if cfg.trainer.placement == "split_critic" or a.strategy != "megatron" or c.strategy != "megatron":
+        return
+    if _model_parallel(a) != _model_parallel(c):
+        errors.append(
+            f"actor.megatron (tp, pp) = {_model_parallel(a)} and critic.megatron (tp, pp) = {_model_parallel(c)} "
+            f"differ, but trainer.placement={cfg.trainer.placement} runs both in one process per device, which "
+            "holds one Megatron parallel state; use the same sizes or trainer.placement=split_critic"
+        )
+
+
 def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
     """Raise ConfigError listing every inconsistency (keys and numbers named)."""
     from algorithms import list_adv_estimators
@@ -405,6 +442,18 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
     counts = device_counts(cfg) if not errors else {"train": 0, "rollout": 0}
     dp, rollout_dp = counts["train"], counts["rollout"]
     critic_dp = counts.get("critic", dp)
+    # Megatron TP x PP ranks hold one replica: batch sizes divide among world / (tp * pp) replicas
+    dp = _megatron_dp(errors, "actor", cfg.actor, dp)
+    if uses_critic(cfg):
+        critic_dp = _megatron_dp(errors, "critic", cfg.critic, critic_dp)
+        _check_megatron_colocation(errors, cfg)
+    megatron_roles = [sec for sec in ("actor", "critic") if getattr(cfg, sec).strategy == "megatron"]
+    megatron_roles = [sec for sec in megatron_roles if sec == "actor" or uses_critic(cfg)]
+    if megatron_roles and t.save_freq > 0:
+        errors.append(
+            f"trainer.save_freq={t.save_freq} saves checkpoints, but {', '.join(megatron_roles)}.strategy=megatron "
+            "has no checkpoint save/resume yet (its HF export works); set trainer.save_freq=-1"
+        )
 
     # batch sizes
     n = r.n

@@ -18,7 +18,7 @@ class ModelConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp"  # "fsdp" (FSDP2) or "megatron" (megatron-core; DP only inside role workers)
+    strategy: str = "fsdp"  # "fsdp" (FSDP2) or "megatron" (megatron-core TP x PP, the rest of the group DP)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # TP/PP sizes for strategy=megatron
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (multiplied by rollout.n, as in verl)
     ppo_micro_batch_size_per_gpu: int | None = 4  # rows per forward/backward when use_dynamic_bsz is off
@@ -42,7 +42,8 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    strategy: str = "fsdp"  # "fsdp" or "megatron" (DP only inside role workers)
+    strategy: str = "fsdp"  # "fsdp" or "megatron" (megatron-core TP x PP, the rest of the group DP)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # TP/PP sizes for strategy=megatron
     ppo_mini_batch_size: int = 8
     ppo_micro_batch_size_per_gpu: int | None = 4
     use_dynamic_bsz: bool = True

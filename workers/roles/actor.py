@@ -1,13 +1,14 @@
 """ActorWorker: the policy being trained -- old log-probs, PPO updates, supervised warm-start steps, checkpoints.
 
 One instance per rank of the actor's worker group; ``init_model`` joins the group's process group and builds
-an `FSDPEngine` (FSDP2 over all ranks when the group has more than one). The data methods use
-``Dispatch.DP_COMPUTE_PROTO``: each rank gets a contiguous chunk of the batch and the outputs are
-concatenated back in order. `workers.roles.actor_rollout` subclasses this class to add generation and
-weight sync; the attributes it relies on are ``engine``, ``tokenizer``, ``model_config``, ``actor_config``
-and ``rollout_config``.
+an `FSDPEngine` (FSDP2 over all ranks when the group has more than one) or, with ``actor.strategy=megatron``,
+a `MegatronEngine` (``actor.megatron``: TP x PP ranks per model replica, the rest data parallel). The data
+methods use the n-D dispatch on mesh "actor" (``ACTOR_MESH``): each data-parallel replica gets a contiguous
+chunk of the batch (all of its TP/PP ranks the same chunk) and one rank per replica is collected, in order.
+`workers.roles.actor_rollout` subclasses this class to add generation and weight sync; the attributes it
+relies on are ``engine``, ``tokenizer``, ``model_config``, ``actor_config`` and ``rollout_config``.
 
-Loss of `update_actor`, per PPO mini-batch (``actor.ppo_mini_batch_size * rollout.n`` rows over the group)::
+Loss of `update_actor`, per PPO mini-batch (``actor.ppo_mini_batch_size * rollout.n`` rows in all)::
 
     policy_loss(old_log_probs, log_probs, advantages, response_mask)      # registry name actor.policy_loss
       - entropy_coeff * agg(entropy)
@@ -26,10 +27,12 @@ from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import FSDPEngine, LossContext
 from workers.models import load_tokenizer
 from workers.roles.common import (
+    ACTOR_MESH,
     FORWARD_KEYS,
     EngineRoleWorker,
     StepMetrics,
     build_engine,
+    data_parallel_size,
     engine_config,
     log_prob_settings,
     micro_batch_kwargs,
@@ -63,12 +66,13 @@ class ActorWorker(EngineRoleWorker):
             )
         if a.ppo_epochs < 1:
             raise ValueError(f"{self.tag}: actor.ppo_epochs must be >= 1, got {a.ppo_epochs}")
+        dp = data_parallel_size(self.world_size, a.strategy, a.megatron, section="actor", tag=self.tag)
         rows = a.ppo_mini_batch_size * self.rollout_config.n
-        if rows < 1 or rows % self.world_size:
+        if rows < 1 or rows % dp:
             raise ValueError(
                 f"{self.tag}: actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size} * "
                 f"{self.rollout_config.n} = {rows} rows per optimizer step must be a positive multiple of the "
-                f"group size {self.world_size}"
+                f"data-parallel size {dp}"
             )
 
     # -- setup ------------------------------------------------------------------------------------------------
@@ -80,6 +84,7 @@ class ActorWorker(EngineRoleWorker):
         cfg = engine_config(self.model_config, optim=self.actor_config.optim, seed=self.actor_config.seed)
         a = self.actor_config
         self.engine = build_engine(cfg, a.strategy, a.megatron, tag=self.tag)
+        self._register_mesh("actor")
         self.tokenizer = load_tokenizer(
             self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
         )
@@ -98,7 +103,7 @@ class ActorWorker(EngineRoleWorker):
         )
         return out, temperature
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(ACTOR_MESH)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` [B, R] (and ``entropys`` unless ``meta_info["calculate_entropy"]`` is False) of the
         responses at ``meta_info["temperature"]`` (default rollout.temperature); zeros on response padding.
@@ -118,7 +123,7 @@ class ActorWorker(EngineRoleWorker):
             a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu
         )
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(ACTOR_MESH)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches of this rank's chunk; returns ``DataProto(meta_info={"metrics": ...})``
         with verl's names (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
@@ -202,7 +207,7 @@ class ActorWorker(EngineRoleWorker):
         self._warn_skipped("update_actor", m)
         return DataProto(meta_info={"metrics": out})
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(ACTOR_MESH)
     def sft_step(self, data: DataProto) -> DataProto:
         """One supervised optimizer step on the whole batch: token-mean negative log-likelihood (temperature 1)
         of ``responses`` where ``response_mask`` is 1, over all ranks. Metrics ``sft/loss``, ``sft/grad_norm``,

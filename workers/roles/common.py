@@ -8,9 +8,11 @@
   that a metric means the same thing whatever the micro-batch layout or the number of ranks (the engine
   SUMS gradients over ranks and normalises every loss by global counts; the metrics follow that rule).
 
-Data-parallel layout of a `Dispatch.DP_COMPUTE_PROTO` call: rank r receives the r-th contiguous chunk of
-the batch. A PPO mini-batch of ``M`` rows globally is ``M / dp`` rows of each rank's chunk, so global
-mini-batch k is the k-th block of ``M / dp`` rows of every chunk (verl's layout too).
+Data-parallel layout of a data method (n-D dispatch on the role's mesh, ``ACTOR_MESH`` / ``CRITIC_MESH``):
+the batch is split into ``dp`` contiguous chunks; dp rank d's chunk goes to every rank of replica d (all of
+its TP x PP ranks under Megatron; with FSDP each rank is its own replica) and only one rank per replica
+(``mesh_info``) is collected. A PPO mini-batch of ``M`` rows globally is ``M / dp`` rows of each chunk, so
+global mini-batch k is the k-th block of ``M / dp`` rows of every chunk (verl's layout too).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from controller import Dispatch, Worker, register
+from controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.engine import EngineConfig, FSDPEngine, LossContext, OptimConfig
@@ -31,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 # Keys every forward through the engine needs (dataproto/BATCH_LAYOUT.md).
 FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
+
+# Dispatch modes of the roles' data methods: one chunk per data-parallel replica. Distinct mesh names per role
+# so colocated roles (one process, several engines) never share a layout.
+ACTOR_MESH = make_nd_compute_dataproto_dispatch_fn("actor")
+CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
 
 
 def engine_config(
@@ -49,27 +57,50 @@ def engine_config(
     )
 
 
+def model_parallel_size(strategy: str, megatron=None) -> int:
+    """Ranks that hold one model replica together: tensor x pipeline parallel size for Megatron, 1 for FSDP
+    (FSDP shards parameters but every rank computes on its own data chunk)."""
+    if strategy != "megatron" or megatron is None:
+        return 1
+    return megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+
+
+def data_parallel_size(world_size: int, strategy: str, megatron=None, *, section: str, tag: str) -> int:
+    """Data-parallel size of a role group: ``world_size / (tp * pp)`` (Megatron) or ``world_size`` (FSDP).
+    A world size that is not a multiple of tp * pp is an error naming ``<section>.megatron.*``."""
+    mp = model_parallel_size(strategy, megatron)
+    if world_size % mp:
+        raise ValueError(
+            f"{tag}: the group has {world_size} rank(s), not a multiple of {section}.megatron."
+            f"tensor_model_parallel_size * {section}.megatron.pipeline_model_parallel_size = "
+            f"{megatron.tensor_model_parallel_size} * {megatron.pipeline_model_parallel_size} = {mp}"
+        )
+    return world_size // mp
+
+
 def build_engine(config: EngineConfig, strategy: str = "fsdp", megatron=None, tag: str = "engine"):
     """The training engine of a role by ``strategy``: "fsdp" (FSDP2 over every rank of the group) or
-    "megatron" (``workers/engine/megatron``; ``megatron``: its ``MegatronConfig``). Role workers dispatch
-    one DP chunk per rank (``DP_COMPUTE_PROTO``), so with Megatron every rank must be its own DP rank:
-    TP/PP > 1 needs a dispatch mode that hands one chunk to a whole TP/PP group, which controller/ lacks."""
+    "megatron" (``workers/engine/megatron``; ``megatron``: its ``MegatronConfig`` with the TP/PP sizes; the
+    rest of the group is data parallel). The role then declares its layout (`mesh_info`, `_register_mesh`)."""
     if strategy == "fsdp":
         return FSDPEngine(config)
     if strategy == "megatron":
         from workers.engine.megatron.engine import MegatronConfig, MegatronEngine
 
-        megatron = megatron or MegatronConfig()
-        if megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size > 1:
-            raise NotImplementedError(
-                f"{tag}: strategy=megatron with tensor_model_parallel_size="
-                f"{megatron.tensor_model_parallel_size}, pipeline_model_parallel_size="
-                f"{megatron.pipeline_model_parallel_size} inside a role worker: the controller has no dispatch "
-                "mode that sends one data-parallel chunk to a whole TP/PP group yet (use sizes 1, i.e. DP only, "
-                "or MegatronEngine directly)"
-            )
-        return MegatronEngine(config, megatron)
+        return MegatronEngine(config, megatron or MegatronConfig())
     raise ValueError(f"{tag}: strategy must be 'fsdp' or 'megatron', got {strategy!r}")
+
+
+def mesh_info(engine, rank: int) -> tuple[int, bool]:
+    """(dp rank, is_collect) of this rank for the n-D dispatch of its role's data methods.
+
+    FSDP: every rank computes on its own chunk (dp rank = group rank, all collected; a forward-only engine
+    that is not sharded reports dp_size 1 but is still one replica per rank). Megatron: the ranks of one
+    TP x PP group share a chunk; every rank returns the same outputs (the engine broadcasts them from the
+    last pipeline stage), and one rank per replica -- tp rank 0 of the last stage -- is collected."""
+    if hasattr(engine, "tp_rank"):  # MegatronEngine
+        return engine.dp_rank, engine.tp_rank == 0 and engine.is_last
+    return rank, True
 
 
 def micro_batch_kwargs(
@@ -159,6 +190,11 @@ class EngineRoleWorker(Worker):
         """``<Role> rank <r>/<world>``: the prefix of every error this worker raises."""
         return f"{type(self).__name__} rank {self.rank}/{self.world_size}"
 
+    def _register_mesh(self, mesh_name: str) -> None:
+        """Declare this rank's place on ``mesh_name`` (after the engine is built): see `mesh_info`."""
+        dp_rank, is_collect = mesh_info(self.engine, self.rank)
+        self.register_dispatch_collect_info(mesh_name, dp_rank, is_collect)
+
     def _require_engine(self, method: str) -> FSDPEngine:
         if self.engine is None:
             raise RuntimeError(f"{self.tag}: {method} called before init_model()")
@@ -226,6 +262,8 @@ class EngineRoleWorker(Worker):
                 skipped_steps=self.engine.skipped_steps,
                 num_params=self.engine.num_params,
             )
+            if hasattr(self.engine, "tp_rank"):  # Megatron: place in the TP x PP group of its replica
+                info.update(tp_rank=self.engine.tp_rank, pp_rank=self.engine.pp_rank)
         return info
 
     @register(Dispatch.ONE_TO_ALL)

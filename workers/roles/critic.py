@@ -16,10 +16,12 @@ from workers.config import CriticConfig, ModelConfig, RolloutConfig
 from workers.engine import FSDPEngine, LossContext
 from workers.models import load_tokenizer
 from workers.roles.common import (
+    CRITIC_MESH,
     FORWARD_KEYS,
     EngineRoleWorker,
     StepMetrics,
     build_engine,
+    data_parallel_size,
     engine_config,
     micro_batch_kwargs,
     token_share,
@@ -44,11 +46,12 @@ class CriticWorker(EngineRoleWorker):
             raise ValueError(f"{self.tag}: critic.cliprange_value must be >= 0, got {c.cliprange_value!r}")
         if c.ppo_epochs < 1:
             raise ValueError(f"{self.tag}: critic.ppo_epochs must be >= 1, got {c.ppo_epochs}")
+        dp = data_parallel_size(self.world_size, c.strategy, c.megatron, section="critic", tag=self.tag)
         rows = c.ppo_mini_batch_size * rollout.n
-        if rows < 1 or rows % self.world_size:
+        if rows < 1 or rows % dp:
             raise ValueError(
                 f"{self.tag}: critic.ppo_mini_batch_size * rollout.n = {rows} rows per optimizer step must be a "
-                f"positive multiple of the group size {self.world_size}"
+                f"positive multiple of the data-parallel size {dp}"
             )
 
     @register(Dispatch.ONE_TO_ALL)
@@ -59,7 +62,9 @@ class CriticWorker(EngineRoleWorker):
         cfg = engine_config(
             self.model_config, optim=self.critic_config.optim, seed=self.critic_config.seed, value_head=True
         )
-        self.engine = build_engine(cfg, self.critic_config.strategy, tag=self.tag)
+        c = self.critic_config
+        self.engine = build_engine(cfg, c.strategy, c.megatron, tag=self.tag)
+        self._register_mesh("critic")
         self.tokenizer = load_tokenizer(
             self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
         )
@@ -70,7 +75,7 @@ class CriticWorker(EngineRoleWorker):
             c.use_dynamic_bsz, c.ppo_micro_batch_size_per_gpu, c.ppo_max_token_len_per_gpu
         )
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(CRITIC_MESH)
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` [B, R]: 0 on response padding, and (when the batch has ``response_mask``) on every token the
         policy did not produce (environment observations), as verl does."""
@@ -81,7 +86,7 @@ class CriticWorker(EngineRoleWorker):
             values = values * (data.batch["response_mask"] != 0).to(values.dtype)
         return DataProto.from_dict({"values": values})
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(CRITIC_MESH)
     def update_critic(self, data: DataProto) -> DataProto:
         """PPO epochs of clipped value-loss steps; ``meta_info["metrics"]``: ``critic/vf_loss``,
         ``critic/vf_clipfrac``, ``critic/vpred_mean`` (global, mean over the call's optimizer steps),
