@@ -17,11 +17,10 @@ PRM judges) and ``answer`` (``\\boxed{..}`` or ""); ``meta_info["metrics"]``: ``
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,13 +28,13 @@ from controller import Dispatch, register
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.math_env.agent import MathToolAgent, ToolAgentConfig
-from workers.rlm.agent import EngineLLM, LoopThread
+from workers.rlm.env_base import AgentEnvBase
 from workers.rlm.env_worker import query_of
 from workers.rlm.protocol import RLMTrajectory
 from workers.rlm.trajectory_batch import trajectories_to_dataproto
 from workers.roles.actor_rollout import ActorRolloutWorker
 from workers.roles.rollout import PAD_ROWS_KEY, ROLLOUT_DP_DISPATCH, RolloutWorker, rollout_sampling_meta
-from workers.sandbox import ReplSandbox, SandboxConfig
+from workers.sandbox import SandboxConfig
 
 __all__ = ["MathToolActorRolloutWorker", "MathToolEnvConfig", "MathToolEnvWorker", "tool_metrics"]
 
@@ -74,42 +73,14 @@ def tool_metrics(trajs: list[RLMTrajectory], elapsed: float) -> dict[str, float]
     return m
 
 
-class MathToolEnvMixin:
+class MathToolEnvMixin(AgentEnvBase):
     """Tool trajectories for a worker with ``tokenizer``, ``rollout_engine`` (or a policy factory),
     ``rollout_config``, ``rank`` and ``tag``."""
 
+    loop_name = "math-env"
+
     def _tool_init(self, env: MathToolEnvConfig | None, policy_factory=None) -> None:
-        self.env_config = env or MathToolEnvConfig()
-        self._policy_factory = policy_factory
-        self._tool_loop: LoopThread | None = None
-        self._tool_sandbox: ReplSandbox | None = None
-        self._tool_policy: EngineLLM | None = None
-
-    def _policy_llm(self) -> EngineLLM:
-        if self._tool_policy is None:
-            if self.tokenizer is None:
-                raise RuntimeError(f"{self.tag}: tool rollout before init_model()")
-            if self._policy_factory is not None:
-                self._tool_policy = EngineLLM(self._policy_factory(self.tokenizer), self.tokenizer)
-            else:
-                engine = getattr(self, "rollout_engine", None)
-                if engine is None:
-                    raise RuntimeError(f"{self.tag}: tool rollout before init_model()")
-                self._tool_policy = EngineLLM(engine, self.tokenizer, name="policy")
-        return self._tool_policy
-
-    def _sandbox(self) -> ReplSandbox:
-        if self._tool_sandbox is None:
-            self._tool_sandbox = ReplSandbox(self.env_config.sandbox)
-        return self._tool_sandbox
-
-    def _loop(self) -> LoopThread:
-        if self._tool_loop is None:
-            self._tool_loop = LoopThread(name=f"math-env-{self.rank}")
-        return self._tool_loop
-
-    def _before_generate(self) -> None:
-        """Hook: the colocated worker offloads its trainer here."""
+        self._env_base_init(env or MathToolEnvConfig(), policy_factory)
 
     def _tool_generate(self, data: DataProto) -> DataProto:
         t0 = time.perf_counter()
@@ -137,39 +108,19 @@ class MathToolEnvMixin:
                 jobs.append({"row": i, "problem": problem, "uid": str(uids[i]), "k": k, "j": len(jobs)})
         greedy = not settings["do_sample"] or settings["temperature"] <= 0
         P, R = self.rollout_config.prompt_length, settings["response_length"]
-        cfg = self.env_config.agent
-        limit = P + R if cfg.max_sequence_tokens is None else min(cfg.max_sequence_tokens, P + R)
-        agent_cfg = replace(
-            cfg,
-            temperature=0.0 if greedy else settings["temperature"],
-            top_p=1.0 if greedy else settings["top_p"],
-            top_k=-1 if greedy else settings["top_k"],
-            max_sequence_tokens=limit,
+        agent = MathToolAgent(
+            self._env_policy(), self._env_sandbox(), self._sampled(self.env_config.agent, settings, P + R)
         )
-        agent = MathToolAgent(self._policy_llm(), self._sandbox(), agent_cfg)
-        engine = getattr(self, "rollout_engine", None) if self._policy_factory is None else None
-        self._before_generate()
-        if engine is not None:
-            engine.resume_memory()
-        sem = asyncio.Semaphore(self.env_config.max_concurrent)
 
-        async def one(job):
-            async with sem:
-                return await agent.run(
-                    job["problem"],
-                    uid=job["uid"],
-                    traj_id=f"{job['uid'].replace('/', '_')}.{job['k']}",
-                    seed=None if seed is None else int(seed) + job["j"],
-                )
+        def one(job):
+            return agent.run(
+                job["problem"],
+                uid=job["uid"],
+                traj_id=f"{job['uid'].replace('/', '_')}.{job['k']}",
+                seed=None if seed is None else int(seed) + job["j"],
+            )
 
-        async def run_all():
-            return list(await asyncio.gather(*(one(j) for j in jobs)))
-
-        try:
-            trajs = self._loop().run(run_all()) if jobs else []
-        finally:
-            if engine is not None and self.rollout_config.free_cache_engine:
-                engine.release_memory()
+        trajs = self._run_agents(one, jobs)
         elapsed = time.perf_counter() - t0
         rows = [j["row"] for j in jobs]
         extra_cols = {k: [v[r] for r in rows] for k, v in nt.items() if k not in _OWN}
@@ -192,16 +143,6 @@ class MathToolEnvMixin:
                 out.non_tensor_batch[k] = np.empty(0, dtype=object)
         return out
 
-    @register(Dispatch.ONE_TO_ALL)
-    def close_env(self) -> None:
-        """Stop this rank's sandbox and event loop (they restart on the next rollout)."""
-        if self._tool_sandbox is not None:
-            self._tool_sandbox.close()
-            self._tool_sandbox = None
-        if self._tool_loop is not None:
-            self._tool_loop.stop()
-            self._tool_loop = None
-
 
 class MathToolEnvWorker(MathToolEnvMixin, RolloutWorker):
     """The env role on its own pool; weights arrive over the weight-sync group."""
@@ -219,14 +160,10 @@ class MathToolEnvWorker(MathToolEnvMixin, RolloutWorker):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         if self._policy_factory is not None:
-            from workers.models import load_tokenizer
-
-            self.tokenizer = load_tokenizer(
-                self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
-            )
+            self._load_tokenizer_only()
         else:
             super().init_model()
-        self._sandbox()
+        self._env_sandbox()
 
     @register(ROLLOUT_DP_DISPATCH)
     def generate_sequences(self, data: DataProto) -> DataProto:
@@ -251,7 +188,7 @@ class MathToolActorRolloutWorker(MathToolEnvMixin, ActorRolloutWorker):
         super().__init__(model, actor, rollout)
         self._tool_init(env)
 
-    def _before_generate(self) -> None:
+    def _env_before_generate(self) -> None:
         self._offload_trainer()
 
     @register(ROLLOUT_DP_DISPATCH)

@@ -45,23 +45,23 @@ set (a second native engine built on the same device, never updated). Tests and 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from controller import Dispatch, register
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
-from workers.rlm.agent import AgentConfig, AgentResult, EngineLLM, LoopThread, RLMAgent, normalize_context
+from workers.rlm.agent import AgentConfig, AgentResult, EngineLLM, RLMAgent, normalize_context
+from workers.rlm.env_base import AgentEnvBase
 from workers.rlm.protocol import STATUSES
 from workers.rlm.trajectory_batch import trajectories_to_dataproto, trajectory_json
 from workers.roles.actor_rollout import ActorRolloutWorker
 from workers.roles.rollout import PAD_ROWS_KEY, ROLLOUT_DP_DISPATCH, RolloutWorker, rollout_sampling_meta
-from workers.sandbox import ReplSandbox, SandboxConfig
+from workers.sandbox import SandboxConfig
 
 __all__ = ["RLMActorRolloutWorker", "RLMEnvConfig", "RLMEnvMixin", "RLMEnvWorker", "query_of"]
 
@@ -117,16 +117,14 @@ def query_of(raw_prompt, extra_info) -> str:
     raise ValueError(f"cannot find a query in raw_prompt={raw_prompt!r}")
 
 
-class RLMEnvMixin:
+class RLMEnvMixin(AgentEnvBase):
     """RLM rollouts for a worker that has ``tokenizer``, ``rollout_engine`` (or a policy factory),
     ``rollout_config``, ``rank`` and ``tag``."""
 
+    loop_name = "rlm-env"
+
     def _env_init(self, env: RLMEnvConfig | None, policy_factory=None) -> None:
-        self.env_config = env or RLMEnvConfig()
-        self._policy_factory = policy_factory
-        self._env_loop: LoopThread | None = None
-        self._sandbox: ReplSandbox | None = None
-        self._policy: EngineLLM | None = None
+        self._env_base_init(env or RLMEnvConfig(), policy_factory)
         self._sub_llm: EngineLLM | None = None
         self._sub_engine = None
         self.env_calls = 0
@@ -137,23 +135,11 @@ class RLMEnvMixin:
         env, r = self.env_config, self.rollout_config
         return env.max_prompt_length or r.prompt_length, env.max_response_length or r.response_length
 
-    def _env_engine(self):
-        return getattr(self, "rollout_engine", None)
-
     def _env_policy(self) -> EngineLLM:
-        if self._policy is None:
-            if self.tokenizer is None:
-                raise RuntimeError(f"{self.tag}: RLM rollout before init_model()")
-            if self._policy_factory is not None:
-                self._policy = EngineLLM(self._policy_factory(self.tokenizer), self.tokenizer)
-            else:
-                engine = self._env_engine()
-                if engine is None:
-                    raise RuntimeError(f"{self.tag}: RLM rollout before init_model()")
-                self._policy = EngineLLM(engine, self.tokenizer, name="policy")
-            if self.env_config.sub_model_path:
-                self._sub_llm = self._build_sub_llm()
-        return self._policy
+        policy = super()._env_policy()
+        if self.env_config.sub_model_path and self._sub_llm is None:
+            self._sub_llm = self._build_sub_llm()
+        return policy
 
     def _build_sub_llm(self) -> EngineLLM:
         from workers.engine.distributed import default_device
@@ -170,49 +156,22 @@ class RLMEnvMixin:
         self._sub_engine = NativeEngine.from_pretrained(path, tokenizer=tok, config=cfg)
         return EngineLLM(self._sub_engine, tok, name="sub")
 
-    def _env_sandbox(self) -> ReplSandbox:
-        if self._sandbox is None:
-            self._sandbox = ReplSandbox(self.env_config.sandbox)
-        return self._sandbox
-
-    def _loop(self) -> LoopThread:
-        if self._env_loop is None:
-            self._env_loop = LoopThread(name=f"rlm-env-{self.rank}")
-        return self._env_loop
-
-    def _env_before_generate(self) -> None:
-        """Hook: the colocated worker offloads its trainer here."""
-
     # -- the rollout ------------------------------------------------------------------------------------
 
     def _agent_config(self, settings: dict) -> AgentConfig:
-        cfg = self.env_config.agent
         P, R = self._env_lengths()
-        limit = P + R if cfg.max_sequence_tokens is None else min(cfg.max_sequence_tokens, P + R)
-        greedy = not settings["do_sample"] or settings["temperature"] <= 0
-        return replace(
-            cfg,
-            temperature=0.0 if greedy else settings["temperature"],
-            top_p=1.0 if greedy else settings["top_p"],
-            top_k=-1 if greedy else settings["top_k"],
-            max_sequence_tokens=limit,
+        return self._sampled(self.env_config.agent, settings, P + R)
+
+    @staticmethod
+    async def _run_job(agent: RLMAgent, job: dict) -> AgentResult:
+        return await agent.run(
+            job["query"],
+            job["context"],
+            uid=job["uid"],
+            traj_id=job["traj_id"],
+            seed=job["seed"],
+            metadata={"sample": job["sample"]},
         )
-
-    async def _run_jobs(self, agent: RLMAgent, jobs: list[dict]) -> list[AgentResult]:
-        sem = asyncio.Semaphore(self.env_config.max_concurrent)
-
-        async def one(job: dict) -> AgentResult:
-            async with sem:
-                return await agent.run(
-                    job["query"],
-                    job["context"],
-                    uid=job["uid"],
-                    traj_id=job["traj_id"],
-                    seed=job["seed"],
-                    metadata={"sample": job["sample"]},
-                )
-
-        return list(await asyncio.gather(*(one(j) for j in jobs)))
 
     def _rlm_generate(self, data: DataProto) -> DataProto:
         t0 = time.perf_counter()
@@ -257,15 +216,7 @@ class RLMEnvMixin:
         agent_cfg = self._agent_config(settings)
         policy = self._env_policy()
         agent = RLMAgent(policy, self._env_sandbox(), agent_cfg, sub_llm=self._sub_llm)
-        engine = self._env_engine() if self._policy_factory is None else None
-        self._env_before_generate()
-        if engine is not None:
-            engine.resume_memory()
-        try:
-            results = self._loop().run(self._run_jobs(agent, jobs)) if jobs else []
-        finally:
-            if engine is not None and self.rollout_config.free_cache_engine:
-                engine.release_memory()
+        results = self._run_agents(lambda job: self._run_job(agent, job), jobs)
         elapsed = time.perf_counter() - t0
         self.env_calls += 1
 
@@ -354,16 +305,6 @@ class RLMEnvMixin:
             "repls_open": sb.num_repls,
         }
 
-    @register(Dispatch.ONE_TO_ALL)
-    def close_env(self) -> None:
-        """Stop this rank's sandbox (every REPL process) and event loop; they restart on the next rollout."""
-        if self._sandbox is not None:
-            self._sandbox.close()
-            self._sandbox = None
-        if self._env_loop is not None:
-            self._env_loop.stop()
-        self._env_loop = None
-
 
 class RLMEnvWorker(RLMEnvMixin, RolloutWorker):
     """The ``env`` role on its own pool: a rollout replica per rank + a REPL sandbox; weights arrive over
@@ -383,10 +324,7 @@ class RLMEnvWorker(RLMEnvMixin, RolloutWorker):
     def init_model(self) -> None:
         """Tokenizer + this rank's rollout engine (only the tokenizer with a ``policy_factory``) + sandbox."""
         if self._policy_factory is not None:
-            from workers.models import load_tokenizer
-
-            m = self.model_config
-            self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+            self._load_tokenizer_only()
         else:
             super().init_model()
         self._env_sandbox()
