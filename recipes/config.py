@@ -244,11 +244,22 @@ def load_config(
         merged = OmegaConf.merge(merged, OmegaConf.load(path))
     except OmegaConfBaseException as err:
         raise _explain(err, str(path), schema_cls) from None
+    cli = parse_overrides(list(overrides or []))
+    if _switches_task(merged, cli):  # the file's knobs belong to the file's task
+        merged.task.knobs = {}
     try:
-        merged = OmegaConf.merge(merged, parse_overrides(list(overrides or [])))
+        merged = OmegaConf.merge(merged, cli)
     except OmegaConfBaseException as err:
         raise _explain(err, "command-line override", schema_cls) from None
     return to_dataclass(merged, check=check, recipe=recipe)
+
+
+def _switches_task(file_cfg: DictConfig, cli: DictConfig) -> bool:
+    """Whether the overrides name another task than the config file: then the file's ``task.knobs`` are
+    dropped and only the command line's ``task.knobs.*`` apply."""
+    new = OmegaConf.select(cli, "task.name", default=None)
+    old = OmegaConf.select(file_cfg, "task.name", default=None)
+    return new is not None and new != old and "task" in file_cfg
 
 
 def to_dataclass(cfg: DictConfig, check: bool = True, recipe: str = "grpo") -> RecipeConfig:

@@ -242,3 +242,16 @@ def test_command_line_error_exits_with_the_message(capsys):
         parse_args("grpo", ["actor.nope=1"])
     assert exc.value.code == 2
     assert "unknown config key 'actor.nope'" in capsys.readouterr().err
+
+
+def test_switching_task_on_the_command_line_drops_the_files_knobs():
+    from recipes.trainer.rlm import register_schema
+
+    register_schema()
+    assert load_config("rlm").task.knobs["sloppy_frac"] == 0.8  # rlm.yaml's S-NIAH knobs
+    assert load_config("rlm", ["task.name=oolong"]).task.knobs == {}
+    assert load_config("rlm", ["task.name=oolong", "task.knobs.lengths=4000"]).task.knobs == {"lengths": 4000}
+    kept = load_config("rlm", ["task.name=sniah", "task.knobs.lengths=4000"]).task.knobs  # the same task
+    assert kept["lengths"] == 4000 and kept["n_decoys"] == 1
+    with pytest.raises(ConfigError, match="unknown knob"):
+        load_config("rlm", ["task.name=oolong", "task.knobs.n_decoys=1"])

@@ -67,7 +67,7 @@ def test_rlm_recipe_disaggregated_on_oolong(ray_session, tmp_path):
     result = rlm.main(
         [
             *TINY,
-            "task.name=oolong",
+            "task.name=oolong",  # rlm.yaml's S-NIAH knobs are dropped with the task switch
             "env.agent.max_iterations=4",  # the OOLONG reference solutions take 3 turns
             "env.agent.prompt.style=compact",
             "data.max_prompt_length=384",
