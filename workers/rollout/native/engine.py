@@ -19,6 +19,13 @@ Finished outputs: ``token_ids`` include the stop / EOS token that ended the samp
 does); when a stop string ends it, ``token_ids`` end with the token that completed the string and
 ``text`` ends with the stop string itself (any characters of that token past it are cut from ``text``).
 Log-probs: see ``sampler.py`` (temperature-scaled, before top-k/top-p truncation).
+
+Tensor parallelism: ``NativeEngine(model, tokenizer, config, tp_group=group)`` on each of the group's ranks
+shards the model over them (``model.py``). The ranks run the engine in lockstep (SPMD): the same requests in
+the same order, the same ``update_weights`` names in the same order. Their logits are identical (the
+all-reduced stream feeds replicated norms and lm_head), yet each rank's request seeds may differ (a seed
+drawn from ``os.urandom``), so TP rank 0 samples and broadcasts its tokens and log-probs every step; the other
+ranks accept those, which keeps their scheduling (stops, lengths, slots) identical.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.distributed as dist
 
 from workers.rollout.base import RolloutEngine
 from workers.rollout.native.model import NativeCausalLM
@@ -126,7 +134,9 @@ class NativeEngine(RolloutEngine):
     strings, output text and default EOS/pad ids.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None):
+    def __init__(
+        self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, tp_group=None
+    ):
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         cfg = model.config
@@ -137,7 +147,10 @@ class NativeEngine(RolloutEngine):
             max_num_seqs=self.config.max_num_seqs,
             dtype=self.config.dtype,
             device=self.config.device,
+            tp_group=tp_group,
         )
+        # global rank of TP rank 0, the rank whose sampled tokens every TP rank takes
+        self._sample_src = dist.get_global_rank(tp_group, 0) if self.model.tp_group is not None else None
         self.max_model_len = max_len
         self.vocab_size = self.model.spec.vocab_size
         if self.config.eos_token_ids is not None:
@@ -177,7 +190,9 @@ class NativeEngine(RolloutEngine):
         }
 
     @classmethod
-    def from_pretrained(cls, path: str, tokenizer=None, config: EngineConfig | None = None, **model_kwargs):
+    def from_pretrained(
+        cls, path: str, tokenizer=None, config: EngineConfig | None = None, tp_group=None, **model_kwargs
+    ):
         """Load a checkpoint (and its tokenizer unless one is given) and build an engine from it."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -186,7 +201,7 @@ class NativeEngine(RolloutEngine):
         model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, config)
+        return cls(model, tokenizer, config, tp_group=tp_group)
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -338,6 +353,11 @@ class NativeEngine(RolloutEngine):
     def _accept(self, reqs: list[Request], sampler: BatchSampler, logits, finished: list[Request]) -> None:
         uniforms = None if sampler.all_greedy else [r.rng.random() if r.rng else 0.0 for r in reqs]
         tokens, logps = sampler.sample(logits, uniforms)
+        if self._sample_src is not None:
+            # One broadcast of (token, log-prob) pairs; float64 holds both exactly.
+            both = torch.stack((tokens.double(), logps.double()))
+            dist.broadcast(both, src=self._sample_src, group=self.model.tp_group)
+            tokens, logps = both[0].long(), both[1].float()
         tokens, logps = tokens.tolist(), logps.tolist()
         self.stats["generated_tokens"] += len(reqs)
         for r, tok, lp in zip(reqs, tokens, logps):
@@ -613,7 +633,9 @@ class NativeEngine(RolloutEngine):
 
         Tensors may be any dtype/device (they are cast); with tied embeddings either name updates both.
         Names the model does not have raise a KeyError naming them all (the known ones are applied);
-        a shape mismatch raises a ValueError."""
+        a shape mismatch raises a ValueError. With tensor parallelism a tensor may be the full HF tensor
+        (this rank slices its part) or this rank's generation shard as the resharder delivers it
+        (``reshard_plan.expected_gen_shard``); see ``NativeCausalLM.local_shard``."""
         store = self.model.store
         unknown = []
         with self._model_lock, torch.no_grad():
@@ -623,10 +645,7 @@ class NativeEngine(RolloutEngine):
                 if name not in store.names:
                     unknown.append(name)
                     continue
-                dst = store.target(name)
-                if tuple(tensor.shape) != tuple(dst.shape):
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-                dst.copy_(tensor)
+                store.target(name).copy_(self.model.local_shard(name, tensor))
                 if name == "lm_head.weight" and self.model.spec.tie_word_embeddings:
                     name = "model.embed_tokens.weight"
                 self._missing_weights.discard(name)
@@ -634,7 +653,8 @@ class NativeEngine(RolloutEngine):
             raise KeyError(f"update_weights: unknown parameter names {unknown}")
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        """The engine's weights under their Hugging Face names (views; tied names share storage)."""
+        """The engine's weights under their Hugging Face names (views; tied names share storage; with tensor
+        parallelism this rank's shards)."""
         store = self.model.store
         return [(name, store.target(name)) for name in store.names]
 

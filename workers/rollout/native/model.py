@@ -16,13 +16,29 @@ the transformer itself:
 
 Parameter names (for ``update_weights``) are the Hugging Face state-dict names; tied embeddings map
 ``lm_head.weight`` and ``model.embed_tokens.weight`` to the same storage.
+
+Tensor parallelism (``tp_group``: a torch.distributed group of ``tp`` ranks, gloo on CPU, NCCL on GPU):
+Megatron-style, with plain local shards and explicit collectives (no DTensor: the forward is hand-written
+over one flat buffer of views, and DTensor would add dispatch overhead to every small decode op for no gain).
+
+* Column parallel: q/k/v split by heads (rank i holds query heads ``i*nh/tp ..`` and kv heads
+  ``i*nkv/tp ..``, i.e. chunk i of each HF weight along dim 0, which keeps every GQA group on one rank) and
+  gate/up split along the intermediate dimension. Row parallel: o_proj and down_proj split along their input
+  dimension, each followed by one ``all_reduce(SUM)``; their biases are added once, after it.
+* Embeddings, norms and lm_head are replicated (simplest; the vocabulary is small next to the layers for the
+  models this engine serves), so every rank computes the same logits from the same all-reduced stream.
+* The KV cache holds only the local kv heads. ``spec`` is the per-rank (local) spec; ``full_spec`` the model's.
+
+The per-rank slices are exactly ``workers/weight_sync/reshard_plan.py``'s generation chunks (HF tensor cut in
+``tp`` equal chunks along the split dimension), so a resharded generation shard loads as is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
@@ -95,6 +111,59 @@ def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
         mlp_bias=mlp.gate_proj.bias is not None,
         qk_norm=hasattr(attn, "q_norm"),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+
+
+# Tensor-parallel split dimension of each per-layer HF parameter (absent: replicated). Column parallel = 0,
+# row parallel = 1; the same rules as reshard_plan.py's _LAYER_SPLIT. o_proj / down_proj biases are
+# replicated: they are added once, after the all_reduce.
+TP_SPLIT_DIM = {
+    "self_attn.q_proj.weight": 0,
+    "self_attn.q_proj.bias": 0,
+    "self_attn.k_proj.weight": 0,
+    "self_attn.k_proj.bias": 0,
+    "self_attn.v_proj.weight": 0,
+    "self_attn.v_proj.bias": 0,
+    "self_attn.o_proj.weight": 1,
+    "mlp.gate_proj.weight": 0,
+    "mlp.gate_proj.bias": 0,
+    "mlp.up_proj.weight": 0,
+    "mlp.up_proj.bias": 0,
+    "mlp.down_proj.weight": 1,
+}
+VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension tensor parallelism cuts HF parameter ``name`` along (None: replicated)."""
+    if not name.startswith("model.layers."):
+        return None
+    return TP_SPLIT_DIM.get(name.split(".", 3)[3])
+
+
+def tp_local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
+    """The spec of one of ``tp`` ranks' shards; raise naming the sizes that ``tp`` does not divide."""
+    if tp == 1:
+        return spec
+    bad = [
+        f"{key}={value}"
+        for key, value in (
+            ("num_attention_heads", spec.num_heads),
+            ("num_key_value_heads", spec.num_kv_heads),
+            ("intermediate_size", spec.intermediate_size),
+        )
+        if value % tp
+    ]
+    if bad:
+        raise ValueError(
+            f"tensor-parallel size tp={tp} must divide the model's head counts and intermediate size; "
+            f"it does not divide {', '.join(bad)}"
+        )
+    return replace(
+        spec,
+        num_heads=spec.num_heads // tp,
+        num_kv_heads=spec.num_kv_heads // tp,
+        intermediate_size=spec.intermediate_size // tp,
     )
 
 
@@ -268,14 +337,25 @@ class NativeCausalLM:
     """Weights + static slot KV cache + the prefill/decode forward passes. Not thread-safe by itself."""
 
     def __init__(
-        self, hf_model: torch.nn.Module, max_model_len: int, max_num_seqs: int, dtype=None, device=None
+        self,
+        hf_model: torch.nn.Module,
+        max_model_len: int,
+        max_num_seqs: int,
+        dtype=None,
+        device=None,
+        tp_group=None,
     ):
         first = next(hf_model.parameters())
         self.dtype = dtype or first.dtype
         self.device = torch.device(device) if device is not None else first.device
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.spec = spec_from_hf(hf_model, max_model_len)
+        # tp_group None (or of size 1): no tensor parallelism, no collectives at all.
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.tp_group = tp_group if self.tp_size > 1 else None
+        self.full_spec = spec_from_hf(hf_model, max_model_len)
+        self.spec = tp_local_spec(self.full_spec, self.tp_size)
         self.hf_config = hf_model.config
         if self.spec.hidden_act == "silu":
             self._act = F.silu
@@ -295,7 +375,7 @@ class NativeCausalLM:
             )
         with torch.no_grad():
             for name, tensor in params.items():
-                self.store.target(name).copy_(tensor)
+                self.store.target(name).copy_(self.local_shard(name, tensor))
         self._bind()
         # cos/sin for every position, from the model's own rotary module (same values HF computes per call).
         with torch.no_grad():
@@ -317,6 +397,42 @@ class NativeCausalLM:
         self.embed = t["embed"]
         self.norm = t["norm"]
         self.lm_head = t["embed"] if self.spec.tie_word_embeddings else t["lm_head"]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The unsharded HF shape of parameter ``name``."""
+        local = tuple(self.store.target(name).shape)
+        dim = tp_split_dim(name)
+        if dim is None:
+            return local
+        return local[:dim] + (local[dim] * self.tp_size,) + local[dim + 1 :]
+
+    def local_shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of HF parameter ``name`` from ``tensor``: the full tensor (sliced here) or already
+        this rank's shard (as the resharder delivers it; returned as is). A vocabulary shard of the
+        embedding / lm_head (``vocab/tp`` rows, the resharder's layout) is all-gathered in the TP group into
+        the replicated table: a collective, so every TP rank must load the same names in the same order."""
+        local = tuple(self.store.target(name).shape)
+        shape = tuple(tensor.shape)
+        if shape == local:
+            return tensor
+        dim, full = tp_split_dim(name), self.full_shape(name)
+        if dim is not None and shape == full:
+            return tensor.narrow(dim, self.tp_rank * local[dim], local[dim])
+        if self.tp_size > 1 and name in VOCAB_NAMES and local[0] % self.tp_size == 0:
+            if shape == (local[0] // self.tp_size,) + local[1:]:
+                return self._gather_vocab(tensor)
+        if self.tp_size == 1:
+            raise ValueError(f"{name}: shape {shape} != expected {local}")
+        raise ValueError(
+            f"{name}: shape {shape} is neither the full tensor {full} nor TP rank {self.tp_rank}'s shard "
+            f"{local} (tp={self.tp_size})"
+        )
+
+    def _gather_vocab(self, shard: torch.Tensor) -> torch.Tensor:
+        shard = shard.to(self.device, self.dtype).contiguous()
+        parts = [torch.empty_like(shard) for _ in range(self.tp_size)]
+        dist.all_gather(parts, shard, group=self.tp_group)
+        return torch.cat(parts, dim=0)
 
     def free_weights(self) -> None:
         self.store.free()
@@ -374,6 +490,8 @@ class NativeCausalLM:
 
     def _layer_out(self, h, attn, layer: _Layer):
         """Residual + o_proj, then the MLP block with its residual; all tokens flattened to [n, ...]."""
+        if self.tp_group is not None:
+            return self._layer_out_tp(h, attn, layer)
         s = self.spec
         if layer.o_b is None:
             h = torch.addmm(h, attn, layer.o_w.t())
@@ -384,6 +502,20 @@ class NativeCausalLM:
         if layer.down_b is None:
             return torch.addmm(h, act, layer.down_w.t())
         return h + F.linear(act, layer.down_w, layer.down_b)
+
+    def _row_parallel(self, x, weight, bias):
+        """x [n, local in] @ weight [out, local in]^T summed over the TP ranks, then the (replicated) bias."""
+        y = F.linear(x, weight)
+        dist.all_reduce(y, group=self.tp_group)
+        return y if bias is None else y + bias
+
+    def _layer_out_tp(self, h, attn, layer: _Layer):
+        # Same as _layer_out, with the row-parallel o_proj / down_proj partial sums all-reduced first.
+        s = self.spec
+        h = h + self._row_parallel(attn, layer.o_w, layer.o_b)
+        gu = F.linear(self._norm(h, layer.ln2, s.rms_norm_eps), layer.gu_w, layer.gu_b)
+        act = self._act(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]
+        return h + self._row_parallel(act, layer.down_w, layer.down_b)
 
     def _logits(self, h):
         return F.linear(self._norm(h, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
