@@ -397,6 +397,37 @@ def _megatron_dp(errors: list[str], sec: str, role_cfg, world: int) -> int:
     return world // (tp * pp)
 
 
+def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
+    """``rollout.tensor_model_parallel_size``: TP rollout replicas resharded from a colocated Megatron actor."""
+    tp_g, a = cfg.rollout.tensor_model_parallel_size, cfg.actor
+    if not isinstance(tp_g, int) or tp_g < 1:
+        errors.append(f"rollout.tensor_model_parallel_size must be an int >= 1, got {tp_g!r}")
+        return
+    if tp_g == 1:
+        return
+    if a.strategy != "megatron":
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} needs actor.strategy=megatron: the 3D-HybridEngine "
+            f"reshards the trainer's Megatron TP shards into the rollout replicas, and an FSDP trainer "
+            f"(actor.strategy={a.strategy!r}) has no TP layout to reshard from; use 1"
+        )
+    elif a.megatron.tensor_model_parallel_size % tp_g:
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} must divide actor.megatron.tensor_model_parallel_size="
+            f"{a.megatron.tensor_model_parallel_size} (a generation shard is a union of whole training shards)"
+        )
+    if cfg.trainer.placement == "disaggregated":
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} is for the colocated actor-rollout worker; "
+            "trainer.placement=disaggregated runs full rollout replicas on their own pool: use 1"
+        )
+    if cfg.rollout.name != "native":
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} is for rollout.name=native, got "
+            f"{cfg.rollout.name!r} (SGLang: rollout.tensor_parallel_size)"
+        )
+
+
 def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
     """Megatron's parallel state is per process: a colocated actor and critic (one process per device) that
     both use Megatron must use the same TP/PP sizes."""
@@ -455,6 +486,7 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
     critic_dp = counts.get("critic", dp)
     # Megatron TP x PP ranks hold one replica: batch sizes divide among world / (tp * pp) replicas
     dp = _megatron_dp(errors, "actor", cfg.actor, dp)
+    _check_rollout_tp(errors, cfg)
     if uses_critic(cfg):
         critic_dp = _megatron_dp(errors, "critic", cfg.critic, critic_dp)
         _check_megatron_colocation(errors, cfg)

@@ -72,6 +72,9 @@ class RolloutConfig:
     weight_bucket_mb: int = 64  # weight-sync bucket size (disaggregated broadcast, SGLang)
     free_cache_engine: bool = True  # release KV cache between rollouts (time-sharing with training)
     tensor_parallel_size: int = 1  # SGLang only for now
+    # Colocated Megatron actor: TP size of each native rollout replica (the 3D-HybridEngine reshards the
+    # trainer's TP shards into it); must divide actor.megatron.tensor_model_parallel_size. FSDP: 1.
+    tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     seed: int = 0
     # validation sampling: greedy by default so held-out accuracy is deterministic

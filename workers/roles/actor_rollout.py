@@ -20,6 +20,17 @@ FSDP group) and each rank feeds the full tensor straight into its own rollout re
 memory is one full parameter (the native engine copies into its weight store in place; SGLang groups
 them into ``rollout.weight_bucket_mb`` buckets). Tied embeddings travel once.
 
+3D-HybridEngine (``rollout.tensor_model_parallel_size = tp_g > 1``, Megatron actor only): the rollout
+replicas are ``tp_g``-way tensor parallel on the trainer's own ranks (``MegatronEngine.reshard_plan(tp_g)``:
+generation replica ``gen_coords(rank)[0]``, its ranks ``gen_tp_group``). ``init_model`` creates every
+generation-TP process group on every rank in one fixed order (group creation is collective) and builds the
+native engine on this rank's group; ``sync_weights`` feeds it ``engine.generation_shard_iter(tp_g)`` (the
+micro-DP regrouped reshard: each rank receives only the part of its generation shard that it does not
+already hold: ``M/tp_g - M/(tp*pp)`` bytes); ``generate_sequences`` dispatches on the "rollout" mesh
+(`ROLLOUT_MESH_DISPATCH`): all ranks of a replica get the same prompts and generate in lockstep, only its
+generation-TP rank 0 is collected. With ``tp_g == 1`` the mesh is one replica per rank, all collected (the
+plain rollout dispatch), and the weights travel as full tensors as described above.
+
 Disaggregated placement (`WeightSenderMixin`, `DisaggregatedActorWorker`): the trainer group's rank 0
 joins a separate weight-sync process group with every rank of a `workers.roles.rollout.RolloutWorker`
 group. ``send_weights`` runs on every trainer rank (all take part in the gathers); rank 0 packs the full
@@ -34,14 +45,16 @@ import time
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
-from controller import Dispatch, register
+from controller import Dispatch, register, registered_methods
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.roles.actor import ActorWorker
 from workers.roles.rollout import (
     ONE_TO_ALL_RANK_ZERO,
     ROLLOUT_DP_DISPATCH,
+    ROLLOUT_MESH_DISPATCH,
     build_rollout_engine,
     is_sglang,
     load_weights_into,
@@ -55,6 +68,34 @@ from workers.weight_sync import (
     host_store,
     tensor_nbytes,
 )
+
+
+def rollout_tp_size(actor: ActorConfig, rollout: RolloutConfig, tag: str) -> int:
+    """``rollout.tensor_model_parallel_size`` checked against the actor (errors name the keys)."""
+    tp_g = rollout.tensor_model_parallel_size
+    if not isinstance(tp_g, int) or tp_g < 1:
+        raise ValueError(f"{tag}: rollout.tensor_model_parallel_size must be an int >= 1, got {tp_g!r}")
+    if tp_g == 1:
+        return 1
+    if actor.strategy != "megatron":
+        raise ValueError(
+            f"{tag}: rollout.tensor_model_parallel_size={tp_g} needs actor.strategy=megatron (the "
+            "3D-HybridEngine reshards Megatron TP shards into the rollout replicas); an FSDP trainer streams "
+            f"full tensors and has no TP layout to reshard from (actor.strategy={actor.strategy!r}): use 1"
+        )
+    tp = actor.megatron.tensor_model_parallel_size
+    if tp % tp_g:
+        raise ValueError(
+            f"{tag}: rollout.tensor_model_parallel_size={tp_g} must divide "
+            f"actor.megatron.tensor_model_parallel_size={tp} (a generation shard is a union of whole training "
+            "shards)"
+        )
+    if rollout.name != "native":
+        raise ValueError(
+            f"{tag}: rollout.tensor_model_parallel_size={tp_g} is for the native engine (rollout.name=native); "
+            f"got rollout.name={rollout.name!r} (SGLang: rollout.tensor_parallel_size)"
+        )
+    return tp_g
 
 
 def _counted(stream, stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -187,6 +228,20 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
         self.rollout_engine = None
         self._trainer_offloaded = False
         self.sync_count = 0  # weight syncs into the rollout replica
+        self.rollout_tp = rollout_tp_size(actor, rollout, self.tag)
+        if self.rollout_tp > 1:
+            # every generation method must give the ranks of one TP replica the same prompts
+            per_rank = sorted(
+                n
+                for n, spec in registered_methods(type(self)).items()
+                if spec.dispatch_mode is ROLLOUT_DP_DISPATCH
+            )
+            if per_rank:
+                raise ValueError(
+                    f"{self.tag}: rollout.tensor_model_parallel_size={self.rollout_tp} needs every generation "
+                    f"method on the 'rollout' mesh, but {type(self).__name__}.{per_rank} dispatch one chunk per "
+                    "rank (ROLLOUT_DP_DISPATCH), which would give the TP ranks of a replica different prompts"
+                )
 
     # -- time-sharing -----------------------------------------------------------------------------------------
 
@@ -218,23 +273,51 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
         HF path; the rollout's KV cache is released (``free_cache_engine``) and the trainer offloaded until
         first used."""
         super().init_model()
+        tp_group = None
+        if self.rollout_tp > 1:
+            tp_group, replica, gen_tp_rank = self._generation_tp_group()
+            self.register_dispatch_collect_info("rollout", replica, gen_tp_rank == 0)
+        else:  # one full replica per rank: the plain rollout dispatch
+            self.register_dispatch_collect_info("rollout", self.rank, True)
         self.rollout_engine = build_rollout_engine(
-            self.model_config, self.rollout_config, self.tokenizer, rank=self.rank
+            self.model_config, self.rollout_config, self.tokenizer, rank=self.rank, tp_group=tp_group
         )
         if self.rollout_config.free_cache_engine:
             self.rollout_engine.release_memory()
         self._offload_trainer()
 
+    def _generation_tp_group(self):
+        """(this rank's generation-TP process group, its replica index, its TP rank in the replica) under the
+        trainer's reshard plan for ``rollout.tensor_model_parallel_size``. Creates every replica's group, on
+        every rank, in one fixed order (``dist.new_group`` is collective over the whole default group)."""
+        plan = self.engine.reshard_plan(self.rollout_tp)
+        me = dist.get_rank()
+        replicas = sorted({tuple(plan.gen_tp_group(r)) for r in range(plan.train.world)})
+        mine = None
+        for ranks in replicas:
+            group = dist.new_group(list(ranks))
+            if me in ranks:
+                mine = group
+        replica, gen_tp_rank = plan.gen_coords(me)
+        if dist.get_rank(mine) != gen_tp_rank:  # torch orders group ranks by global rank
+            raise RuntimeError(
+                f"{self.tag}: generation-TP group {plan.gen_tp_group(me)} puts this rank at group rank "
+                f"{dist.get_rank(mine)}, the reshard plan at generation TP rank {gen_tp_rank}"
+            )
+        return mine, replica, gen_tp_rank
+
     # -- generation -------------------------------------------------------------------------------------------
 
-    @register(ROLLOUT_DP_DISPATCH)
+    @register(ROLLOUT_MESH_DISPATCH)
     def generate_sequences(self, data: DataProto) -> DataProto:
         """Responses for this rank's chunk of prompts (left-padded ``input_ids``/``attention_mask``).
 
         ``meta_info`` may set ``n``, ``temperature``, ``top_p``, ``top_k``, ``do_sample``, ``validate``
         (defaults: rollout.temperature / rollout.n, or val_temperature / val_n when validating),
         ``response_length``, ``seed``, ``stop_token_ids``. Rows come back repeated ``n`` times
-        (a, a, b, b); output keys as in dataproto/BATCH_LAYOUT.md with ``rollout_log_probs``; ``meta_info``
+        (a, a, b, b); output keys as in dataproto/BATCH_LAYOUT.md with ``rollout_log_probs``. Dispatched per
+        generation replica ("rollout" mesh): with ``rollout.tensor_model_parallel_size > 1`` every rank of a
+        replica generates the same chunk in lockstep and one of them is collected. ``meta_info``
         gains ``temperature`` (of the reported log-probs), ``eos_token_id``, ``pad_token_id``,
         ``timing_s/gen`` and ``rollout/*`` token counts (see `workers.roles.rollout.run_rollout`)."""
         engine = self._require_rollout("generate_sequences")
@@ -256,11 +339,16 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
         Collective over the trainer group (every rank gathers every parameter); each rank's replica receives
         the full tensors. Returns rank 0's metrics: ``timing_s/update_weights`` (the whole call),
         ``perf/weight_sync_bytes`` (tensor bytes loaded into one replica), ``weight_sync/tensors``,
-        ``weight_sync/load_s`` (gather + load), ``weight_sync/offload_s``."""
+        ``weight_sync/load_s`` (gather + load), ``weight_sync/offload_s``. With
+        ``rollout.tensor_model_parallel_size > 1`` each rank receives its generation shard from the reshard
+        instead: ``perf/weight_sync_bytes`` is what rank 0's replica shard holds and
+        ``weight_sync/bytes_received`` / ``bytes_sent`` what the reshard moved (see `_sync_generation_shards`)."""
         t0 = time.perf_counter()
         engine = self._require_rollout("sync_weights")
-        self._require_engine("sync_weights")  # reloads the trainer if it was offloaded
+        trainer = self._require_engine("sync_weights")  # reloads the trainer if it was offloaded
         engine.resume_memory(kv_cache=False)  # weights only; the KV cache waits for generation
+        if self.rollout_tp > 1:
+            return self._sync_generation_shards(engine, trainer, t0)
         stats = {"tensors": 0, "bytes": 0}
         stream = _counted(self.hf_weight_stream(device=self._rollout_device()), stats)
         try:
@@ -275,6 +363,37 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
             "timing_s/update_weights": time.perf_counter() - t0,
             "perf/weight_sync_bytes": stats["bytes"],
             "weight_sync/tensors": stats["tensors"],
+            "weight_sync/load_s": t_loaded - t0,
+            "weight_sync/offload_s": offload_s,
+            "weight_sync/count": self.sync_count,
+        }
+
+    def _sync_generation_shards(self, engine, trainer, t0: float) -> dict:
+        """``sync_weights`` for tensor-parallel rollout replicas: this rank's generation shards straight from
+        the 3D-HybridEngine reshard (collective over the micro-DP groups; the native engine all-gathers
+        vocabulary shards in its TP group, in the same name order on every rank)."""
+        stats = {"tensors": 0, "bytes": 0}
+        stream = _counted(trainer.generation_shard_iter(self.rollout_tp), stats)
+        try:
+            load_weights_into(engine, stream)
+        finally:
+            for _ in stream:  # a failed load must not leave the other ranks waiting in a broadcast
+                pass
+        # counts of the stream just consumed (the engine keeps one Resharder per generation TP size)
+        reshard = trainer._resharder(self.rollout_tp).stats
+        t_loaded = time.perf_counter()
+        offload_s = self._offload_trainer()
+        self.sync_count += 1
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "perf/weight_sync_bytes": stats["bytes"],  # loaded into the replica shard, as with tp_g == 1
+            "weight_sync/bytes_received": reshard.bytes_received,  # moved by the reshard (0: shard in place)
+            "weight_sync/bytes_sent": reshard.bytes_sent,
+            "weight_sync/gen_shard_bytes": stats["bytes"],
+            "weight_sync/held_bytes": reshard.held_bytes,
+            "weight_sync/peak_transient_bytes": reshard.peak_transient_bytes,
+            "weight_sync/tensors": stats["tensors"],
+            "weight_sync/rollout_tp": self.rollout_tp,
             "weight_sync/load_s": t_loaded - t0,
             "weight_sync/offload_s": offload_s,
             "weight_sync/count": self.sync_count,

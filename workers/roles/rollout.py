@@ -20,6 +20,9 @@
     ``n`` times (GRPO groups): DP_COMPUTE_PROTO pads the input to a multiple of the group size and strips
     ``pad_size`` output rows, but a padded prompt comes back as ``n`` rows. A rank whose chunk would be
     empty (fewer rows than ranks) gets one copy of row 0 marked as padding and returns no rows.
+  - `ROLLOUT_MESH_DISPATCH` (`make_rollout_mesh_dispatch`): the same split over generation replicas
+    instead of ranks, for a colocated worker whose replicas span several tensor-parallel ranks; every rank
+    of a replica gets its chunk, one rank per replica is collected (mesh "rollout").
   - `ONE_TO_ALL_RANK_ZERO`: every rank runs the call with the same arguments (collective work); the
     result is rank 0's return value (weight-sync metrics).
 """
@@ -42,7 +45,7 @@ from controller import (
     WorkerGroupTimeoutError,
     register,
 )
-from controller.dispatch import collect_rank_zero, dispatch_one_to_all
+from controller.dispatch import collect_rank_zero, dispatch_one_to_all, mesh_layout
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 
@@ -67,8 +70,9 @@ def _split_rows(num_rows: int, num_ranks: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def dispatch_rollout_chunks(wg, *args, **kwargs) -> Dispatched:
-    """One contiguous chunk of the (single) DataProto argument per rank; other arguments go to every rank."""
+def _rollout_chunk_refs(args: tuple, kwargs: dict, num_chunks: int) -> tuple[DataProto, list]:
+    """(the single DataProto argument, object refs of its ``num_chunks`` contiguous chunks; a chunk that
+    would be empty is one copy of row 0 marked as padding)."""
     protos = [("positional arg", i) for i, a in enumerate(args) if isinstance(a, DataProto)]
     protos += [("keyword arg", k) for k, v in kwargs.items() if isinstance(v, DataProto)]
     if len(protos) != 1:
@@ -78,7 +82,7 @@ def dispatch_rollout_chunks(wg, *args, **kwargs) -> Dispatched:
     if len(data) == 0:
         raise ValueError("rollout dispatch: the batch is empty")
     chunks = []
-    for start, end in _split_rows(len(data), wg.world_size):
+    for start, end in _split_rows(len(data), num_chunks):
         if end > start:
             chunk = data.slice(start, end)
             chunk.meta_info[PAD_ROWS_KEY] = 0
@@ -86,6 +90,12 @@ def dispatch_rollout_chunks(wg, *args, **kwargs) -> Dispatched:
             chunk = data.slice(0, 1)
             chunk.meta_info[PAD_ROWS_KEY] = 1
         chunks.append(ray.put(chunk))
+    return data, chunks
+
+
+def dispatch_rollout_chunks(wg, *args, **kwargs) -> Dispatched:
+    """One contiguous chunk of the (single) DataProto argument per rank; other arguments go to every rank."""
+    data, chunks = _rollout_chunk_refs(args, kwargs, wg.world_size)
 
     def per_rank(value):
         return chunks if value is data else [value] * wg.world_size
@@ -93,8 +103,9 @@ def dispatch_rollout_chunks(wg, *args, **kwargs) -> Dispatched:
     return Dispatched([per_rank(a) for a in args], {k: per_rank(v) for k, v in kwargs.items()})
 
 
-def collect_rollout_chunks(wg, outputs: list) -> DataProto:
-    for rank, out in enumerate(outputs):
+def collect_rollout_chunks(wg, outputs: list, ranks: list[int] | None = None) -> DataProto:
+    """Concatenate the outputs (of ``ranks``, default every rank in order) in order."""
+    for rank, out in zip(ranks if ranks is not None else range(len(outputs)), outputs):
         if not isinstance(out, DataProto):
             raise TypeError(
                 f"rollout dispatch: rank {rank} of worker group {wg.name!r} returned {type(out).__name__}, "
@@ -104,6 +115,36 @@ def collect_rollout_chunks(wg, outputs: list) -> DataProto:
 
 
 ROLLOUT_DP_DISPATCH = DispatchMode("rollout_dp_proto", dispatch_rollout_chunks, collect_rollout_chunks)
+
+
+def make_rollout_mesh_dispatch(mesh_name: str) -> DispatchMode:
+    """`ROLLOUT_DP_DISPATCH` over the generation replicas registered on ``mesh_name``
+    (``register_dispatch_collect_info(mesh_name, replica index, is_collect)``) instead of over ranks: the
+    prompts are split (before the ``n``-sample repetition, same chunk sizes and placeholder rule) into one
+    chunk per replica, every rank of a replica gets its replica's chunk (tensor-parallel ranks generate in
+    lockstep) and only the replica's collect rank is collected, in replica order. With one rank per
+    replica (replica = rank, all collected) it is exactly `ROLLOUT_DP_DISPATCH`."""
+
+    def dispatch(wg, *args, **kwargs) -> Dispatched:
+        replica_of_rank, collect_ranks = mesh_layout(wg, mesh_name)
+        data, chunks = _rollout_chunk_refs(args, kwargs, len(collect_ranks))
+
+        def per_rank(value):
+            if value is data:
+                return [chunks[replica] for replica in replica_of_rank]
+            return [value] * wg.world_size
+
+        return Dispatched([per_rank(a) for a in args], {k: per_rank(v) for k, v in kwargs.items()})
+
+    def collect(wg, outputs: list) -> DataProto:
+        collect_ranks = mesh_layout(wg, mesh_name)[1]
+        return collect_rollout_chunks(wg, [outputs[r] for r in collect_ranks], collect_ranks)
+
+    return DispatchMode(f"rollout_mesh_proto[{mesh_name}]", dispatch, collect)
+
+
+# Generation methods of the colocated actor-rollout worker: one chunk per generation replica ("rollout" mesh).
+ROLLOUT_MESH_DISPATCH = make_rollout_mesh_dispatch("rollout")
 ONE_TO_ALL_RANK_ZERO = DispatchMode("one_to_all_rank_zero", dispatch_one_to_all, collect_rank_zero)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,11 +152,14 @@ ONE_TO_ALL_RANK_ZERO = DispatchMode("one_to_all_rank_zero", dispatch_one_to_all,
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build_rollout_engine(model: ModelConfig, rollout: RolloutConfig, tokenizer, *, rank: int = 0):
+def build_rollout_engine(
+    model: ModelConfig, rollout: RolloutConfig, tokenizer, *, rank: int = 0, tp_group=None
+):
     """The rollout engine of one rank, loaded from ``model.path``: `NativeEngine` (``rollout.name ==
     "native"``) or `SGLangRollout` (``"sglang"``). Pad/EOS ids come from the tokenizer (and the model's
     generation config for EOS); responses are padded to ``rollout.response_length``; sampling streams are
-    seeded from ``(rollout.seed, rank)`` so data-parallel ranks draw different samples."""
+    seeded from ``(rollout.seed, rank)`` so data-parallel ranks draw different samples. ``tp_group``: the
+    torch.distributed group of this rank's tensor-parallel native replica (None: a full replica)."""
     from workers.engine.distributed import default_device
     from workers.models import load_config, pad_token_id_of, resolve_dtype
 
@@ -138,9 +182,15 @@ def build_rollout_engine(model: ModelConfig, rollout: RolloutConfig, tokenizer, 
             seed=seed,
         )
         return NativeEngine.from_pretrained(
-            model.path, tokenizer=tokenizer, config=cfg, trust_remote_code=model.trust_remote_code
+            model.path,
+            tokenizer=tokenizer,
+            config=cfg,
+            tp_group=tp_group,
+            trust_remote_code=model.trust_remote_code,
         )
     if rollout.name == "sglang":
+        if tp_group is not None:
+            raise ValueError("rollout.name='sglang' takes no tp_group (SGLang: rollout.tensor_parallel_size)")
         from workers.rollout.sampling import SamplingParams
         from workers.rollout.sglang import SGLangRollout, SGLangRolloutConfig
 
