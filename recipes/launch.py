@@ -26,17 +26,13 @@ import time
 
 # Never shipped in the working dir: run outputs and local environments (Ray also honours .gitignore).
 UPLOAD_EXCLUDES = ["runs/", "outputs/", ".venv/", ".git/", "*.pt", "*.safetensors"]
-# Set by recipes/trainer/run.py's ray.init: the job's runtime env must not set the same keys (Ray refuses
-# to merge a job's and a driver's env var of the same name).
-DRIVER_ENV_KEYS = ("TOKENIZERS_PARALLELISM", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")
 
 
 def runtime_env(mode: str, repo: str, env: dict[str, str] | None = None) -> dict:
     """The runtime env of a recipe job (``mode`` upload | shared, see the module doc)."""
-    env = dict(env or {})
-    clash = sorted(k for k in env if k in DRIVER_ENV_KEYS)
-    if clash:
-        raise ValueError(f"job env var(s) {clash} are set by the recipe's own ray.init; leave them out")
+    env = dict(
+        env or {}
+    )  # may repeat what the recipe's ray.init sets: the job's value wins (run.job_env_vars)
     if mode == "upload":
         return {"working_dir": repo, "excludes": list(UPLOAD_EXCLUDES), "env_vars": env}
     if mode == "shared":

@@ -121,6 +121,13 @@ def resolve_data(cfg: RecipeConfig, run_dir: Path) -> tuple[list[str], list[str]
     return [paths["train"]], val
 
 
+def job_env_vars(wanted: dict[str, str], environ) -> dict[str, str]:
+    """The env vars the driver adds to its workers on an existing cluster: those the environment does not set
+    already. Under ``ray job submit`` the job's runtime env is in the driver's environment, and Ray refuses to
+    merge a driver's value into a job's for the same variable (even an equal one), so the job's value wins."""
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
 def init_ray(cfg: RecipeConfig) -> None:
     """Start a local Ray session unless one is running (tests and clusters bring their own)."""
     import ray
@@ -137,7 +144,7 @@ def init_ray(cfg: RecipeConfig) -> None:
     if address:  # an existing cluster: its nodes' defaults, unless threads are asked for
         if cfg.trainer.omp_num_threads:
             env["OMP_NUM_THREADS"] = str(cfg.trainer.omp_num_threads)
-        ray.init(address=address, runtime_env={"env_vars": env})
+        ray.init(address=address, runtime_env={"env_vars": job_env_vars(env, os.environ)})
         return
     # Ray gives each 1-CPU actor one torch thread; with one worker process per device the local cores are
     # shared out instead (the controller mostly waits): 2 cores, 1 device -> 2 threads, ~1.6x faster on CPU.

@@ -380,7 +380,7 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
             for _ in stream:  # a failed load must not leave the other ranks waiting in a broadcast
                 pass
         # counts of the stream just consumed (the engine keeps one Resharder per generation TP size)
-        reshard = trainer._resharder(self.rollout_tp).stats
+        reshard = trainer.reshard_stats(self.rollout_tp)
         t_loaded = time.perf_counter()
         offload_s = self._offload_trainer()
         self.sync_count += 1

@@ -304,6 +304,10 @@ class MegatronEngine:
         every rank must consume it to the end."""
         yield from self._resharder(tp_g).named_tensors(self.hf_shard(), bucket_bytes)
 
+    def reshard_stats(self, tp_g: int = 1):
+        """Byte and memory counts of the last ``generation_shard_iter(tp_g)`` on this rank."""
+        return self._resharder(tp_g).stats
+
     @torch.no_grad()
     def full_state_dict_iter(
         self,
