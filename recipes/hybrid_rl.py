@@ -48,26 +48,14 @@ from recipes.trainer.hybrid import (
     tool_generate,
     tool_validate,
 )
-from recipes.trainer.warm_start import sft_warm_start
+from recipes.trainer.warm_start import warm_start_on_replays
 
 RECIPE = "hybrid_rl"
 
 
 def warm_start(cfg: HybridConfig, run: Run) -> str:
     """SFT on the replayed demonstrations with an ActorWorker group; returns the exported HF directory."""
-    import pandas as pd
-
-    rows = pd.read_parquet(run.train_files[0]).to_dict("records")
-    if cfg.sft.max_samples:
-        rows = rows[: cfg.sft.max_samples]
-    t0 = time.perf_counter()
-    data = reference_batch(rows, run.tokenizer, cfg.env)
-    mask = data.batch["response_mask"]
-    print(
-        f"[sft] {len(data)} demonstrations replayed in the sandbox in {time.perf_counter() - t0:.1f}s "
-        f"({mask.sum(-1).mean():.0f} trained / {data.batch['attention_mask'].sum(-1).float().mean():.0f} tokens each)"
-    )
-    return sft_warm_start(cfg, run, data)
+    return warm_start_on_replays(cfg, run, reference_batch, "demonstrations")
 
 
 def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:

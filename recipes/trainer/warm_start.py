@@ -22,6 +22,25 @@ def sample_rows(data: DataProto, idx: Sequence[int]) -> DataProto:
     return DataProto.from_dict({k: v[i] for k, v in data.batch.items()})
 
 
+def warm_start_on_replays(cfg, run: Run, replay, what: str) -> str:
+    """Replay the training rows' reference solutions with ``replay(rows, tokenizer, cfg.env) -> DataProto`` (at
+    most ``cfg.sft.max_samples`` rows), then `sft_warm_start` on them; returns the exported HF directory."""
+    import pandas as pd
+
+    rows = pd.read_parquet(run.train_files[0]).to_dict("records")
+    if cfg.sft.max_samples:
+        rows = rows[: cfg.sft.max_samples]
+    t0 = time.perf_counter()
+    data = replay(rows, run.tokenizer, cfg.env)
+    trained = data.batch["response_mask"].sum(-1).mean()
+    tokens = data.batch["attention_mask"].sum(-1).float().mean()
+    print(
+        f"[sft] {len(data)} {what} replayed in the sandbox in {time.perf_counter() - t0:.1f}s "
+        f"({trained:.0f} trained / {tokens:.0f} tokens each)"
+    )
+    return sft_warm_start(cfg, run, data)
+
+
 def sft_warm_start(cfg, run: Run, data: DataProto) -> str:
     """Train on ``data`` with an ActorWorker group (``cfg.sft``: steps, batch size, optimiser, seed); returns the
     exported HF directory ``<run dir>/sft_model``."""

@@ -41,6 +41,13 @@ from workers.engine.packing import (
     restore_order,
     scatter_response,
 )
+from workers.engine.train_steps import (
+    call_loss_fn,
+    mask_counts,
+    minibatch_order,
+    response_loss_mask,
+    step_metrics,
+)
 from workers.models.loading import is_value_model, load_model
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -481,31 +488,20 @@ class FSDPEngine:
                 f"train_step: DP ranks have different numbers of mini-batches (max {int(check[0])}, min "
                 f"{-int(check[1])}); each rank must get the same number of rows"
             )
-        if loss_mask_key in tensors:
-            loss_mask_all = tensors[loss_mask_key].float()
-        else:
-            loss_mask_all = tensors["attention_mask"][:, -response_length:].float()
+        loss_mask_all = response_loss_mask(tensors, loss_mask_key, response_length)
 
         self.model.train()
         losses, grad_norms, lrs, skipped_now = [], [], [], 0
         extra: dict[str, list[float]] = {}
         for epoch in range(epochs):
-            if shuffle:
-                g = torch.Generator().manual_seed(
-                    self.config.seed * 1_000_003 + self.global_step * 7919 + epoch
-                )
-                order = torch.randperm(n, generator=g)
-            else:
-                order = torch.arange(n)
+            order = minibatch_order(
+                n, shuffle=shuffle, seed=self.config.seed, global_step=self.global_step, epoch=epoch
+            )
             for mi in range(num_mini):
                 idx = order[mi * mbs : (mi + 1) * mbs].tolist()
                 mini = self._rows(tensors, idx)
                 mini_mask = loss_mask_all[idx]
-                counts = self._all_reduce(
-                    torch.tensor(
-                        [float(mini_mask.sum()), float((mini_mask.sum(dim=1) > 0).sum())], dtype=torch.float64
-                    )
-                )
+                counts = self._all_reduce(mask_counts(mini_mask))
                 lengths = mini["attention_mask"].sum(dim=1).tolist()
                 parts = self._plan(lengths, micro_batch_size, max_token_len)
                 mini_dev = self._to_device(mini)
@@ -528,18 +524,11 @@ class FSDPEngine:
                         num_micro_batches=len(parts),
                         temperature=temperature,
                     )
-                    ret = loss_fn(outputs, micro, ctx)
-                    loss, m = ret if isinstance(ret, tuple) else (ret, {})
-                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                        raise TypeError(
-                            f"loss_fn must return a scalar tensor (or (tensor, metrics)), got {loss!r}"
-                        )
+                    loss, m = call_loss_fn(loss_fn, outputs, micro, ctx)
                     loss.backward()
                     step_loss += loss.detach().double()
-                    for k, v in (m or {}).items():
-                        extra.setdefault(k, []).append(
-                            float(v.detach() if isinstance(v, torch.Tensor) else v)
-                        )
+                    for k, v in m.items():
+                        extra.setdefault(k, []).append(v)
                 step_loss = self._all_reduce(step_loss)
                 lrs.append(self.optimizer.param_groups[0]["lr"])
                 grad_norm, applied = self._clip_and_step()
@@ -547,20 +536,7 @@ class FSDPEngine:
                 grad_norms.append(grad_norm)
                 skipped_now += 0 if applied else 1
 
-        applied_norms = [g for g in grad_norms if math.isfinite(g)]
-        metrics: dict[str, Any] = {
-            "loss": sum(losses) / len(losses),
-            "grad_norm": sum(applied_norms) / len(applied_norms) if applied_norms else float("nan"),
-            "lr": lrs[-1],  # the learning rate of the last step of this call
-            "skipped": skipped_now,
-            "skipped_steps": self.skipped_steps,
-            "global_step": self.global_step,
-            "losses": losses,
-            "grad_norms": grad_norms,
-        }
-        for k, v in extra.items():
-            metrics[k] = sum(v) / len(v)
-        return metrics
+        return step_metrics(losses, grad_norms, lrs, skipped_now, self.skipped_steps, self.global_step, extra)
 
     def _local_grads(self) -> list[torch.Tensor]:
         grads = []

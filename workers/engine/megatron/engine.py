@@ -58,6 +58,13 @@ from workers.engine.megatron.hf_conversion import (
     param_specs,
 )
 from workers.engine.packing import entropy_from_logits
+from workers.engine.train_steps import (
+    call_loss_fn,
+    mask_counts,
+    minibatch_order,
+    response_loss_mask,
+    step_metrics,
+)
 from workers.models.loading import load_model, resolve_dtype
 
 
@@ -538,27 +545,18 @@ class MegatronEngine:
         mbs = mini_batch_size or n
         if n % mbs:
             raise ValueError(f"train_step: {n} rows on this rank is not a multiple of mini_batch_size={mbs}")
-        if loss_mask_key in tensors:
-            loss_mask = tensors[loss_mask_key].float()
-        else:
-            loss_mask = tensors["attention_mask"][:, -r:].float()
+        loss_mask = response_loss_mask(tensors, loss_mask_key, r)
         self.model.train()
         losses, grad_norms, lrs, skipped_now = [], [], [], 0
         extra: dict[str, list[float]] = {}
         for epoch in range(epochs):
-            if shuffle:
-                g = torch.Generator().manual_seed(
-                    self.config.seed * 1_000_003 + self.global_step * 7919 + epoch
-                )
-                order = torch.randperm(n, generator=g)
-            else:
-                order = torch.arange(n)
+            order = minibatch_order(
+                n, shuffle=shuffle, seed=self.config.seed, global_step=self.global_step, epoch=epoch
+            )
             for mi in range(n // mbs):
                 idx = order[mi * mbs : (mi + 1) * mbs].tolist()
                 mask = loss_mask[idx]
-                counts = self._dp_all_reduce(
-                    torch.tensor([float(mask.sum()), float((mask.sum(dim=1) > 0).sum())], dtype=torch.float64)
-                )
+                counts = self._dp_all_reduce(mask_counts(mask))
                 mini = {k: v[idx] for k, v in tensors.items()}
                 prep = self._prepare(mini)
                 rows = self._micro_size(mbs, prep["tokens"].shape[1], micro_batch_size, max_token_len)
@@ -577,16 +575,7 @@ class MegatronEngine:
                         num_micro_batches=len(parts),
                         temperature=temperature,
                     )
-                    ret = loss_fn(outputs, parts[i][1], ctx)
-                    loss, m = ret if isinstance(ret, tuple) else (ret, {})
-                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                        raise TypeError(
-                            f"loss_fn must return a scalar tensor (or (tensor, metrics)), got {loss!r}"
-                        )
-                    metrics = {
-                        k: float(v.detach() if isinstance(v, torch.Tensor) else v)
-                        for k, v in (m or {}).items()
-                    }
+                    loss, metrics = call_loss_fn(loss_fn, outputs, parts[i][1], ctx)
                     metrics["__loss"] = float(loss.detach())
                     return loss, metrics
 
@@ -604,20 +593,7 @@ class MegatronEngine:
                 losses.append(step_loss)
                 grad_norms.append(norm)
                 skipped_now += 0 if applied else 1
-        applied_norms = [g for g in grad_norms if math.isfinite(g)]
-        metrics: dict[str, Any] = {
-            "loss": sum(losses) / len(losses),
-            "grad_norm": sum(applied_norms) / len(applied_norms) if applied_norms else float("nan"),
-            "lr": lrs[-1],
-            "skipped": skipped_now,
-            "skipped_steps": self.skipped_steps,
-            "global_step": self.global_step,
-            "losses": losses,
-            "grad_norms": grad_norms,
-        }
-        for k, v in extra.items():
-            metrics[k] = sum(v) / len(v)
-        return metrics
+        return step_metrics(losses, grad_norms, lrs, skipped_now, self.skipped_steps, self.global_step, extra)
 
     def _params_with_grad(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.grad is not None]
