@@ -57,6 +57,8 @@ class DataConfig:
     val_max_samples: int | None = None
     shuffle: bool = True
     seed: int = 0  # data order: permutation per (seed, epoch)
+    # rows whose data_source no reward scorer covers: "error" (name file and row at load time) or "skip" (count)
+    unknown_data_source: str = "error"
 
 
 @dataclass
@@ -138,7 +140,12 @@ class TrainerConfig:
     plot: bool = True  # <run dir>/curves.png at the end
     ray_num_cpus: int | None = None  # only when the recipe starts Ray itself; None: Ray's default
     omp_num_threads: int | None = None  # torch threads per worker process; None: cores / devices (own Ray)
-    call_timeout_s: float | None = None  # per worker-group call; None: no limit
+    # every worker-group call: call_timeout_s + call_timeout_per_row_s * (rows of its batch); None: no limit
+    call_timeout_s: float | None = 1800.0
+    call_timeout_per_row_s: float = 1.0
+    # a locally started Ray on CPU: allow more devices (worker processes) than this machine has cores
+    cpu_oversubscribe: bool = False
+    max_consecutive_skipped_updates: int = 5  # abort after this many steps in a row with a non-finite update
     wandb_mode: str | None = None  # e.g. offline
 
 
@@ -269,10 +276,17 @@ def to_dataclass(cfg: DictConfig, check: bool = True, recipe: str = "grpo") -> R
     except OmegaConfBaseException as err:
         raise _explain(err, "resolving") from None
     except (ValueError, TypeError) as err:  # a dataclass __post_init__ (e.g. OptimConfig) refused a value
-        raise ConfigError(f"invalid config at {_failing_section(cfg)!r}: {err}") from None
+        section, msg = _failing_section(cfg), str(err)
+        field_name = msg.split(" ", 1)[0].split("=", 1)[0]
+        if OmegaConf.select(cfg, f"{section}.{field_name}", default=_MISSING) is not _MISSING:
+            raise ConfigError(f"invalid config: {section}.{msg}") from None  # the message starts with the key
+        raise ConfigError(f"invalid config at {section!r}: {msg}") from None
     if check:
         validate(obj, recipe)
     return obj
+
+
+_MISSING = object()
 
 
 def _failing_section(cfg: DictConfig, prefix: str = "") -> str:
@@ -542,6 +556,12 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
         errors.append("no training data: set data.train_files (parquet) or task.name (generate a dataset)")
     if d.train_files and not d.val_files and not cfg.task.name:
         errors.append("data.val_files is empty (validation needs held-out prompts)")
+    for key in ("train_files", "val_files"):
+        missing = [f for f in getattr(d, key) if not os.path.isfile(os.path.expanduser(f))]
+        if missing:
+            errors.append(f"data.{key}: no such file(s) {missing}")
+    if d.unknown_data_source not in ("error", "skip"):
+        errors.append(f"data.unknown_data_source must be error or skip, got {d.unknown_data_source!r}")
     if cfg.task.name:
         from recipes.tasks import ALL_TASKS, task_config
 
@@ -558,6 +578,9 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
             )
         if cfg.task.n_val < 1:
             errors.append(f"task.n_val must be >= 1, got {cfg.task.n_val}")
+    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
+        if path is not None and not os.path.exists(os.path.expanduser(path)):
+            errors.append(f"{key}={path!r} does not exist")
     if cfg.model.path is None:
         from workers.models.tiny import TINY_MODEL_SIZES
 
@@ -613,6 +636,14 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
         errors.append(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {t.max_ckpt_to_keep}")
     if t.critic_warmup < 0:
         errors.append(f"trainer.critic_warmup must be >= 0, got {t.critic_warmup}")
+    if t.call_timeout_s is not None and not t.call_timeout_s > 0:
+        errors.append(f"trainer.call_timeout_s must be > 0 or null (no limit), got {t.call_timeout_s}")
+    if not t.call_timeout_per_row_s >= 0:
+        errors.append(f"trainer.call_timeout_per_row_s must be >= 0, got {t.call_timeout_per_row_s}")
+    if t.max_consecutive_skipped_updates < 1:
+        errors.append(
+            f"trainer.max_consecutive_skipped_updates must be >= 1, got {t.max_consecutive_skipped_updates}"
+        )
 
     sft = getattr(cfg, "sft", None)
     if sft is not None and sft.enable:

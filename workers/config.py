@@ -1,6 +1,7 @@
 """Configs of the role workers. Recipes build these from their YAML (names follow verl's where they overlap,
 so a verl user finds ``actor.ppo_mini_batch_size`` where they expect it); workers never import recipes."""
 
+import math
 from dataclasses import dataclass, field
 
 from workers.engine.fsdp_engine import OptimConfig
@@ -39,6 +40,9 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     seed: int = 0
 
+    def __post_init__(self):
+        _at_least(self, 0.0, "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+
 
 @dataclass
 class CriticConfig:
@@ -54,6 +58,9 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     seed: int = 0
+
+    def __post_init__(self):
+        _at_least(self, 0.0, "cliprange_value")
 
 
 @dataclass
@@ -81,9 +88,27 @@ class RolloutConfig:
     val_temperature: float = 0.0
     val_n: int = 1
 
+    def __post_init__(self):
+        _at_least(self, 0.0, "temperature", "val_temperature")
+
 
 @dataclass
 class RewardConfig:
     default_scorer: str | None = None  # scorer for data sources without a registered one (None: error)
     # "outcome": the score sits on the last response token
     reward_manager: str = "outcome"
+    # the controller aborts a run when at least this fraction of a step's samples fails to score (raises or is
+    # not finite); 1.0: only when every sample fails; None: never
+    max_error_frac: float | None = 1.0
+
+    def __post_init__(self):
+        if self.max_error_frac is not None and not 0 < self.max_error_frac <= 1:
+            raise ValueError(f"max_error_frac must be in (0, 1] or None, got {self.max_error_frac}")
+
+
+def _at_least(cfg, low: float, *names: str) -> None:
+    """Each named field (when not None) is a finite number >= ``low``; the error starts with the field name."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and not (math.isfinite(v) and v >= low):
+            raise ValueError(f"{name} must be a finite number >= {low:g}, got {v}")

@@ -71,6 +71,8 @@ class OptimConfig:
     grad_clip: float | None = 1.0  # max global grad norm; None or <= 0 disables clipping
 
     def __post_init__(self):
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr must be a finite number >= 0, got {self.lr}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(
                 f"OptimConfig.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}"
