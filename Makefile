@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test lint bench clean-venv sglang-cpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_dataproto
 	$(BIN)/python -m recipes.quickstart
+
+# CPU SGLang engine in .venv (tests/CI without a GPU): pinned, idempotent; see the script's header.
+sglang-cpu: $(STAMP)
+	bash workers/rollout/sglang/install_cpu.sh
 
 clean-venv:
 	rm -rf $(VENV)
