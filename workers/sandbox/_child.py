@@ -2,7 +2,7 @@
 
 This file runs as a script in its own interpreter, started by ``workers/sandbox/sandbox.py``
 (inside bubblewrap where available, else inside namespaces it sets up itself). It uses the
-standard library only and does nothing on import, so the host may import it for the wire format and
+standard library and ``_seccomp.py`` (beside it) only and does nothing on import, so the host may import it for the wire format and
 the reserved names.
 
 Processes (inside the sandbox's pid namespace):
@@ -33,6 +33,14 @@ import threading
 import time
 import traceback
 import types
+
+if __package__:
+    from workers.sandbox import _seccomp
+else:  # run as a script (the zygote): the module lies beside this file; keep it off the REPL's path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _seccomp
+
+    del sys.path[0]
 
 RESERVED_NAMES = (
     "context",
@@ -509,8 +517,9 @@ class _Zygote:
         self.ctrl.setblocking(True)
         self.uid_base = args.get("uid_base")
         self.uid_sep = False
+        self.seccomp = False
         self.scratch_root = args["scratch_root"]
-        self.children: dict[int, tuple[int, int]] = {}  # pid -> (slot, gen)
+        self.children: dict[int, tuple[int, int, int]] = {}  # pid -> (slot, gen, OOM kills at spawn)
         self.slot_pid: dict[int, int] = {}
         self.report: dict = dict(args.get("report") or {})
         self.wake_r, self.wake_w = os.pipe()
@@ -525,6 +534,8 @@ class _Zygote:
                 pass
         self.report["uid_separation"] = self._probe_uid()
         self.uid_sep = self.report["uid_separation"] == "ok"
+        self.report["seccomp"] = self._probe_seccomp()
+        self.seccomp = self.report["seccomp"] == "ok"
         os.makedirs(self.scratch_root, exist_ok=True)
         os.chmod(self.scratch_root, 0o711)
         os.set_blocking(self.wake_w, False)
@@ -555,6 +566,29 @@ class _Zygote:
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
         return {0: "ok", 2: "setresuid failed", 3: "python installation not readable by the slot uid"}.get(
+            code, f"probe failed ({code})"
+        )
+
+    def _probe_seccomp(self) -> str:
+        """Does the REPL's seccomp filter install here, and does it refuse a nested user namespace?"""
+        try:
+            _seccomp.program()
+        except OSError as exc:
+            return f"not available: {exc.strerror}"
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                prctl(PR_SET_NO_NEW_PRIVS, 1)
+                _seccomp.install()
+            except OSError:
+                code = 2
+            if code == 0 and _lib().unshare(CLONE_NEWUSER) == 0:
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        return {0: "ok", 2: "the kernel refused the filter", 3: "installed but not enforced"}.get(
             code, f"probe failed ({code})"
         )
 
@@ -634,14 +668,14 @@ class _Zygote:
             finally:
                 os._exit(code)
         _close(sock_fd)
-        self.children[pid] = (slot, gen)
+        self.children[pid] = (slot, gen, _oom_kills())
         self.slot_pid[slot] = pid
         return {"ok": True, "pid": pid, "scratch": scratch, "uid": uid}
 
     def _reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
@@ -649,12 +683,17 @@ class _Zygote:
             owner = self.children.pop(pid, None)
             if owner is None:
                 continue
-            slot, gen = owner
+            slot, gen, oom_at_start = owner
             if self.slot_pid.get(slot) == pid:
                 del self.slot_pid[slot]
             info = {"op": "exited", "slot": slot, "gen": gen}
             if os.WIFSIGNALED(status):
+                # What the host needs to name the cause: the process's own CPU time (RLIMIT_CPU) and
+                # whether the kernel's OOM killer ran meanwhile; anything else came from inside.
                 info["signal"] = os.WTERMSIG(status)
+                info["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 3)
+                info["oom_kills"] = _oom_kills() - oom_at_start
+                info["uid_separation"] = self.uid_sep
             else:
                 info["code"] = os.waitstatus_to_exitcode(status)
             try:
@@ -710,6 +749,18 @@ class _Zygote:
                 self._kill(slot)
             except Exception:
                 pass
+
+
+def _oom_kills() -> int:
+    """The kernel's count of out-of-memory kills since boot (0 where /proc/vmstat lacks it)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _uid_has_processes(uid: int) -> bool:
@@ -794,10 +845,9 @@ def _repl_child(zygote: _Zygote, sock_fd: int, scratch: str, uid, limits: dict) 
         # (the count is kept per user namespace), where that is permitted.
         _drop_capabilities()
         _enter_userns()
-    try:
-        prctl(PR_SET_NO_NEW_PRIVS, 1)
-    except OSError:
-        pass
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if zygote.seccomp:  # the zygote's probe installed it: from here on a failure is fatal
+        _seccomp.install()
     import random
 
     random.seed()
@@ -847,8 +897,8 @@ def _enter_userns() -> None:
 
 
 def _enter_namespaces(args: dict, report: dict) -> None:
-    """Without bubblewrap: new user (when not root), mount, pid, net, ipc and uts namespaces, a read-only
-    view of the host filesystem with fresh empty /tmp, /var/tmp, /dev/shm and /run, and a scratch tmpfs.
+    """Without bubblewrap: new user (when not root), mount, pid, net, ipc and uts namespaces and the
+    same minimal root filesystem as bubblewrap's.
     Returns in the inner process (pid 1 of the new pid namespace); the outer process waits for it and
     exits with its status. Whatever cannot be set up is reported, not fatal."""
     ns = report.setdefault("namespaces", {})
@@ -907,8 +957,9 @@ def _enter_namespaces(args: dict, report: dict) -> None:
     if entered & CLONE_NEWNS:
         try:
             _setup_mounts(args, report)
-        except OSError as exc:
-            report.setdefault("notes", []).append(f"filesystem setup incomplete: {exc}")
+        except (OSError, KeyError) as exc:
+            os.makedirs(args["scratch_root"], exist_ok=True)
+            report["filesystem"] = f"host filesystem as is (building the minimal root failed: {exc})"
     else:
         os.makedirs(args["scratch_root"], exist_ok=True)
         report["filesystem"] = "host filesystem as is (no mount namespace); scratch on the host disk"
@@ -937,54 +988,59 @@ def _mountinfo() -> list[tuple[str, int]]:
 
 
 def _setup_mounts(args: dict, report: dict) -> None:
+    """Build the sandbox's root as bubblewrap does, from the host's plan (read-only binds of /usr, the
+    Python installation and a few /etc files), add a fresh /proc, a minimal /dev and the scratch tmpfs,
+    and pivot into it: every other host path, unix sockets included, is then gone from this view."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    new, scratch = args["scratch_root"], args["scratch_root"]  # an empty host dir as the mount point
+    os.makedirs(new, exist_ok=True)
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    os.umask(0o022)
+    for kind, *rest in args["root_plan"]:
+        if kind == "dir":
+            os.makedirs(new + rest[0], exist_ok=True)
+        elif kind == "symlink":
+            os.symlink(rest[0], new + rest[1])
+        elif kind == "ro-bind" or os.path.exists(rest[0]):  # "ro-bind-try" skips what is missing
+            _bind(rest[0], new + rest[1])
+    dev = new + "/dev"
+    os.makedirs(dev)
+    mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=64k")
+    for name in ("null", "zero", "full", "random", "urandom", "tty"):
+        if os.path.exists(f"/dev/{name}"):
+            _bind(f"/dev/{name}", f"{dev}/{name}")
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        os.symlink(f"/proc/self/fd/{i}", f"{dev}/{name}")
+    os.symlink("/proc/self/fd", f"{dev}/fd")
+    os.mkdir(f"{dev}/shm")
+    os.makedirs(new + "/proc")
     if report.get("namespaces", {}).get("pid"):
-        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    # The Python installation must stay reachable for the slot uids, also where an ancestor is closed
-    # to other users (e.g. a pyenv under /root) or is replaced below: keep O_PATH handles, bind back.
-    needed = {os.path.realpath(p) for p in args.get("python_paths", []) if p and os.path.isdir(p)}
-    handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in sorted(needed)}
-    covered = ["/tmp", "/var/tmp", "/dev/shm", "/run"]
-    for p in sorted(needed):
-        parts = p.split("/")
-        for i in range(2, len(parts)):
-            anc = "/".join(parts[:i])
-            if not os.stat(anc).st_mode & 0o001:
-                covered.append(anc)
-                break
-    fresh = []
-    for d in covered:
-        if d in fresh or not os.path.isdir(d) or os.path.islink(d):
-            continue
-        try:
-            mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-            fresh.append(d)
-        except OSError as exc:
-            report.setdefault("notes", []).append(f"could not replace {d}: {exc}")
-    for p, fd in handles.items():
-        if any(p == d or p.startswith(d + "/") for d in fresh):
-            os.makedirs(p, exist_ok=True)
-            mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-        os.close(fd)
-    scratch = args["scratch_root"]
-    os.makedirs(scratch, exist_ok=True)
-    ro_failed = []
-    for target, flags in _mountinfo():
-        if target.startswith("/proc") or target.startswith("/sys"):
-            continue
-        try:
-            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-        except OSError:
-            ro_failed.append(target)
+        mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    else:
+        mount("/proc", new + "/proc", None, MS_BIND | MS_REC)
+    os.makedirs(new + scratch)
     size = int(args.get("scratch_mb", 1024)) << 20
-    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=711,size={size}")
-    report["filesystem"] = (
-        "host filesystem visible read-only, file permissions apply (a slot uid reads only what any "
-        f"user may read); fresh empty read-only tmpfs on {', '.join(fresh)}; writable: the REPL's "
-        f"scratch dir on a {args.get('scratch_mb', 1024)} MB tmpfs shared by the sandbox's REPLs"
-    )
-    if ro_failed:
-        report.setdefault("notes", []).append(f"could not make read-only: {ro_failed}")
+    mount("tmpfs", new + scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=711,size={size}")
+    for target, flags in _mountinfo():  # all read-only but /proc and the scratch tmpfs
+        inside = target == new or target.startswith(new + "/")
+        if inside and not any(
+            target == w or target.startswith(w + "/") for w in (new + "/proc", new + scratch)
+        ):
+            mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
+    os.chdir(new)
+    _check(_lib().syscall(ctypes.c_long(_seccomp.syscall_numbers()["pivot_root"]), b".", b"."), "pivot_root")
+    umount(".", MNT_DETACH)  # the old root, stacked on "." by pivot_root
+    os.chdir("/")
+    report["filesystem"] = "minimal root"
+
+
+def _bind(src: str, target: str) -> None:
+    if os.path.isdir(src):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    mount(src, target, None, MS_BIND | MS_REC)
 
 
 # ---------------------------------------------------------------------------------------------

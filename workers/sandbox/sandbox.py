@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from workers.sandbox import _child
+from workers.sandbox import _child, _seccomp
 from workers.sandbox.config import ExecResult, SandboxConfig
 
 SubcallHandler = Callable[[str, dict], Awaitable[str] | str]
@@ -40,7 +40,9 @@ single calls. May be a coroutine function (awaited on the caller's loop) or a pl
 a thread). An exception becomes an "Error: ..." string in the REPL."""
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child.py")
-SANDBOX_SCRIPT = "/opt/hyflow-sandbox/child.py"  # where bubblewrap shows the script
+SECCOMP_MODULE = os.path.join(os.path.dirname(CHILD_SCRIPT), "_seccomp.py")
+SANDBOX_SCRIPT = "/opt/hyflow-sandbox/child.py"  # where the sandbox's root shows the script
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}  # the zygote's whole environment
 BWRAP_SCRATCH = "/scratch"
 BWRAP_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL")
 BWRAP_ETC = (
@@ -100,17 +102,17 @@ def _bwrap_version(path: str) -> str:
         return f"unknown ({exc})"
 
 
-def _bwrap_argv(bwrap: str, scratch_mb: int, root: bool) -> list[str]:
-    argv = [bwrap, "--die-with-parent", "--as-pid-1", "--new-session"]
-    argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-    if not root:
-        argv.append("--unshare-user")
+def _root_plan() -> list[tuple[str, ...]]:
+    """The sandbox's root filesystem, the same in both modes (bubblewrap builds it from its argv, the
+    zygote of the "rlimits" mode with mount(2)): ("dir", path), ("symlink", target, path),
+    ("ro-bind", src, dst), ("ro-bind-try", src, dst). Every other host path is absent."""
+    plan: list[tuple[str, ...]] = []
     for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
-            argv += ["--symlink", os.readlink(top), top]
+            plan.append(("symlink", os.readlink(top), top))
         elif os.path.isdir(top):
-            argv += ["--ro-bind", top, top]
-    # bwrap creates missing parents of a mount point with mode 0700: make them traversable first.
+            plan.append(("ro-bind", top, top))
+    # Parents of mount points are made traversable (bwrap would create them with mode 0700).
     made: set[str] = set()
     for p in _python_paths() + ["/etc/", os.path.dirname(SANDBOX_SCRIPT) + "/"]:
         parts = p.split("/")
@@ -118,16 +120,26 @@ def _bwrap_argv(bwrap: str, scratch_mb: int, root: bool) -> list[str]:
             anc = "/".join(parts[:i])
             if anc not in made:
                 made.add(anc)
-                argv += ["--perms", "0755", "--dir", anc]
-    for p in _python_paths():
-        argv += ["--ro-bind", p, p]
-    for p in BWRAP_ETC:
-        argv += ["--ro-bind-try", p, p]
-    argv += ["--ro-bind", CHILD_SCRIPT, SANDBOX_SCRIPT]
+                plan.append(("dir", anc))
+    plan += [("ro-bind", p, p) for p in _python_paths()]
+    plan += [("ro-bind-try", p, p) for p in BWRAP_ETC]
+    plan.append(("ro-bind", CHILD_SCRIPT, SANDBOX_SCRIPT))
+    plan.append(("ro-bind", SECCOMP_MODULE, os.path.join(os.path.dirname(SANDBOX_SCRIPT), "_seccomp.py")))
+    return plan
+
+
+def _bwrap_argv(bwrap: str, scratch_mb: int, root: bool) -> list[str]:
+    argv = [bwrap, "--die-with-parent", "--as-pid-1", "--new-session"]
+    argv += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not root:
+        argv.append("--unshare-user")
+    for kind, *paths in _root_plan():
+        argv += (["--perms", "0755", "--dir"] if kind == "dir" else [f"--{kind}"]) + paths
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "0711", "--size", str(int(scratch_mb) << 20), "--tmpfs", BWRAP_SCRATCH]
     argv += ["--remount-ro", "/", "--chdir", "/", "--clearenv"]
-    argv += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8"]
+    for key, value in SANDBOX_ENV.items():
+        argv += ["--setenv", key, value]
     if root:
         argv += ["--cap-drop", "ALL"]
         for cap in BWRAP_CAPS:
@@ -212,22 +224,38 @@ class _LoopThread:
             self.loop.close()
 
 
+FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS)
+
+
 def _describe_exit(info: dict | None, cpu_s: int) -> str:
+    """The REPL process's end, with its cause: a limit (the process's CPU time at death, from the
+    zygote's wait4), the kernel's OOM killer (its kill count rose meanwhile), a fault of the process,
+    or else a signal sent from inside the sandbox (the sandbox's own kills are never reported here)."""
     if not info:
         return "it closed its channel to the host"
     if info.get("zygote_died"):
         return "the sandbox's zygote process died"
     sig = info.get("signal")
-    if sig is not None:
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        if sig == signal.SIGXCPU:
-            return f"killed by {name}: CPU time limit of {cpu_s} s exceeded"
-        if sig == signal.SIGKILL:
-            return f"killed by {name} (CPU hard limit of {cpu_s + 1} s or the kernel's out-of-memory killer)"
-        if sig == signal.SIGXFSZ:
-            return f"killed by {name}: file size limit exceeded"
-        return f"killed by {name}"
-    return f"it exited with code {info.get('code')}"
+    if sig is None:
+        return f"it exited with code {info.get('code')}"
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+    used = info.get("cpu_s")
+    if sig == signal.SIGXCPU:
+        return f"killed by {name}: CPU time limit of {cpu_s} s exceeded"
+    if sig == signal.SIGXFSZ:
+        return f"killed by {name}: file size limit exceeded"
+    if sig == signal.SIGKILL and info.get("oom_kills"):
+        return f"killed by {name}: the kernel's out-of-memory killer ran while it lived"
+    if sig == signal.SIGKILL and used is not None and used >= cpu_s:
+        return f"killed by {name}: CPU hard limit of {cpu_s + 1} s exceeded ({used:g} s used)"
+    if sig in FAULT_SIGNALS:
+        return f"killed by {name} (a fault or abort in the process itself, e.g. a bad pointer from ctypes)"
+    sender = "its own code" if info.get("uid_separation") else "its own code or another REPL of its uid"
+    cpu = f"{used:g} s of CPU used of {cpu_s} s" if used is not None else "CPU use unknown"
+    return (
+        f"killed by {name}, sent from inside the sandbox by {sender} (e.g. os.kill or os.killpg on itself "
+        f"or its process group); not a limit ({cpu}, no out-of-memory kill)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +310,7 @@ class _ZygoteClient:
         try:
             self.proc = subprocess.Popen(
                 argv,
+                env=SANDBOX_ENV,  # nothing of the host's environment reaches the sandbox
                 pass_fds=(fd,),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -491,6 +520,7 @@ class ReplSandbox:
             "uid_base": self._uid_block.base if (root and self._uid_block) else None,
             "preimport": list(cfg.preimport),
             "python_paths": _python_paths(),
+            "root_plan": _root_plan(),
         }
         z = _ZygoteClient(prefix, args, mode)
         z.start(cfg.start_timeout_s)
@@ -566,14 +596,16 @@ class ReplSandbox:
             report["bwrap_not_used"] = self._fallback_reason
         if self._mode == "bwrap":
             ns = {"pid": True, "net": True, "ipc": True, "uts": True, "mount": True, "user": not root}
-            fs = (
-                "new root: read-only binds of /usr (+ /bin, /lib* links) and the Python installation "
-                f"({', '.join(_python_paths())}), a few /etc files, fresh /proc and /dev; every other host "
-                f"path is absent; writable: the REPL's own scratch dir on a {cfg.scratch_mb} MB tmpfs "
-                "shared by the sandbox's REPLs"
-            )
         else:
             ns = zr.get("namespaces", {})
+        if self._mode == "bwrap" or zr.get("filesystem") == "minimal root":
+            fs = (
+                "minimal root: read-only binds of /usr (+ /bin, /lib* links) and the Python installation "
+                f"({', '.join(_python_paths())}), a few /etc files, fresh /proc and /dev; every other host "
+                f"path (files, unix sockets) is absent; writable: the REPL's own scratch dir on a "
+                f"{cfg.scratch_mb} MB tmpfs shared by the sandbox's REPLs"
+            )
+        else:
             fs = zr.get("filesystem", "host filesystem as is")
         report["namespaces"] = ns
         report["network"] = (
@@ -616,15 +648,19 @@ class ReplSandbox:
             else "each REPL is forked from the zygote; processes share a pid namespace"
             + ("" if ns.get("pid") else " with the host")
         )
+        report["environment"] = (
+            f"the zygote starts with {SANDBOX_ENV} only; nothing of the host's environment"
+        )
+        report["seccomp"] = (
+            _seccomp.describe()
+            if zr.get("seccomp") == "ok"
+            else f"none ({zr.get('seccomp')}): the kernel's full syscall surface is reachable"
+        )
         report["python_level"] = (
             "none: full builtins and imports; containment is the process boundary and the kernel "
             "limits above, not Python-level restrictions"
         )
-        notes = list(zr.get("notes", []))
-        if self._mode != "bwrap":
-            notes.append("without bubblewrap, world-readable host files are readable by the REPL")
-        notes.append("no seccomp filter: the kernel's full syscall surface is reachable")
-        report["notes"] = notes
+        report["notes"] = list(zr.get("notes", []))
         return report
 
     def close(self) -> None:
