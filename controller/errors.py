@@ -31,18 +31,27 @@ class WorkerGroupError(RuntimeError):
 class WorkerGroupTimeoutError(WorkerGroupError):
     """Some ranks did not answer within the call's timeout."""
 
-    def __init__(self, role: str, method: str, pending_ranks: list[int], timeout_s: float):
+    def __init__(
+        self,
+        role: str,
+        method: str,
+        pending_ranks: list[int],
+        timeout_s: float,
+        elapsed_s: float | None = None,
+    ):
         self.pending_ranks = list(pending_ranks)
         self.timeout_s = timeout_s
+        self.elapsed_s = timeout_s if elapsed_s is None else elapsed_s
         super().__init__(
             role,
             self.pending_ranks[0] if self.pending_ranks else None,
             method,
-            f"no result after {timeout_s:g}s from rank(s) {self.pending_ranks}",
+            f"no result after {timeout_s:g}s from rank(s) {self.pending_ranks}, still running "
+            f"{method!r} {self.elapsed_s:.1f}s after the call started",
         )
 
     def __reduce__(self):
-        return type(self), (self.role, self.method, self.pending_ranks, self.timeout_s)
+        return type(self), (self.role, self.method, self.pending_ranks, self.timeout_s, self.elapsed_s)
 
 
 class DispatchError(ValueError):

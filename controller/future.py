@@ -58,7 +58,7 @@ class DataProtoFuture:
         """Wait for every rank, collect on the controller and strip padding (cached)."""
         if not self.resolved:
             timeout = self._timeout_s if timeout_s is None else timeout_s
-            outputs = wait_for_results(self.refs, self.ranks, self.role, self.method, timeout)
+            outputs = wait_for_results(self.refs, self.ranks, self.role, self.method, timeout, self._started)
             result = self._collect(outputs)
             # A row-less result (metrics only in meta_info, e.g. an update step) has no padding to strip.
             if self.pad_size and not (isinstance(result, DataProto) and len(result) == 0):

@@ -38,8 +38,12 @@ def wait_for_results(
     role: str,
     method: str,
     timeout_s: float | None = None,
+    started: float | None = None,
 ) -> list:
-    """Results of ``refs`` (one per rank in ``ranks``) in order; WorkerGroupError on the first failure."""
+    """Results of ``refs`` (one per rank in ``ranks``) in order; WorkerGroupError on the first failure, and
+    WorkerGroupTimeoutError naming the ranks still running after ``timeout_s`` and the time since the call
+    ``started`` (a ``time.perf_counter()`` value; default: now)."""
+    started = time.perf_counter() if started is None else started
     position = {ref: i for i, ref in enumerate(refs)}
     results: list = [None] * len(refs)
     pending = list(refs)
@@ -49,7 +53,7 @@ def wait_for_results(
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         if not ready:
             stuck = sorted(ranks[position[ref]] for ref in pending)
-            raise WorkerGroupTimeoutError(role, method, stuck, timeout_s)
+            raise WorkerGroupTimeoutError(role, method, stuck, timeout_s, time.perf_counter() - started)
         if pending:  # pick up everything else already finished in the same pass
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             ready += more

@@ -22,11 +22,20 @@ from controller.ray_class import RayClassWithInitArgs
 from controller.timing import CallTimings
 from controller.wait import wait_for_results
 from controller.worker import DISPATCH_INFO_METHOD, READY_METHOD, master_probe
+from dataproto import DataProto
 from resource_pools import ResourcePool
 
 _UNSET = object()
 # Instance attributes a bound worker method must not shadow (class attributes are checked directly).
-_INSTANCE_ATTRS = {"name", "resource_pool", "master_addr", "master_port", "call_timeout_s", "timings"}
+_INSTANCE_ATTRS = {
+    "name",
+    "resource_pool",
+    "master_addr",
+    "master_port",
+    "call_timeout_s",
+    "call_timeout_per_row_s",
+    "timings",
+}
 
 
 class GroupMethod:
@@ -89,7 +98,10 @@ class RayWorkerGroup:
         call_timeout_s: float | None = None,
         start_timeout_s: float = 300.0,
         actor_options: dict | None = None,
+        call_timeout_per_row_s: float = 0.0,
     ):
+        """``call_timeout_s`` (None: no limit) + ``call_timeout_per_row_s`` per row of a call's DataProto
+        arguments bounds every call whose method sets no ``timeout_s`` of its own."""
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"expected RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}")
         name = name_prefix or ray_cls_with_init.cls.__name__
@@ -101,14 +113,13 @@ class RayWorkerGroup:
         actors, master = self._start_actors(
             name, resource_pool, slots, ray_cls_with_init, start_timeout_s, actor_options
         )
-        self._setup(name, actors, ray_cls_with_init.cls, "", resource_pool, master, call_timeout_s)
+        timeouts = (call_timeout_s, call_timeout_per_row_s)
+        self._setup(name, actors, ray_cls_with_init.cls, "", resource_pool, master, timeouts)
 
     @classmethod
-    def _from_actors(
-        cls, name, actors, worker_cls, method_prefix, pool, master, call_timeout_s
-    ) -> RayWorkerGroup:
+    def _from_actors(cls, name, actors, worker_cls, method_prefix, pool, master, timeouts) -> RayWorkerGroup:
         group = cls.__new__(cls)
-        group._setup(name, actors, worker_cls, method_prefix, pool, master, call_timeout_s)
+        group._setup(name, actors, worker_cls, method_prefix, pool, master, timeouts)
         return group
 
     @staticmethod
@@ -154,24 +165,28 @@ class RayWorkerGroup:
             raise
         return actors, master
 
-    def _setup(self, name, actors, worker_cls, method_prefix, pool, master, call_timeout_s) -> None:
+    def _setup(self, name, actors, worker_cls, method_prefix, pool, master, timeouts) -> None:
         self.name = name
         self._actors = list(actors)
         self._worker_cls = worker_cls
         self._method_prefix = method_prefix
         self.resource_pool = pool
         self.master_addr, self.master_port = master
-        self.call_timeout_s = call_timeout_s
+        self.call_timeout_s, self.call_timeout_per_row_s = timeouts
         self.timings = CallTimings()
         self._mesh_info: dict[str, list[tuple[int, bool]]] = {}
         self._bind_methods()
 
     def _bind_methods(self) -> None:
         for name, (spec, mode) in _resolve_methods(self._worker_cls).items():
-            timeout = spec.timeout_s if spec.timeout_s is not None else self.call_timeout_s
-            setattr(
-                self, name, GroupMethod(self, name, self._method_prefix + name, spec, mode, timeout_s=timeout)
-            )
+            setattr(self, name, GroupMethod(self, name, self._method_prefix + name, spec, mode))
+
+    def _default_timeout(self, args: tuple, kwargs: dict) -> float | None:
+        """The group's limit for a call, scaled to its work: base + per-row time x rows of its batches."""
+        if self.call_timeout_s is None:
+            return None
+        rows = sum(len(v) for v in (*args, *kwargs.values()) if isinstance(v, DataProto))
+        return self.call_timeout_s + self.call_timeout_per_row_s * rows
 
     # ------------------------------------------------------------------ group facts
     @property
@@ -231,7 +246,7 @@ class RayWorkerGroup:
             collect=partial(mode.collect, self),
             pad_size=dispatched.pad_size,
             chunk_positions=mode.chunk_ranks_fn(self) if mode.chunked else None,
-            timeout_s=gm.timeout_s,
+            timeout_s=gm.timeout_s if gm.timeout_s is not None else self._default_timeout(args, kwargs),
             timings=self.timings,
             started=started,
         )
@@ -257,7 +272,7 @@ class RayWorkerGroup:
                 role_prefix(role),
                 self.resource_pool,
                 (self.master_addr, self.master_port),
-                self.call_timeout_s,
+                (self.call_timeout_s, self.call_timeout_per_row_s),
             )
             for role in prefix_set
         }

@@ -58,6 +58,7 @@ SMALL = [  # a short CPU-friendly PPO run: the tiny model, 8 prompts x 4 samples
     "trainer.progress_bar=false",
     "trainer.plot=false",
     "trainer.logger=[console]",
+    "trainer.cpu_oversubscribe=true",  # on CPU the plans' 2-4 "devices" share this machine's cores by design
 ]
 
 

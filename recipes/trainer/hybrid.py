@@ -102,6 +102,7 @@ class PRMRole:
                 RayClassWithInitArgs(PRMWorker, config=cfg.prm, reference_path=run.model_path),
                 name_prefix="prm",
                 call_timeout_s=cfg.trainer.call_timeout_s,
+                call_timeout_per_row_s=cfg.trainer.call_timeout_per_row_s,
             )
             self.wg.init_model()
         except BaseException:

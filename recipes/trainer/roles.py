@@ -28,7 +28,7 @@ from dataproto import DataProto
 from recipes.config import RecipeConfig, device_counts, needs_reference
 from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
-from resource_pools import ResourcePoolManager, placement_plan
+from resource_pools import InsufficientResourcesError, ResourcePoolManager, alive_nodes, placement_plan
 
 logger = logging.getLogger("recipes")
 
@@ -81,6 +81,17 @@ class Roles:
                 pass
         if self.manager is not None:
             self.manager.remove()
+
+
+def check_nodes(cfg: RecipeConfig) -> None:
+    """``trainer.nnodes`` nodes must be alive: the per-node placement groups of a pool would otherwise pack
+    onto fewer nodes and the run would go on without a word on less hardware than asked for."""
+    nodes = alive_nodes()
+    if len(nodes) < cfg.trainer.nnodes:
+        raise InsufficientResourcesError(
+            f"trainer.nnodes={cfg.trainer.nnodes} asks for {cfg.trainer.nnodes} nodes, but the Ray cluster has "
+            f"{len(nodes)} alive: {[n.address for n in nodes]}"
+        )
 
 
 def _role_classes(
@@ -137,6 +148,7 @@ def build_roles(
     )
     colocated = plan.pool_of("rollout") == plan.pool_of("actor")  # the hybrid actor + rollout engine
     critic_apart = critic and plan.pool_of("critic") != plan.pool_of("actor")
+    check_nodes(cfg)
     manager = ResourcePoolManager(plan.pool_spec, plan.role_to_pool, use_gpu=run.use_gpu)
     manager.create_resource_pools()
     groups: list[RayWorkerGroup] = []
@@ -154,6 +166,7 @@ def build_roles(
             create_colocated_worker_cls(classes),
             name_prefix="train" if not colocated else "hybrid",
             call_timeout_s=t.call_timeout_s,
+            call_timeout_per_row_s=t.call_timeout_per_row_s,
         )
         groups.append(train_wg)
         wgs = train_wg.spawn(list(classes))
@@ -174,6 +187,7 @@ def build_roles(
                 ),
                 name_prefix="rollout",
                 call_timeout_s=t.call_timeout_s,
+                call_timeout_per_row_s=t.call_timeout_per_row_s,
             )
             groups.append(rollout_wg)
             rollout_wg.init_model()
@@ -183,6 +197,7 @@ def build_roles(
                 _critic_class(cfg, run),
                 name_prefix="critic",
                 call_timeout_s=t.call_timeout_s,
+                call_timeout_per_row_s=t.call_timeout_per_row_s,
             )
             groups.append(critic_wg)
             critic_wg.init_model()
@@ -210,6 +225,7 @@ def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[RayWorkerGroup, Resourc
     from workers.roles import ActorWorker
 
     t = cfg.trainer
+    check_nodes(cfg)
     manager = ResourcePoolManager(
         {"sft_pool": [device_counts(cfg)["train"]]}, {"actor": "sft_pool"}, use_gpu=run.use_gpu
     )
@@ -221,6 +237,7 @@ def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[RayWorkerGroup, Resourc
         ),
         name_prefix="sft",
         call_timeout_s=t.call_timeout_s,
+        call_timeout_per_row_s=t.call_timeout_per_row_s,
     )
     wg.init_model()
     return wg, manager

@@ -33,6 +33,10 @@ from recipes.config import ConfigError, RecipeConfig, device_counts, load_config
 logger = logging.getLogger("recipes")
 
 
+class RunAborted(RuntimeError):
+    """The run cannot usefully go on (every sample's reward failed, updates non-finite step after step)."""
+
+
 @dataclass
 class Run:
     recipe: str
@@ -72,11 +76,16 @@ def parse_args(recipe: str, argv: list[str] | None = None) -> RecipeConfig:
 
 def cli(main) -> None:
     """Run a recipe's ``main()`` as a command: Ctrl-C exits with status 130 after the recipe's own message
-    (no traceback); the last complete checkpoint is what ``trainer.resume_mode=auto`` continues from."""
+    (no traceback); the last complete checkpoint is what ``trainer.resume_mode=auto`` continues from. A
+    ConfigError (e.g. more devices than this machine has) or RunAborted exits with status 1 and its message."""
     try:
         main()
     except KeyboardInterrupt:
         sys.exit(130)
+    except ConfigError as err:  # found after the config pass (capacity of this machine): the message only
+        sys.exit(f"config error: {err}")
+    except RunAborted as err:  # every sample's reward failed, updates non-finite step after step
+        sys.exit(f"run aborted: {err}")
 
 
 def resolve_device(cfg: RecipeConfig) -> bool:
@@ -128,6 +137,30 @@ def job_env_vars(wanted: dict[str, str], environ) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
+def check_local_capacity(cfg: RecipeConfig, use_gpu: bool, cores: int | None = None) -> None:
+    """Before a recipe starts Ray on this machine: one node, and (on CPU) no more devices than cores unless
+    ``trainer.cpu_oversubscribe`` says so (then announced). A locally started Ray would otherwise be sized to
+    whatever is asked, so its own capacity check could never fail. GPUs are counted by Ray itself."""
+    t, cores = cfg.trainer, cores or os.cpu_count() or 1
+    if t.nnodes > 1:
+        raise ConfigError(
+            f"trainer.nnodes={t.nnodes} asks for {t.nnodes} nodes, but a Ray started by the recipe has 1 (this "
+            "machine); run on a Ray cluster (RAY_ADDRESS, recipes/slurm) or set trainer.nnodes=1"
+        )
+    need = device_counts(cfg)["total"]
+    if use_gpu or need <= cores:
+        return
+    asked = (
+        f"trainer.n_gpus_per_node={t.n_gpus_per_node} asks for {need} CPU devices (one worker process each)"
+    )
+    if not t.cpu_oversubscribe:
+        raise ConfigError(
+            f"{asked}, but this machine has {cores} CPU cores; set trainer.cpu_oversubscribe=true to share the "
+            "cores among them anyway (slower), or ask for fewer devices"
+        )
+    logger.warning("%s on %d CPU cores: oversubscribed (trainer.cpu_oversubscribe=true)", asked, cores)
+
+
 def init_ray(cfg: RecipeConfig) -> None:
     """Start a local Ray session unless one is running (tests and clusters bring their own)."""
     import ray
@@ -156,15 +189,19 @@ def init_ray(cfg: RecipeConfig) -> None:
 
 def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
     """Create the run directory, save the resolved config, prepare model and data, start Ray."""
+    import ray
+
     from workers.models import load_tokenizer
 
+    use_gpu = resolve_device(cfg)
+    if start_ray and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        check_local_capacity(cfg, use_gpu)  # before anything is written or started
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir / "config.yaml"
     if cfg_path.is_file() and cfg.trainer.resume_mode != "disable":
         os.replace(cfg_path, run_dir / "config.prev.yaml")
     save_config(cfg, cfg_path)
-    use_gpu = resolve_device(cfg)
     model_path = resolve_model(cfg)
     train_files, val_files = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)

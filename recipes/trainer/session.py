@@ -23,7 +23,7 @@ from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_
 from recipes.trainer.metrics import compute_data_metrics, compute_throughput, timer, timing_metrics
 from recipes.trainer.roles import build_roles, metrics_of
 from recipes.trainer.run import Run
-from recipes.trainer.steps import due, resume, save_checkpoint, validate
+from recipes.trainer.steps import check_reward_errors, due, resume, save_checkpoint, validate
 from recipes.trainer.tracking import Tracker
 
 logger = logging.getLogger("recipes")
@@ -86,12 +86,14 @@ class Session:
     # -- end of a step ------------------------------------------------------------------------------------------
 
     def end_step(self, batch: DataProto, metrics: dict, timings: dict) -> dict:
-        """Data / throughput metrics, skipped-update warnings, validation and checkpoint when due, logging."""
+        """Data / throughput metrics, reward-error and skipped-update warnings (RunAborted past their limits),
+        validation and checkpoint when due, logging."""
         step, t = self.state.step, self.cfg.trainer
         metrics |= {k: v for k, v in metrics_of(batch).items() if k.startswith("rollout/")}  # engine counters
         metrics |= compute_data_metrics(batch)
         metrics |= compute_throughput(batch, timings.get("step", 0.0), self.roles.n_devices)
-        self.state.check_skipped(metrics, self.tracker)
+        check_reward_errors(batch, step, self.cfg.reward.max_error_frac, self.tracker)
+        self.state.check_skipped(metrics, self.tracker, t.max_consecutive_skipped_updates)
         if due(step, t.test_freq, self.total):
             with timer("testing", timings):
                 metrics |= validate(self.roles, self.val_data, self.cfg)

@@ -13,6 +13,7 @@ from recipes.config import AlgorithmConfig, RecipeConfig
 from recipes.trainer import checkpoint as ckpt
 from recipes.trainer.metrics import validation_metrics
 from recipes.trainer.roles import Roles, metrics_of
+from recipes.trainer.run import RunAborted
 
 logger = logging.getLogger("recipes")
 
@@ -122,14 +123,25 @@ class TrainerState:
     step: int = 0
     skipped: dict[str, float] = field(default_factory=dict)  # cumulative skipped updates per role
     resumed_from: str | None = None  # the actor checkpoint this run continued from
+    skipped_in_a_row: dict[str, int] = field(default_factory=dict)  # steps in a row with a skipped update
 
-    def check_skipped(self, metrics: dict, tracker=None) -> None:
-        """Surface updates the engine skipped for a non-finite loss/gradient (it keeps a running count)."""
+    def check_skipped(self, metrics: dict, tracker=None, max_in_a_row: int | None = None) -> None:
+        """Surface updates the engine skipped for a non-finite loss/gradient (it keeps a running count); raise
+        RunAborted when a role's update was skipped in ``max_in_a_row`` steps in a row."""
+        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
         for role in ("actor", "critic"):
             key = f"{role}/skipped_steps"
             if key not in metrics:
                 continue
             now, before = metrics[key], self.skipped.get(role, 0.0)
+            in_a_row = self.skipped_in_a_row.get(role, 0) + 1 if now > before else 0
+            self.skipped_in_a_row[role] = in_a_row
+            if in_a_row and max_in_a_row is not None and in_a_row >= max_in_a_row:
+                raise RunAborted(
+                    f"step {self.step}: the {role} update was skipped in {in_a_row} steps in a row "
+                    f"(trainer.max_consecutive_skipped_updates={max_in_a_row}): its gradient norm is not finite; "
+                    f"non-finite metrics this step: {bad}"
+                )
             if now > before:
                 msg = (
                     f"WARNING step {self.step}: {role} update skipped (non-finite loss or gradient norm); "
@@ -138,9 +150,23 @@ class TrainerState:
                 (tracker.write if tracker is not None else logger.warning)(msg)
             self.skipped[role] = now
             metrics[f"training/{role}_skipped_updates"] = now
-        bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad and tracker is not None:
             tracker.write(f"WARNING step {self.step}: non-finite metrics {bad}")
+
+
+def check_reward_errors(batch: DataProto, step: int, max_error_frac: float | None, tracker) -> None:
+    """A console warning for each step in which samples failed to score (the scorer raised or returned a
+    non-finite value: the sample got 0), with the count and the first error; RunAborted when at least
+    ``reward.max_error_frac`` of the step's samples failed."""
+    errors = [e for e in batch.non_tensor_batch.get("reward_error", ()) if e]
+    if not errors:
+        return
+    what = (
+        f"step {step}: {len(errors)} of {len(batch)} samples failed to score (reward 0); first: {errors[0]}"
+    )
+    if max_error_frac is not None and len(errors) >= max_error_frac * len(batch):
+        raise RunAborted(f"{what} -- aborting (reward.max_error_frac={max_error_frac:g})")
+    tracker.write(f"WARNING {what}")
 
 
 def save_checkpoint(run, roles: Roles, state: TrainerState, loader, kl_ctrl, cfg: RecipeConfig) -> str:
