@@ -21,6 +21,7 @@ setup(
         "transformers>=4.51",
         "tokenizers>=0.21",
         "safetensors>=0.4",
+        "xxhash>=3",  # checkpoint content hashes (workers/engine/checkpoint.py)
         "omegaconf>=2.3",
         "pyarrow>=15",
         "pandas>=2.1",

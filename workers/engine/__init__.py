@@ -5,7 +5,6 @@ See `fsdp_engine.py` for the gradient-reduction and loss-normalisation conventio
 from workers.engine.checkpoint import (
     CheckpointError,
     export_hf,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
@@ -22,7 +21,6 @@ __all__ = [
     "as_tensor_dict",
     "export_hf",
     "karmarkar_karp",
-    "latest_checkpoint",
     "load_checkpoint",
     "pack_sequences",
     "plan_micro_batches",

@@ -1,36 +1,45 @@
-"""Resumable checkpoints (torch.distributed.checkpoint) and Hugging Face export for `FSDPEngine`.
+"""Resumable checkpoints (torch.distributed.checkpoint) of any training engine, and Hugging Face export for
+`FSDPEngine`.
 
-Layout of a checkpoint root::
+Layout of one checkpoint directory::
 
-    root/
-      latest                  text: the name of the newest complete checkpoint ("step_12"), written last
-      step_12/
-        model_optim/          DCP: .metadata + one __<rank>_0.distcp per rank (sharded model + optimizer)
-        engine_state.pt       step, skipped steps, LR scheduler, the caller's opaque `extra` (e.g. data position)
-        rng_rank<r>.pt        torch / cuda / numpy / python RNG states of rank r
-        manifest.json         every file above with its size; written after all of them
+    step_12/
+      model_optim/          DCP: .metadata + __<rank>_0.distcp files (each rank's shards of model + optimizer)
+      engine_state.pt       step, skipped steps, LR scheduler, the engine's layout, the caller's opaque `extra`
+      rng_rank<r>.pt        torch / cuda / numpy / python RNG states of rank r
+      manifest.json         every file above with its size and xxh3-128 content hash; written after all of them
 
 A checkpoint is written into ``step_N.tmp`` and renamed to ``step_N`` only when complete (manifest written and
-all ranks done); ``latest`` is replaced atomically after the rename. A crash mid-save leaves only a ``.tmp``
-directory that is never loaded. `load_checkpoint` checks the manifest first and raises `CheckpointError`
-naming any missing or truncated file.
+all ranks done), so a crash mid-save leaves only a ``.tmp`` directory that is never loaded. A failed save
+(disk full included) removes its ``.tmp`` and raises `CheckpointError` naming the path and, for a full disk,
+the bytes needed; an earlier ``step_N`` is untouched. `load_checkpoint` verifies every file's size and hash
+before reading any (split over the ranks) and raises `CheckpointError` naming the file and the step. Which
+step is the newest complete one is the caller's business (recipes/trainer/checkpoint.py writes
+``latest_step`` once every role's checkpoint of a step is complete).
+
+Engines take part through `Checkpointable`: their process group, a DCP state dict whose keys are unique per
+distinct shard, and a layout that must match at load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from workers.engine import distributed as du
@@ -41,12 +50,34 @@ if TYPE_CHECKING:
 MODEL_OPTIM_DIR = "model_optim"
 ENGINE_STATE = "engine_state.pt"
 MANIFEST = "manifest.json"
-LATEST = "latest"
-FORMAT_VERSION = 1
+HASH = "xxh3_128"
+FORMAT_VERSION = 2  # 2: a content hash per file in the manifest
+_CHUNK = 8 << 20
+_FULL = 1 << 20  # a filesystem with less free space than this after a failed save is full
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory is missing, incomplete or truncated; the message names the file."""
+    """A checkpoint cannot be saved or loaded (missing, truncated or altered file, full disk); the message
+    names the file or path."""
+
+
+class Checkpointable(Protocol):
+    """What checkpointing needs from a training engine (`FSDPEngine`, `MegatronEngine`)."""
+
+    global_step: int
+    skipped_steps: int
+    lr_scheduler: Any  # torch LR scheduler or None
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The ranks that save one checkpoint together; None: this process alone (replicas: rank 0 saves)."""
+
+    def checkpoint_layout(self) -> dict:
+        """Facts a checkpoint must share with the engine that loads it (e.g. TP/PP sizes)."""
+
+    def state_dict(self) -> dict:
+        """Model (+ optimizer) state for DCP; keys are unique per distinct shard, replicas share keys."""
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -54,32 +85,31 @@ class CheckpointError(RuntimeError):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _collective(engine: FSDPEngine) -> bool:
-    return engine.use_fsdp
+def module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """{"model": ..., "optim": ...} of a (possibly FSDP-sharded) module, for an engine's ``state_dict``."""
+    if optimizer is None:
+        return {"model": get_state_dict(model, [])[0]}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
 
 
-def _barrier(engine: FSDPEngine) -> None:
-    if _collective(engine):
-        dist.barrier(group=engine.device_mesh.get_group())
+def load_module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _broadcast_obj(engine: FSDPEngine, obj: Any) -> Any:
-    if not _collective(engine):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=engine.device_mesh.get_group())
-    return box[0]
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
 
 
-@contextlib.contextmanager
-def _quiet_single_process(engine: FSDPEngine):
-    """DCP warns that it 'assumes a single process' without a process group; that is the intent here."""
-    with warnings.catch_warnings():
-        if not _collective(engine):
-            warnings.filterwarnings(
-                "ignore", message=".*assuming the intent is to (save|load) in a single process"
-            )
-        yield
+def _all_gather(group, obj: Any) -> list:
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _fsync_dir(path: Path) -> None:
@@ -95,14 +125,102 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``path`` through ``path.tmp`` + rename, so that readers see the old or the new content; a failed
+    write removes the ``.tmp`` and leaves ``path`` as it was."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+
+
+def _file_hash(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_share(group, directory: Path, names: list[str]) -> dict[str, str]:
+    """Content hashes of ``names`` under ``directory``, each rank of ``group`` hashing every k-th file."""
+    rank, world = _rank(group), (dist.get_world_size(group) if group is not None else 1)
+    mine = {n: _file_hash(directory / n) for n in names[rank::world]}
+    return {k: v for part in _all_gather(group, mine) for k, v in part.items()}
+
+
+def _state_bytes(group, state: dict) -> int:
+    """Bytes of the tensors a checkpoint of ``state`` holds (sharded tensors at their global size, keys that
+    several ranks hold counted once)."""
+    sizes = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(obj, torch.Tensor):  # a DTensor's numel is its global one
+            sizes[prefix] = obj.numel() * obj.element_size()
+
+    walk("", state)
+    merged = {}
+    for part in _all_gather(group, sizes):
+        merged.update(part)
+    return sum(merged.values())
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _no_space(path: Path, needed: int, where: str = "") -> CheckpointError:
+    free = shutil.disk_usage(path).free if path.exists() else shutil.disk_usage(path.parent).free
+    return CheckpointError(
+        f"no space left on device for checkpoint {path}: it needs about {needed} bytes ({_mib(needed)}), "
+        f"{free} bytes ({_mib(free)}) free there; the partial save was removed{where}"
+    )
+
+
+def _first_failure(err: BaseException) -> BaseException:
+    """A rank's own exception inside DCP's CheckpointException (which wraps every rank's failure)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return _first_failure(next(iter(err.failures.values()))[0])
+    return err
+
+
+def _disk_full(err: BaseException, root: Path) -> bool:
+    """The save failed for want of space: ENOSPC/EDQUOT, or any failure while the filesystem is full (DCP
+    torch.saves into its file stream, and a short write there surfaces as a RuntimeError without errno)."""
+    e = _first_failure(err)
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    try:
+        return shutil.disk_usage(root).free < _FULL
+    except OSError:
+        return False
+
+
+def _raise_any(group, err: BaseException | None) -> None:
+    """Collective: every rank raises the first rank's error (so that no rank waits for a failed one)."""
+    errors = [e for e in _all_gather(group, err) if e is not None]
+    if errors:
+        raise errors[0]
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through Python's file I/O, so that a full disk is an OSError (ENOSPC), not a RuntimeError."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    path.write_bytes(buf.getbuffer())
 
 
 def _rng_state() -> dict:
@@ -124,152 +242,199 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _model_optim_state(engine: FSDPEngine) -> dict:
-    if engine.optimizer is not None:
-        msd, osd = get_state_dict(engine.model, engine.optimizer)
-        return {"model": msd, "optim": osd}
-    msd, _ = get_state_dict(engine.model, [])
-    return {"model": msd}
+def _dcp_kwargs(group) -> dict:
+    return {"process_group": group, "no_dist": group is None}
+
+
+@contextlib.contextmanager
+def _quiet_single_process(group):
+    """DCP warns that it 'assumes a single process' without a process group; that is the intent here."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to (save|load) in a single process"
+            )
+        yield
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# save / load
+# save / verify / load
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint named by ``root/latest``, or None if there is none yet."""
-    marker = Path(root) / LATEST
-    if not marker.is_file():
-        return None
-    name = marker.read_text().strip()
-    path = Path(root) / name
-    if not path.is_dir():
-        raise CheckpointError(f"{marker} names {name!r}, but {path} does not exist")
-    return path
 
 
 def save_checkpoint(
-    engine: FSDPEngine, root: str | os.PathLike, *, step: int | None = None, extra: dict | None = None
+    engine: Checkpointable, root: str | os.PathLike, *, step: int | None = None, extra: dict | None = None
 ) -> str:
     """Save model, optimizer, LR scheduler, RNG states, step and ``extra`` to ``root/step_<step>`` atomically.
 
-    Collective under FSDP (every rank calls it). ``step`` defaults to the engine's global step. Returns the
-    final directory."""
+    Collective over ``engine.checkpoint_group()`` (every rank calls it). ``step`` defaults to the engine's
+    global step. Returns the final directory. On any failure the partial ``step_<step>.tmp`` is removed, an
+    existing ``step_<step>`` is kept, and every rank raises (`CheckpointError` for a full disk)."""
     root = Path(root)
     step = engine.global_step if step is None else step
-    final = root / f"step_{step}"
-    tmp = root / f"step_{step}.tmp"
-    rank = du.rank() if _collective(engine) else 0
-    if not _collective(engine) and du.rank() != 0:
-        return str(final)  # an unsharded replica: rank 0 writes for all
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier(engine)
-
-    with _quiet_single_process(engine):
-        dcp.save(
-            _model_optim_state(engine),
-            checkpoint_id=str(tmp / MODEL_OPTIM_DIR),
-            no_dist=not _collective(engine),
-        )
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
-    _barrier(engine)
-
-    if rank == 0:
-        torch.save(
-            {
-                "format_version": FORMAT_VERSION,
-                "global_step": engine.global_step,
-                "skipped_steps": engine.skipped_steps,
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "extra": extra or {},
-                "dp_size": engine.dp_size,
-                "model_path": str(engine.config.model_path),
-                "value_head": engine.is_value_model,
-            },
-            tmp / ENGINE_STATE,
-        )
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
-        if final.exists():
-            old = root / f"step_{step}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(root / LATEST, final.name.encode())
-    _barrier(engine)
+    final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    group = engine.checkpoint_group()
+    if group is None and du.rank() != 0:
+        return str(final)  # unsharded replicas: rank 0 writes for all
+    rank = _rank(group)
+    state = engine.state_dict()
+    needed = _state_bytes(group, state)
+    try:
+        err = None
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                if shutil.disk_usage(root).free < needed:
+                    err = _no_space(tmp, needed)
+                else:
+                    tmp.mkdir()
+            except OSError as e:
+                err = e
+        _raise_any(group, err)
+        with _quiet_single_process(group):
+            dcp.save(state, checkpoint_id=str(tmp / MODEL_OPTIM_DIR), **_dcp_kwargs(group))
+        err = None
+        try:
+            _torch_save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+            if rank == 0:
+                _torch_save(
+                    {
+                        "format_version": FORMAT_VERSION,
+                        "global_step": engine.global_step,
+                        "skipped_steps": engine.skipped_steps,
+                        "lr_scheduler": engine.lr_scheduler.state_dict()
+                        if engine.lr_scheduler is not None
+                        else None,
+                        "layout": engine.checkpoint_layout(),
+                        "ranks": dist.get_world_size(group) if group is not None else 1,
+                        "extra": extra or {},
+                    },
+                    tmp / ENGINE_STATE,
+                )
+        except OSError as e:
+            err = e
+        _raise_any(group, err)
+        names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        hashes = _hash_share(group, tmp, names)
+        err = None
+        if rank == 0:
+            try:
+                files = {n: {"size": (tmp / n).stat().st_size, HASH: hashes[n]} for n in names}
+                manifest = {"format_version": FORMAT_VERSION, "step": step, "files": files}
+                write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+                _replace_dir(tmp, final)
+                _fsync_dir(root)
+            except OSError as e:
+                err = e
+        _raise_any(group, err)
+    except BaseException as e:
+        full = not isinstance(e, CheckpointError) and _disk_full(e, root)  # before the cleanup frees space
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = _first_failure(e)
+        if full:
+            raise _no_space(tmp, needed, f" ({type(cause).__name__}: {cause})") from None
+        if isinstance(e, CheckpointException):  # a BaseException: keep it from passing `except Exception`
+            raise CheckpointError(f"could not save {tmp / MODEL_OPTIM_DIR}: {cause!r}") from e
+        raise
     return str(final)
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Check that ``path`` is a complete checkpoint; returns its manifest. Raises CheckpointError naming the
-    first missing or truncated file."""
-    path = Path(path)
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``; an existing ``dst`` is replaced only once ``src`` is in place."""
+    if not dst.exists():
+        os.rename(src, dst)
+        return
+    old = dst.with_name(dst.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(dst, old)
+    os.rename(src, dst)
+    shutil.rmtree(old)
+
+
+def _manifest(path: Path) -> dict:
     if not path.is_dir():
-        hint = (
-            " (an unfinished save left only a .tmp directory)"
-            if path.with_name(path.name + ".tmp").exists()
-            else ""
-        )
+        unfinished = path.with_name(path.name + ".tmp").exists()
+        hint = " (an unfinished save left only a .tmp directory)" if unfinished else ""
         raise CheckpointError(f"checkpoint directory {path} does not exist{hint}")
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"incomplete checkpoint {path}: missing file {manifest_path}")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt checkpoint manifest {manifest_path}: {e}") from e
-    for rel, size in manifest["files"].items():
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"corrupt checkpoint manifest {manifest_path}: {e!r}") from e
+    for rel, entry in files.items():
         f = path / rel
+        if not isinstance(entry, dict) or HASH not in entry:
+            raise CheckpointError(
+                f"checkpoint {path} records no content hash for {f} (saved by an older hyflow, manifest "
+                f"format {manifest.get('format_version', 1)}); it cannot be verified"
+            )
         if not f.is_file():
             raise CheckpointError(f"incomplete checkpoint {path}: missing file {f}")
         actual = f.stat().st_size
-        if actual != size:
-            raise CheckpointError(f"truncated checkpoint file {f}: {actual} bytes, expected {size}")
+        if actual != entry["size"]:
+            raise CheckpointError(f"truncated checkpoint file {f}: {actual} bytes, expected {entry['size']}")
     return manifest
 
 
-def load_checkpoint(engine: FSDPEngine, path: str | os.PathLike) -> dict:
-    """Restore ``engine`` from a checkpoint directory (or from a root holding a ``latest`` marker).
-    Collective under FSDP. Returns the ``extra`` dict given at save time."""
+def verify_checkpoint(path: str | os.PathLike, group: dist.ProcessGroup | None = None) -> dict:
+    """Check that ``path`` is a complete, unaltered checkpoint: every file of its manifest present with the
+    recorded size and content hash. Returns the manifest; raises CheckpointError naming the first bad file
+    and the step. Collective over ``group`` when given (the ranks share the hashing)."""
     path = Path(path)
-    if (path / LATEST).is_file() and not (path / MANIFEST).exists():
-        path = latest_checkpoint(path)
-    verify_checkpoint(path)
-    state = _model_optim_state(engine)
+    manifest, err = None, None
     try:
-        with _quiet_single_process(engine):
-            dcp.load(state, checkpoint_id=str(path / MODEL_OPTIM_DIR), no_dist=not _collective(engine))
-    except Exception as e:  # DCP errors rarely say which directory
-        raise CheckpointError(f"could not load {path / MODEL_OPTIM_DIR}: {e}") from e
-    if engine.optimizer is not None:
-        if "optim" not in state:
-            raise CheckpointError(f"{path / MODEL_OPTIM_DIR} holds no optimizer state")
-        set_state_dict(
-            engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-    else:
-        set_state_dict(engine.model, [], model_state_dict=state["model"], optim_state_dict={})
+        manifest = _manifest(path)
+    except CheckpointError as e:
+        err = e
+    _raise_any(group, err)
+    files = manifest["files"]
+    hashes = _hash_share(group, path, sorted(files))
+    for rel in sorted(files):
+        if hashes[rel] != files[rel][HASH]:
+            raise CheckpointError(
+                f"checkpoint {path.name} (step {manifest['step']}) is damaged: {path / rel} changed after it "
+                f"was saved (content hash {hashes[rel]}, recorded {files[rel][HASH]})"
+            )
+    return manifest
 
+
+def load_checkpoint(engine: Checkpointable, path: str | os.PathLike) -> dict:
+    """Restore ``engine`` from a checkpoint directory ``.../step_N`` after verifying it (nothing is loaded
+    from a damaged checkpoint). Collective over ``engine.checkpoint_group()``. Returns the ``extra`` dict
+    given at save time."""
+    path = Path(path)
+    group = engine.checkpoint_group()
+    verify_checkpoint(path, group)
     es = torch.load(path / ENGINE_STATE, weights_only=False)
+    layout = engine.checkpoint_layout()
+    saved = es.get("layout", {})
+    differ = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v}
+    if differ:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this engine: "
+            + ", ".join(f"{k}={s!r} in the checkpoint, {v!r} here" for k, (s, v) in differ.items())
+        )
+    state = engine.state_dict()
+    try:
+        with _quiet_single_process(group):
+            dcp.load(state, checkpoint_id=str(path / MODEL_OPTIM_DIR), **_dcp_kwargs(group))
+    except (Exception, CheckpointException) as e:  # DCP errors rarely say which directory
+        raise CheckpointError(f"could not load {path / MODEL_OPTIM_DIR}: {e}") from e
+    engine.load_state_dict(state)
     engine.global_step = es["global_step"]
     engine.skipped_steps = es["skipped_steps"]
     if engine.lr_scheduler is not None and es["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(es["lr_scheduler"])
-    rank = du.rank() if _collective(engine) else 0
-    rng_file = path / f"rng_rank{rank}.pt"
+    rng_file = path / f"rng_rank{_rank(group)}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    elif es["dp_size"] == engine.dp_size:
+    elif es["ranks"] == (dist.get_world_size(group) if group is not None else 1):
         raise CheckpointError(f"incomplete checkpoint {path}: missing file {rng_file}")
     return es["extra"]
 
@@ -298,8 +463,10 @@ def export_hf(
     for name, t in engine.full_state_dict_iter(device="cpu", dtype=dtype):
         if writer:
             tensors[name] = t.contiguous().clone()
+    group = engine.checkpoint_group()
     if not writer:
-        _barrier(engine)
+        if group is not None:
+            dist.barrier(group=group)
         return None
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
@@ -345,5 +512,6 @@ def export_hf(
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)
-    _barrier(engine)
+    if group is not None:
+        dist.barrier(group=group)
     return str(out)

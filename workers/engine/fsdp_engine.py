@@ -33,6 +33,13 @@ from torch.distributed.tensor import DTensor
 
 from workers.engine import distributed as du
 from workers.engine.attention import VARLEN_ATTENTION, register_varlen_attention
+from workers.engine.checkpoint import (
+    export_hf,
+    load_checkpoint,
+    load_module_state,
+    module_state,
+    save_checkpoint,
+)
 from workers.engine.packing import (
     entropy_from_logits,
     log_probs_from_logits,
@@ -624,21 +631,27 @@ class FSDPEngine:
                 ):
                     state[k] = v.to(device, non_blocking=True)
 
-    # -- checkpoints ----------------------------------------------------------------------------------------
+    # -- checkpoints (workers/engine/checkpoint.py) ----------------------------------------------------------
+
+    def checkpoint_group(self):
+        return self.device_mesh.get_group() if self.use_fsdp else None
+
+    def checkpoint_layout(self) -> dict:
+        return {"value_head": self.is_value_model}  # DCP reshards FSDP shards to any DP size
+
+    def state_dict(self) -> dict:
+        return module_state(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_module_state(self.model, self.optimizer, state)
 
     def save_checkpoint(self, root_dir: str, extra: dict | None = None, step: int | None = None) -> str:
-        from workers.engine.checkpoint import save_checkpoint
-
         return save_checkpoint(self, root_dir, step=step, extra=extra)
 
     def load_checkpoint(self, path: str) -> dict:
-        from workers.engine.checkpoint import load_checkpoint
-
         return load_checkpoint(self, path)
 
     def export_hf(self, out_dir: str, tokenizer=None) -> str | None:
-        from workers.engine.checkpoint import export_hf
-
         return export_hf(self, out_dir, tokenizer=tokenizer)
 
     @property

@@ -154,7 +154,7 @@ def shard_rows(batch: dict, rank: int, world: int) -> dict:
 def dist_scenarios(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     """All multi-process checks in one spawn (process start-up dominates the cost). Results go to
     ``out_dir/rank<r>.pt``; the test compares them with single-process runs."""
-    from workers.engine import FSDPEngine
+    from workers.engine import CheckpointError, FSDPEngine
 
     out = Path(out_dir)
     res: dict = {}
@@ -190,7 +190,7 @@ def dist_scenarios(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     ]
     res["cont_params"] = params(eng)
     eng2 = FSDPEngine(engine_config(model_dir))
-    extra = eng2.load_checkpoint(str(out / "ckpt"))
+    extra = eng2.load_checkpoint(ckpt)
     res["resume_extra"] = extra
     res["resume_step"] = eng2.global_step
     res["resume_losses"] = [
@@ -198,6 +198,17 @@ def dist_scenarios(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     ]
     res["resume_params"] = params(eng2)
     res["ckpt_path"] = ckpt
+    # 4 KiB of one shard overwritten in place (size unchanged): every rank refuses to load, naming the file
+    if rank == world - 1:
+        with open(Path(ckpt) / "model_optim" / "__0_0.distcp", "r+b") as f:
+            f.seek(1024)
+            f.write(b"\xff" * 4096)
+    torch.distributed.barrier()
+    try:
+        eng2.load_checkpoint(ckpt)
+        res["damaged_error"] = None
+    except CheckpointError as e:
+        res["damaged_error"] = str(e)
     eng2.export_hf(str(out / "hf"))
 
     # uneven shards: rank 0 has 4 long rows, rank 1 two rows. Under a token budget that fits one long row,

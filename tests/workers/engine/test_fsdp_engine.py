@@ -3,9 +3,13 @@ gradient (2 gloo FSDP2 ranks vs one process), skipped non-finite steps, checkpoi
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import re
 import shutil
+import subprocess
+from pathlib import Path
 
 import engine_testlib as T
 import numpy as np
@@ -20,6 +24,7 @@ from workers.engine import (
     karmarkar_karp,
     pack_sequences,
     plan_micro_batches,
+    verify_checkpoint,
 )
 from workers.engine.distributed import run_in_processes
 from workers.engine.packing import padded_response_log_probs, restore_order
@@ -292,8 +297,7 @@ def test_checkpoint_resume_gives_same_losses(model_dir, tmp_path):
     for b in batches[:2]:
         b_eng.train_step(b, T.pg_loss, **run)
     path = b_eng.save_checkpoint(str(tmp_path / "ckpt"), extra={"data_pos": 2, "epoch": 0})
-    assert path.endswith("step_4") and (tmp_path / "ckpt" / "latest").read_text() == "step_4"
-    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "ckpt").iterdir())
+    assert path.endswith("step_4") and [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_4"]
     torch.manual_seed(123)
     np.random.seed(5)
     random.seed(7)
@@ -304,7 +308,7 @@ def test_checkpoint_resume_gives_same_losses(model_dir, tmp_path):
     np.random.seed(999)
     random.seed(999)
     torch.manual_seed(123)  # RNG restore must not depend on the state at load time
-    extra = c.load_checkpoint(str(tmp_path / "ckpt"))  # root with `latest`
+    extra = c.load_checkpoint(path)
     assert extra == {"data_pos": 2, "epoch": 0} and c.global_step == 4
     resumed = [c.train_step(b, T.pg_loss, **run)["losses"] for b in batches[2:]]
     assert resumed == full[2:]  # bit-identical on one process
@@ -344,6 +348,93 @@ def test_truncated_or_incomplete_checkpoint_errors_name_the_file(model_dir, tmp_
         eng.load_checkpoint(str(tmp_path / "ck2" / "step_2"))
     with pytest.raises(CheckpointError, match="missing file .*manifest.json"):
         eng.load_checkpoint(str(tmp_path / "ck2" / "step_2.tmp"))
+
+
+def test_altered_checkpoint_file_fails_to_load_naming_file_and_step(model_dir, tmp_path):
+    """4 KiB overwritten inside a shard without changing its size (bit rot, a bad copy) is caught by the
+    content hash recorded at save: the load names the file and the step and changes nothing."""
+    eng = _engine(model_dir)
+    eng.train_step(T.make_batch(4, seed=30), T.pg_loss)
+    path = Path(eng.save_checkpoint(str(tmp_path / "ck")))
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert set(files) == {
+        "engine_state.pt", "rng_rank0.pt", "model_optim/.metadata", "model_optim/__0_0.distcp"
+    }  # fmt: skip
+    assert all(len(entry["xxh3_128"]) == 32 for entry in files.values())
+    shard = path / "model_optim" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(4096))
+    assert shard.stat().st_size == size
+    fresh = _engine(model_dir)
+    before = T.params(fresh)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"checkpoint step_1 \(step 1\) is damaged: {re.escape(str(shard))} changed after",
+    ):
+        fresh.load_checkpoint(str(path))
+    assert fresh.global_step == 0
+    for k, v in T.params(fresh).items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MiB tmpfs: a disk that fills up. Needs root (mount); skipped where it cannot be mounted."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """Leave ``leave`` bytes free on ``disk`` (whole pages)."""
+    free = shutil.disk_usage(disk).free
+    with open(disk / f"filler{len(list(disk.glob('filler*')))}", "wb") as f:
+        f.write(bytes(max(0, free - leave) // 4096 * 4096))
+
+
+def test_full_disk_save_names_path_and_bytes_and_keeps_previous_checkpoint(model_dir, small_disk):
+    eng = _engine(model_dir)
+    eng.train_step(T.make_batch(4, seed=30), T.pg_loss)
+    root = small_disk / "ck"
+    step1 = Path(eng.save_checkpoint(str(root)))
+    manifest = (step1 / "manifest.json").read_text()
+    eng.train_step(T.make_batch(4, seed=31), T.pg_loss)
+    needed = sum(t.numel() * t.element_size() for t in _tensors(eng.state_dict()))
+
+    # too little space for the tensors alone: refused before anything is written
+    _fill(small_disk, leave=needed // 2)
+    with pytest.raises(CheckpointError) as err:
+        eng.save_checkpoint(str(root))
+    msg = str(err.value)
+    assert f"no space left on device for checkpoint {root}/step_2.tmp: it needs about {needed} bytes" in msg
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"]
+
+    # room for the tensors but not for the whole checkpoint: the real ENOSPC mid-save, reported the same way
+    (small_disk / "filler0").unlink()
+    _fill(small_disk, leave=needed + 4096)
+    with pytest.raises(CheckpointError) as err:
+        eng.save_checkpoint(str(root))
+    assert f"no space left on device for checkpoint {root}/step_2.tmp: it needs about {needed} bytes" in str(
+        err.value
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"]  # the partial step_2.tmp is gone
+    assert (step1 / "manifest.json").read_text() == manifest
+    verify_checkpoint(step1)  # the previous checkpoint is intact and loads
+    assert _engine(model_dir).load_checkpoint(str(step1)) == {}
+
+
+def _tensors(state):
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif isinstance(state, torch.Tensor):
+        yield state
 
 
 def test_export_hf_loads_with_equal_logits(model_dir, tmp_path):
@@ -432,6 +523,10 @@ def test_dp2_checkpoint_resume_and_export(dist_results):
     out, res = dist_results
     for r in range(2):
         assert res[r]["resume_extra"] == {"data_pos": 3} and res[r]["resume_step"] == 3
+        assert (
+            f"checkpoint step_3 (step 3) is damaged: {res[r]['ckpt_path']}/model_optim/__0_0.distcp"
+            in (res[r]["damaged_error"])
+        )
         np.testing.assert_allclose(res[r]["resume_losses"], res[r]["cont_losses"], rtol=1e-12, atol=0)
         for k, v in res[r]["cont_params"].items():
             torch.testing.assert_close(res[r]["resume_params"][k], v, atol=0, rtol=0)
