@@ -9,13 +9,18 @@ unprivileged uid, inside its namespaces and limits.
 """
 
 import asyncio
+import errno
+import json
 import os
 import socket
+import tempfile
 import time
 
 import pytest
 
 from workers.sandbox import ReplSandbox, SandboxConfig, SandboxError, bwrap_path
+from workers.sandbox._seccomp import CLONE_NAMESPACES, syscall_numbers
+from workers.sandbox.sandbox import SANDBOX_ENV
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,12 +61,13 @@ def require(sandbox, feature: str) -> None:
     ns = report["namespaces"]
     have = {
         "net": ns.get("net"),
-        "fs": report["mode"] == "bwrap" or ns.get("mount"),
+        "fs": report["filesystem"].startswith("minimal root"),
+        "seccomp": report["seccomp"].startswith("seccomp-bpf"),
         "procs": "NOT enforced" not in report["limits"]["processes"],
         "signals": ns.get("pid") or uid_separated(sandbox),
     }[feature]
     if not have:
-        brief = {k: report[k] for k in ("namespaces", "uid_separation")} | {
+        brief = {k: report[k] for k in ("namespaces", "filesystem", "uid_separation", "seccomp")} | {
             "procs": report["limits"]["processes"]
         }
         pytest.skip(f"{sandbox.mode} isolation here lacks {feature!r} containment: {brief}")
@@ -142,7 +148,8 @@ def test_memory_bombs_raise_memoryerror_and_keep_the_repl(repl):
     repl.execute("x = 1")
     res = repl.execute("big = bytearray(10 * 1024**3)")
     assert res.error.endswith("MemoryError") and not res.killed
-    res = repl.execute("hoard = []\nwhile True:\n    hoard.append(bytearray(10**7))")
+    # A generous per-block timeout: filling 256 MB must end in MemoryError, also on a loaded machine.
+    res = repl.execute("hoard = []\nwhile True:\n    hoard.append(bytearray(10**7))", timeout_s=10)
     assert "MemoryError" in res.error and not res.killed
     res = repl.execute("n = len(hoard)\ndel hoard\nprint(n < 26, x)")
     assert res.stdout == "True 1\n"  # limited to 256 MB; state kept
@@ -153,7 +160,8 @@ def test_fork_bomb_is_contained(sandbox, repl):
     res = repl.execute(
         "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
         "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
-        "except OSError as e:\n    print(n, e.errno)"
+        "except OSError as e:\n    print(n, e.errno)",
+        timeout_s=10,
     )
     n, err = res.stdout.split()
     assert int(n) < LIMITS["max_procs"] and err == "11"  # EAGAIN from RLIMIT_NPROC
@@ -208,9 +216,9 @@ def test_host_files_outside_scratch_are_unreadable(sandbox, repl, tmp_path):
     public.write_text("PUBLIC-DATA")
     public.chmod(0o644)
     os.chmod(tmp_path, 0o755)
-    paths = [str(secret), str(public), "/etc/shadow"]
-    if sandbox.mode == "bwrap":
-        paths.append(os.path.abspath(__file__))  # any host path outside the binds is absent
+    # World-readable host files outside the sandbox's root are absent in both modes (this test file,
+    # /etc/passwd), not merely unreadable.
+    paths = [str(secret), str(public), "/etc/shadow", "/etc/passwd", os.path.abspath(__file__)]
     for path in paths:
         res = repl.execute(f"print(open({path!r}).read())")
         assert res.error is not None, path
@@ -242,6 +250,101 @@ def test_writes_outside_scratch_fail(sandbox, repl, tmp_path):
     res = repl.execute(code)
     assert res.stdout == "[] True\n"
     assert list(drop.iterdir()) == []
+
+
+def test_host_environment_does_not_leak(repl):
+    # Once dumpable again, a process may read its own original environment block: the zygote's,
+    # which is SANDBOX_ENV only (bubblewrap adds PWD=/), not the host's (PYTEST_CURRENT_TEST, HOME, ...).
+    code = (
+        "import ctypes\nctypes.CDLL(None).prctl(4, 1, 0, 0, 0)\n"  # PR_SET_DUMPABLE
+        "raw = open('/proc/self/environ', 'rb').read().decode()\n"
+        "print(dict(kv.split('=', 1) for kv in raw.split('\\0') if kv))"
+    )
+    res = repl.execute(code)
+    assert res.error is None, res.error
+    env = eval(res.stdout)
+    assert env.pop("PWD", "/") == "/"
+    assert env == SANDBOX_ENV
+
+
+def test_host_unix_sockets_are_unreachable(sandbox, repl):
+    require(sandbox, "fs")
+    require(sandbox, "seccomp")
+    # Outside /tmp on purpose (the old rlimits mode covered /tmp but left the rest of the host tree
+    # visible): a socket any user may connect to, beside this test file.
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(__file__)), prefix=".sock-") as d:
+        os.chmod(d, 0o755)
+        path = os.path.join(d, "host.sock")
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        os.chmod(path, 0o777)
+        listener.listen()
+        listener.setblocking(False)
+        try:
+            code = (
+                "import os, socket, asyncio\n"
+                f"print(os.path.exists({path!r}))\n"
+                "a, b = socket.socketpair()\n"  # unconnected pairs (asyncio's self-pipe) still work
+                "asyncio.run(asyncio.sleep(0))\n"
+                "s = socket.socket(socket.AF_UNIX)\n"
+                f"s.connect({path!r})"
+            )
+            res = repl.execute(code)
+            assert res.stdout == "False\n"
+            assert res.error.endswith("PermissionError: [Errno 1] Operation not permitted"), res.error
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # nothing ever connected
+        finally:
+            listener.close()
+
+
+def test_seccomp_denies_what_a_repl_never_needs(sandbox, repl):
+    require(sandbox, "seccomp")
+    nr = syscall_numbers()
+    # Each call with harmless arguments; without the filter they succeed or fail with another errno
+    # (nested user + mount namespaces and ptrace of its own child succeed).
+    calls = {
+        "unshare_user_mount": (nr["unshare"], 0x10000000 | 0x00020000),
+        "unshare_net": (nr["unshare"], 0x40000000),
+        "clone_newuser": (nr["clone"], 0x10000000 | 17),  # | SIGCHLD
+        "clone_newns": (nr["clone"], 0x00020000 | 17),
+        "setns": (nr["setns"], 0, 0),
+        "mount": (nr["mount"], 0, 0, 0, 0, 0),
+        "keyctl": (nr["keyctl"], 0, 0),
+        "bpf": (nr["bpf"], 0, 0, 0),
+        "perf_event_open": (nr["perf_event_open"], 0, 0, -1, -1, 0),
+        "io_uring_setup": (nr["io_uring_setup"], 1, 0),
+        "init_module": (nr["init_module"], 0, 0, 0),
+        "open_by_handle_at": (nr["open_by_handle_at"], 0, 0, 0),
+    }
+    assert CLONE_NAMESPACES & 0x10000000 and CLONE_NAMESPACES & 0x00020000
+    code = (
+        "import ctypes, json, os, signal, subprocess, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def call(nr, *args):\n"
+        "    ctypes.set_errno(0)\n"
+        "    rc = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])\n"
+        "    if rc == 0 and os.getpid() != me:\n"
+        "        os._exit(0)\n"  # a clone that went through: the child leaves at once
+        "    return ctypes.get_errno() if rc == -1 else 0\n"
+        "me = os.getpid()\n"
+        f"out = {{k: call(*v) for k, v in {calls!r}.items()}}\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n    import time\n    time.sleep(30)\n    os._exit(0)\n"
+        f"out['ptrace_attach_own_child'] = call({nr['ptrace']}, 16, pid, 0, 0)\n"
+        "os.kill(pid, signal.SIGKILL)\nos.waitpid(pid, 0)\n"
+        f"out['clone3'] = call({nr['clone3']}, 0, 0)\n"
+        "out['seccomp_mode'] = open('/proc/self/status').read().split('Seccomp:')[1].split()[0]\n"
+        "t = threading.Thread(target=lambda: None)\nt.start()\nt.join()\n"  # threads and
+        "out['subprocess'] = subprocess.run(['echo', 'ok'], capture_output=True, text=True).stdout\n"  # forks work
+        "print(json.dumps(out))"
+    )
+    res = repl.execute(code)
+    assert res.error is None, res.error
+    out = json.loads(res.stdout)
+    assert out.pop("seccomp_mode") == "2" and out.pop("subprocess") == "ok\n"
+    assert out.pop("clone3") == errno.ENOSYS  # so the C library falls back to clone, which is checked
+    assert out == {k: errno.EPERM for k in out}
 
 
 def test_file_size_limit(repl):
@@ -284,9 +387,13 @@ def test_killing_the_parent_or_everything_touches_no_one_else(sandbox, repl):
             assert res.error is None or "PermissionError" in res.error or "ProcessLookupError" in res.error
         res = repl.execute("import os\nos.kill(-1, 9)\nprint('alive')")  # only its own processes
         assert res.stdout == "alive\n" or "ProcessLookupError" in res.error
-        res = repl.execute("import os\nos.killpg(0, 9)")  # its own process group, itself included
-        assert res.killed and res.restarted and "SIGKILL" in res.error
-        assert_fresh_and_usable(repl)
+        for sig in ("SIGKILL", "SIGTERM"):  # its own process group, itself included
+            res = repl.execute(f"import os, signal\nos.killpg(0, signal.{sig})")
+            assert res.killed and res.restarted
+            # The real signal and cause, not a guess at a limit.
+            assert f"killed by {sig}, sent from inside the sandbox by its own code" in res.error, res.error
+            assert "not a limit" in res.error and "CPU hard limit" not in res.error
+            assert_fresh_and_usable(repl)
         assert bystander.execute("print(v)").stdout == "still here\n"
     finally:
         bystander.close()
@@ -352,6 +459,16 @@ def test_cpu_limit_kills_a_spinning_background_thread(mode):
             res = r.execute("print(context)")
             assert res.restarted and "CPU time limit of 1 s exceeded" in res.stderr
             assert res.stdout == "secret context\n"
+            # A REPL that ignores SIGXCPU is SIGKILLed at the hard limit, and that is what it is told.
+            res = r.execute(
+                "import signal, threading\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                "def spin():\n    while True:\n        pass\nthreading.Thread(target=spin).start()"
+            )
+            deadline = time.monotonic() + 10
+            while r.alive and time.monotonic() < deadline:
+                time.sleep(0.05)
+            res = r.execute("print(context)")
+            assert res.restarted and "killed by SIGKILL: CPU hard limit of 2 s exceeded" in res.stderr
     finally:
         sb.close()
 
