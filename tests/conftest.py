@@ -1,12 +1,14 @@
 """Test-session fixtures: one Ray session for the whole pytest run (DESIGN.md conventions)."""
 
 import os
+import subprocess
 
 import pytest
 
 # Logical CPUs given to the local Ray session. The CI machine has 2 physical cores; tests that place
 # 4 single-CPU bundles (4-process parity tests) need more logical slots than that, and Ray treats
-# num_cpus as a scheduling count, not a hard allocation.
+# num_cpus as a scheduling count, not a hard allocation. This is the test session's explicit choice to
+# oversubscribe the cores; a recipe that starts Ray itself asks for it with trainer.cpu_oversubscribe=true.
 RAY_TEST_CPUS = 8
 
 
@@ -25,3 +27,25 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)``: a directory on a real tmpfs of ``size`` (e.g. "4m"), a disk that fills up. Needs
+    root for mount(2); skips with the reason where it cannot be mounted."""
+    mounts = []
+
+    def mount(size: str):
+        mnt = tmp_path / f"disk{len(mounts)}"
+        mnt.mkdir()
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
+        )
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
+        mounts.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounts:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipes.config import ConfigError, RecipeConfig, device_counts, load_config, save_config
+from workers.engine.checkpoint import CheckpointError
 
 logger = logging.getLogger("recipes")
 
@@ -77,7 +78,8 @@ def parse_args(recipe: str, argv: list[str] | None = None) -> RecipeConfig:
 def cli(main) -> None:
     """Run a recipe's ``main()`` as a command: Ctrl-C exits with status 130 after the recipe's own message
     (no traceback); the last complete checkpoint is what ``trainer.resume_mode=auto`` continues from. A
-    ConfigError (e.g. more devices than this machine has) or RunAborted exits with status 1 and its message."""
+    ConfigError (e.g. more devices than this machine has), RunAborted or CheckpointError exits with status 1
+    and its message."""
     try:
         main()
     except KeyboardInterrupt:
@@ -86,6 +88,8 @@ def cli(main) -> None:
         sys.exit(f"config error: {err}")
     except RunAborted as err:  # every sample's reward failed, updates non-finite step after step
         sys.exit(f"run aborted: {err}")
+    except CheckpointError as err:  # a full disk, a damaged checkpoint: the worker's reason names the file
+        sys.exit(f"checkpoint error: {err}")
 
 
 def resolve_device(cfg: RecipeConfig) -> bool:
@@ -142,23 +146,26 @@ def check_local_capacity(cfg: RecipeConfig, use_gpu: bool, cores: int | None = N
     ``trainer.cpu_oversubscribe`` says so (then announced). A locally started Ray would otherwise be sized to
     whatever is asked, so its own capacity check could never fail. GPUs are counted by Ray itself."""
     t, cores = cfg.trainer, cores or os.cpu_count() or 1
+    errors = []
     if t.nnodes > 1:
-        raise ConfigError(
+        errors.append(
             f"trainer.nnodes={t.nnodes} asks for {t.nnodes} nodes, but a Ray started by the recipe has 1 (this "
             "machine); run on a Ray cluster (RAY_ADDRESS, recipes/slurm) or set trainer.nnodes=1"
         )
     need = device_counts(cfg)["total"]
-    if use_gpu or need <= cores:
-        return
     asked = (
-        f"trainer.n_gpus_per_node={t.n_gpus_per_node} asks for {need} CPU devices (one worker process each)"
+        f"trainer.n_gpus_per_node * trainer.nnodes = {t.n_gpus_per_node} * {t.nnodes} = {need} CPU devices "
+        "asked (one worker process each)"
     )
-    if not t.cpu_oversubscribe:
-        raise ConfigError(
+    if not use_gpu and need > cores and not t.cpu_oversubscribe:
+        errors.append(
             f"{asked}, but this machine has {cores} CPU cores; set trainer.cpu_oversubscribe=true to share the "
             "cores among them anyway (slower), or ask for fewer devices"
         )
-    logger.warning("%s on %d CPU cores: oversubscribed (trainer.cpu_oversubscribe=true)", asked, cores)
+    if errors:
+        raise ConfigError("this machine cannot hold the run:\n  - " + "\n  - ".join(errors))
+    if not use_gpu and need > cores:
+        logger.warning("%s on %d CPU cores: oversubscribed (trainer.cpu_oversubscribe=true)", asked, cores)
 
 
 def init_ray(cfg: RecipeConfig) -> None:
@@ -187,6 +194,21 @@ def init_ray(cfg: RecipeConfig) -> None:
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
 
 
+def write_run_config(cfg: RecipeConfig, run_dir: Path) -> None:
+    """``run_dir/config.yaml`` (a resumed run's previous one kept as config.prev.yaml). The new file is written
+    in full before either is renamed, so a full disk leaves both as they were."""
+    path, staged = run_dir / "config.yaml", run_dir / "config.yaml.new"
+    try:
+        save_config(cfg, staged)
+    except OSError as err:  # e.g. a full disk: one line, not the traceback of the YAML writer
+        raise OSError(
+            err.errno, f"cannot write the run's config {staged} ({err.strerror}); {path} is unchanged"
+        ) from None
+    if path.is_file() and cfg.trainer.resume_mode != "disable":
+        os.replace(path, run_dir / "config.prev.yaml")
+    os.replace(staged, path)
+
+
 def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
     """Create the run directory, save the resolved config, prepare model and data, start Ray."""
     import ray
@@ -198,10 +220,7 @@ def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
         check_local_capacity(cfg, use_gpu)  # before anything is written or started
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "config.yaml"
-    if cfg_path.is_file() and cfg.trainer.resume_mode != "disable":
-        os.replace(cfg_path, run_dir / "config.prev.yaml")
-    save_config(cfg, cfg_path)
+    write_run_config(cfg, run_dir)
     model_path = resolve_model(cfg)
     train_files, val_files = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
