@@ -29,6 +29,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from resource_pools.plans import PLACEMENTS
 from workers.config import ActorConfig, CriticConfig, ModelConfig, RewardConfig, RolloutConfig
+from workers.engine.checkpoint import write_atomic
 from workers.engine.fsdp_engine import OptimConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent
@@ -127,6 +128,9 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every m steps (and at the last step); <= 0: never
     max_ckpt_to_keep: int | None = None  # delete older checkpoints beyond this many
     resume_mode: str = "auto"  # auto (latest checkpoint in the run dir) | disable | <path of a step_N dir>
+    # resume_mode=auto and the latest checkpoint fails its content-hash check: resume from the newest intact
+    # earlier one (false: stop with an error naming it)
+    resume_fallback: bool = False
     critic_warmup: int = 0  # PPO: steps that update only the critic
     nnodes: int = 1
     n_gpus_per_node: int = 1  # devices per node (CPU bundles when there is no GPU)
@@ -313,9 +317,7 @@ def save_config(cfg: RecipeConfig, path: str | os.PathLike) -> str:
     """Write the resolved config as YAML (atomically); ``load_config(recipe, config_path=path)`` reads it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    os.replace(tmp, path)
+    write_atomic(path, to_yaml(cfg).encode())
     return str(path)
 
 
@@ -631,6 +633,10 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
     if t.resume_mode not in ("auto", "disable") and not os.path.isdir(t.resume_mode):
         errors.append(
             f"trainer.resume_mode must be auto, disable or an existing checkpoint directory, got {t.resume_mode!r}"
+        )
+    if t.resume_fallback and t.resume_mode != "auto":
+        errors.append(
+            f"trainer.resume_fallback=true applies to trainer.resume_mode=auto only, got {t.resume_mode!r}"
         )
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
         errors.append(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {t.max_ckpt_to_keep}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,10 @@ def object_array(values: list) -> np.ndarray:
     return arr
 
 
+class UnknownDataSourceError(ValueError):
+    """A row's ``data_source`` is not one the reward can score (raised at load time, naming file and row)."""
+
+
 class PromptDataset:
     """Tokenised RL prompts from verl-format parquet files.
 
@@ -34,7 +38,9 @@ class PromptDataset:
     prompt appended, and are tokenised without extra special tokens. Malformed rows are skipped with
     a warning naming the file and row (see ``read_rows``); prompts longer than ``max_prompt_length``
     tokens are dropped (``overlong="filter"``, the count is logged and kept in
-    ``num_filtered_overlong``) or raise (``overlong="error"``).
+    ``num_filtered_overlong``) or raise (``overlong="error"``). With ``data_sources`` (those the reward can
+    score), a row whose ``data_source`` is not among them raises UnknownDataSourceError naming its file and
+    row (``unknown_data_source="error"``) or is dropped and counted in ``num_unknown_data_source`` ("skip").
     """
 
     def __init__(
@@ -46,6 +52,8 @@ class PromptDataset:
         overlong: str = "filter",
         require_ground_truth: bool = True,
         max_samples: int | None = None,
+        data_sources: Collection[str] | None = None,
+        unknown_data_source: str = "error",
     ):
         if overlong not in ("filter", "error"):
             raise ValueError(f"overlong must be 'filter' or 'error', got {overlong!r}")
@@ -55,6 +63,7 @@ class PromptDataset:
         rows, self.num_malformed = read_rows(files, prompt_key, require_ground_truth=require_ground_truth)
         if max_samples is not None:
             rows = rows[:max_samples]
+        rows, self.num_unknown_data_source = _known_sources_only(rows, data_sources, unknown_data_source)
         ids = tokenize_texts(tokenizer, [render_prompt(tokenizer, r[prompt_key]) for r in rows])
         self.rows: list[dict] = []
         self.num_filtered_overlong = 0
@@ -91,6 +100,33 @@ class PromptDataset:
             "reward_model": r.get("reward_model"),
             "extra_info": r.get("extra_info"),
         }
+
+
+def _known_sources_only(
+    rows: list[dict], known: Collection[str] | None, on_unknown: str
+) -> tuple[list[dict], int]:
+    if known is None:
+        return rows, 0
+    if on_unknown not in ("error", "skip"):
+        raise ValueError(f"unknown_data_source must be 'error' or 'skip', got {on_unknown!r}")
+    bad = [r for r in rows if r["data_source"] not in known]
+    if not bad:
+        return rows, 0
+    first = bad[0]
+    if on_unknown == "error":
+        raise UnknownDataSourceError(
+            f"row {first['_row']} of {first['_file']}: data_source {first['data_source']!r} has no reward "
+            f"scorer ({len(bad)} such row(s) in all; scorers: {sorted(known)}); set reward.default_scorer or "
+            "custom_reward_function.path, or data.unknown_data_source=skip to drop these rows"
+        )
+    logger.warning(
+        "skipped %d rows whose data_source has no reward scorer (first: row %d of %s, %r)",
+        len(bad),
+        first["_row"],
+        first["_file"],
+        first["data_source"],
+    )
+    return [r for r in rows if r["data_source"] in known], len(bad)
 
 
 def collate_prompts(

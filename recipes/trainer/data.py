@@ -11,33 +11,51 @@ from collections.abc import Iterator
 import torch
 
 from dataproto import DataProto
-from recipes.config import RecipeConfig
+from recipes.config import ConfigError, RecipeConfig
 from recipes.data import PromptDataLoader, PromptDataset, SFTDataset, to_dataproto
 from recipes.data.loader import ResumableLoader
+from recipes.data.prompts import UnknownDataSourceError
+
+
+def scored_data_sources(cfg: RecipeConfig) -> set[str] | None:
+    """The data sources the reward worker can score; None: all of them (a custom function or default scorer)."""
+    if cfg.custom_reward_function.path or cfg.reward.default_scorer:
+        return None
+    from recipes.trainer.reward import register_task_scorers
+    from workers.reward import SCORERS
+
+    register_task_scorers()  # as the reward worker does in its process
+    return set(SCORERS)
+
+
+def prompt_dataset(cfg: RecipeConfig, run, files: list[str], max_samples: int | None) -> PromptDataset:
+    """Prompts of ``files``; a row no reward scorer covers is an error naming file and row, or skipped
+    (``data.unknown_data_source``), here at load time rather than at the step that samples it."""
+    d = cfg.data
+    try:
+        return PromptDataset(
+            files,
+            run.tokenizer,
+            max_prompt_length=d.max_prompt_length,
+            prompt_key=d.prompt_key,
+            max_samples=max_samples,
+            data_sources=scored_data_sources(cfg),
+            unknown_data_source=d.unknown_data_source,
+        )
+    except UnknownDataSourceError as err:
+        raise ConfigError(str(err)) from None
 
 
 def train_loader(cfg: RecipeConfig, run) -> PromptDataLoader:
     d = cfg.data
-    ds = PromptDataset(
-        run.train_files,
-        run.tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        prompt_key=d.prompt_key,
-        max_samples=d.train_max_samples,
-    )
+    ds = prompt_dataset(cfg, run, run.train_files, d.train_max_samples)
     return PromptDataLoader(ds, batch_size=d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True)
 
 
 def val_batches(cfg: RecipeConfig, run) -> list[DataProto]:
     """The held-out prompts in file order, in batches of data.val_batch_size (None: one batch)."""
     d = cfg.data
-    ds = PromptDataset(
-        run.val_files,
-        run.tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        prompt_key=d.prompt_key,
-        max_samples=d.val_max_samples,
-    )
+    ds = prompt_dataset(cfg, run, run.val_files, d.val_max_samples)
     size = d.val_batch_size or len(ds)
     loader = PromptDataLoader(ds, batch_size=min(size, len(ds)), shuffle=False, seed=d.seed, drop_last=False)
     return [to_dataproto(b) for b in loader]

@@ -146,3 +146,153 @@ def test_nnodes_beyond_the_alive_nodes_fails_before_any_actor(ray_session, tmp_p
     ):
         _grpo(tmp_path, "trainer.nnodes=2")
     assert len(placement_group_table()) == before  # refused before any placement group (or actor) was made
+
+
+# -- data sources no scorer covers: refused (or skipped) at load time, naming file and file row -------------------
+
+
+def _with_unknown_source(tmp_path, row: int) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recipes.tasks import make_dataset
+
+    paths = make_dataset("arithmetic", tmp_path / "data", n_train=32, n_val=4, seed=0)
+    table = pq.read_table(paths["train"])
+    sources = table.column("data_source").to_pylist()
+    sources[row] = "nobody/scores/this"
+    table = table.set_column(table.column_names.index("data_source"), "data_source", pa.array(sources))
+    pq.write_table(table, paths["train"])
+    return paths
+
+
+def test_unknown_data_source_is_refused_at_load_time_naming_file_and_row(ray_session, tmp_path):
+    from recipes.config import ConfigError
+
+    paths = _with_unknown_source(tmp_path, row=11)
+    files = [f"data.train_files=[{paths['train']}]", f"data.val_files=[{paths['val']}]"]
+    with pytest.raises(ConfigError) as err:
+        _grpo(tmp_path, *files)
+    assert f"row 11 of {paths['train']}: data_source 'nobody/scores/this' has no reward scorer" in str(
+        err.value
+    )
+    assert "data.unknown_data_source=skip" in str(err.value)
+
+
+def test_unknown_data_source_rows_skipped_with_a_count(tmp_path, caplog):
+    from recipes.config import load_config
+    from recipes.trainer.data import train_loader
+    from recipes.trainer.run import start_run
+
+    paths = _with_unknown_source(tmp_path, row=11)
+    files = [f"data.train_files=[{paths['train']}]", f"data.val_files=[{paths['val']}]"]
+    cfg = load_config(
+        "grpo", [*TINY, *files, "data.unknown_data_source=skip", f"trainer.default_local_dir={tmp_path}"]
+    )
+    with caplog.at_level("WARNING", logger="recipes.data"):
+        loader = train_loader(cfg, start_run(cfg, "grpo", start_ray=False))
+    assert loader.dataset.num_unknown_data_source == 1 and len(loader.dataset) == 31
+    assert (
+        f"skipped 1 rows whose data_source has no reward scorer (first: row 11 of {paths['train']}"
+        in caplog.text
+    )
+
+
+# -- faults in the reward path: seen on the console, counted, and fatal when every sample fails -------------------
+
+FLAKY_REWARD = """
+CALLS = [0]
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # step 1 (calls 1-8): 2 rows raise, 2 score NaN, 4 score 1; from step 2 on every row raises
+    CALLS[0] += 1
+    if CALLS[0] > 8:
+        raise ValueError(f"scorer broke on call {CALLS[0]}")
+    if CALLS[0] % 4 == 1:
+        raise ValueError("bad row")
+    return float("nan") if CALLS[0] % 4 == 2 else 1.0
+"""
+
+
+def test_reward_errors_warned_each_step_and_a_run_where_every_sample_fails_aborts(
+    ray_session, tmp_path, capsys
+):
+    import json
+
+    from recipes.trainer.run import RunAborted
+
+    with pytest.raises(RunAborted) as err:
+        _grpo(tmp_path, reward=FLAKY_REWARD)
+    assert str(err.value) == (
+        "step 2: 8 of 8 samples failed to score (reward 0); first: row 0 (hyflow/arithmetic): ValueError: scorer "
+        "broke on call 9 -- aborting (reward.max_error_frac=1)"
+    )
+    out = capsys.readouterr().out
+    # step 1: the raising rows and the NaN rows are errors (reward 0), seen on the console with the first one
+    assert (
+        "WARNING step 1: 4 of 8 samples failed to score (reward 0); first: row 0 (hyflow/arithmetic): ValueError: bad row"
+        in out
+    )
+    step1 = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert step1["step"] == 1 and step1["reward/errors"] == 4 and step1["critic/score/mean"] == 0.5
+
+
+HANGING_REWARD = """
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(600)
+"""
+
+
+def test_a_hanging_reward_call_times_out_naming_role_rank_method_and_time(ray_session, tmp_path):
+    from controller import WorkerGroupTimeoutError
+
+    with pytest.raises(WorkerGroupTimeoutError) as err:
+        _grpo(
+            tmp_path, "trainer.call_timeout_s=10", "trainer.call_timeout_per_row_s=0.5", reward=HANGING_REWARD
+        )
+    e = err.value
+    assert (e.role, e.rank, e.method, e.timeout_s) == ("reward", 0, "compute_rm_score", 14.0)  # 10 s + 8 rows
+    assert e.elapsed_s >= 14.0
+    assert (
+        "worker group 'reward' rank 0 failed in 'compute_rm_score': no result after 14s from rank(s) [0]"
+        in str(e)
+    )
+    assert "after the call started" in str(e)
+
+
+def test_default_call_timeout_is_finite():
+    from recipes.config import load_config
+
+    t = load_config("grpo").trainer
+    assert t.call_timeout_s == 1800 and t.call_timeout_per_row_s == 1.0
+
+
+# -- non-finite updates: skipped and counted, and a run whose updates are all skipped aborts ----------------------
+
+HUGE_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 3e38 if len(solution_str) % 2 else -3e38  # finite, but its policy gradient overflows
+"""
+
+
+def test_consecutive_skipped_updates_abort_naming_step_and_metric(ray_session, tmp_path, capsys):
+    from recipes.trainer.run import RunAborted
+
+    with pytest.raises(RunAborted) as err:
+        _grpo(
+            tmp_path,
+            "rollout.n=4",
+            "algorithm.norm_adv_by_std_in_grpo=false",
+            "trainer.max_consecutive_skipped_updates=2",
+            reward=HUGE_REWARD,
+        )
+    msg = str(err.value)
+    assert msg.startswith(
+        "step 2: the actor update was skipped in 2 steps in a row (trainer.max_consecutive_skipped_updates=2)"
+    )
+    assert "'actor/grad_norm'" in msg
+    assert "WARNING step 1: actor update skipped" in capsys.readouterr().out
