@@ -9,7 +9,12 @@ Layout under ``<run dir>/checkpoints``::
 
 ``extra`` (saved with the actor) is the trainer state: ``step``, the data loader position, the KL controller's
 coefficient and the count of skipped updates. A Ctrl-C during a save is held until the save is complete, so an
-interrupted run never leaves ``latest_step`` naming a half-written checkpoint.
+interrupted run never leaves ``latest_step`` naming a half-written checkpoint. A failed save (a full disk) raises
+`CheckpointError` with the worker's one-line reason and leaves ``latest_step`` naming the previous step.
+
+Loading verifies every file's content hash (workers/engine/checkpoint.py). When the checkpoint
+``resume_mode=auto`` picks is damaged, the error names the newest intact earlier step, and the run resumes from
+it only with ``trainer.resume_fallback=true``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+
+from controller.errors import WorkerGroupError
+from workers.engine.checkpoint import CheckpointError, verify_checkpoint, write_atomic
 
 logger = logging.getLogger("recipes")
 
@@ -52,20 +60,18 @@ def hold_interrupts():
         raise KeyboardInterrupt("interrupted during a checkpoint save (the save completed)")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def latest_step(ckpt_dir: str | os.PathLike) -> int | None:
+    """The step ``ckpt_dir/latest_step`` names, or None when there is no such file."""
     marker = Path(ckpt_dir) / LATEST
     if not marker.is_file():
         return None
-    return int(marker.read_text().strip())
+    text = marker.read_text(errors="replace").strip()
+    if not text.isdigit():
+        raise CheckpointError(
+            f"{marker} should hold the number of the newest complete checkpoint step, but holds {text[:40]!r}; "
+            "resume from a step explicitly with trainer.resume_mode=<checkpoints>/actor/step_N"
+        )
+    return int(text)
 
 
 def step_dirs(role_dir: Path) -> list[int]:
@@ -76,19 +82,47 @@ def step_dirs(role_dir: Path) -> list[int]:
     )
 
 
+def _worker_error(err: WorkerGroupError) -> CheckpointError | None:
+    """The CheckpointError a worker raised, with its role and rank (a one-line reason, no remote traceback)."""
+    cause = getattr(err.__cause__, "cause", None)  # ray.exceptions.RayTaskError.cause: the worker's exception
+    if isinstance(cause, CheckpointError):
+        return CheckpointError(f"{err.role} rank {err.rank}: {cause}")
+    return None
+
+
+@contextmanager
+def _checkpoint_errors():
+    try:
+        yield
+    except WorkerGroupError as err:
+        if (found := _worker_error(err)) is not None:
+            raise found from None
+        raise
+
+
 def save(ckpt_dir: str | os.PathLike, step: int, groups: dict, extra: dict, keep: int | None = None) -> str:
     """Save every role in ``groups`` ({"actor": wg, "critic": wg}) at ``step``; ``extra`` goes with each."""
     ckpt_dir = Path(ckpt_dir)
-    with hold_interrupts():
+    with hold_interrupts(), _checkpoint_errors():
         for role, wg in groups.items():
             wg.save_checkpoint(str(ckpt_dir / role), step, extra)
-        _write_atomic(ckpt_dir / LATEST, f"{step}\n")
+        write_atomic(ckpt_dir / LATEST, f"{step}\n".encode())
         if keep is not None:
             for role in groups:
                 for old in step_dirs(ckpt_dir / role)[:-keep]:
                     if old != step:
                         shutil.rmtree(ckpt_dir / role / f"step_{old}", ignore_errors=True)
     return str(ckpt_dir / "actor" / f"step_{step}")
+
+
+def _paths(root: Path, step: int, roles: list[str]) -> dict[str, str]:
+    out = {}
+    for role in roles:
+        d = root / role / f"step_{step}"
+        if not d.is_dir():
+            raise FileNotFoundError(f"resuming step {step}: the {role} checkpoint {d} does not exist")
+        out[role] = str(d)
+    return out
 
 
 def resolve_resume(resume_mode: str, ckpt_dir: str | os.PathLike, roles: list[str]) -> dict[str, str] | None:
@@ -115,21 +149,52 @@ def resolve_resume(resume_mode: str, ckpt_dir: str | os.PathLike, roles: list[st
                 f"trainer.resume_mode={resume_mode!r}: neither a checkpoints directory with {LATEST} nor a "
                 "step_N checkpoint directory"
             )
-    out = {}
-    for role in roles:
-        d = root / role / f"step_{step}"
-        if not d.is_dir():
-            raise FileNotFoundError(f"resuming step {step}: the {role} checkpoint {d} does not exist")
-        out[role] = str(d)
-    return out
+    return _paths(root, step, roles)
 
 
-def load(paths: dict[str, str], groups: dict) -> dict:
-    """Load each role's checkpoint; returns the actor's ``extra`` (the trainer state)."""
+def intact_before(paths: dict[str, str]) -> dict[str, str] | None:
+    """The newest checkpoint older than ``paths`` (one step_N per role) whose every role verifies, or None.
+    Reads and hashes those checkpoints here, on the driver."""
+    root, step = Path(paths["actor"]).parent.parent, int(_STEP_DIR.match(Path(paths["actor"]).name).group(1))
+    for older in reversed([s for s in step_dirs(root / "actor") if s < step]):
+        try:
+            candidate = _paths(root, older, list(paths))
+            for path in candidate.values():
+                verify_checkpoint(path)
+        except (FileNotFoundError, CheckpointError):
+            continue
+        return candidate
+    return None
+
+
+def _load(paths: dict[str, str], groups: dict) -> dict:
     extra = {}
-    for role, path in paths.items():
-        got = groups[role].load_checkpoint(path)
-        got = got[0] if isinstance(got, list) else got
-        if role == "actor":
-            extra = got
+    with _checkpoint_errors():
+        for role, path in paths.items():
+            got = groups[role].load_checkpoint(path)
+            got = got[0] if isinstance(got, list) else got
+            if role == "actor":
+                extra = got
     return extra
+
+
+def load(paths: dict[str, str], groups: dict, *, fallback: bool | None = None) -> tuple[dict, dict[str, str]]:
+    """Load each role's checkpoint; returns the actor's ``extra`` (the trainer state) and the paths loaded.
+
+    A damaged checkpoint raises CheckpointError. With ``fallback`` not None (``resume_mode=auto``) the error
+    names the newest intact earlier checkpoint, which is loaded instead when ``fallback`` is true."""
+    try:
+        return _load(paths, groups), paths
+    except CheckpointError as err:
+        if fallback is None:
+            raise
+        intact = intact_before(paths)
+        if intact is None:
+            raise CheckpointError(f"{err}\nno earlier checkpoint beside it is intact") from None
+        if not fallback:
+            raise CheckpointError(
+                f"{err}\nthe newest intact earlier checkpoint is {intact['actor']}: set "
+                "trainer.resume_fallback=true to resume from it (or trainer.resume_mode=<that path>)"
+            ) from None
+        logger.warning("%s\nresuming from the newest intact earlier checkpoint %s", err, intact["actor"])
+        return _load(intact, groups), intact

@@ -187,7 +187,9 @@ def resume(run, roles: Roles, loader, kl_ctrl, cfg: RecipeConfig) -> TrainerStat
     paths = ckpt.resolve_resume(cfg.trainer.resume_mode, run.checkpoint_dir, list(roles.checkpointed()))
     if paths is None:
         return TrainerState()
-    extra = ckpt.load(paths, roles.checkpointed())
+    t = cfg.trainer
+    fallback = t.resume_fallback if t.resume_mode == "auto" else None
+    extra, paths = ckpt.load(paths, roles.checkpointed(), fallback=fallback)
     loader.load_state_dict(extra["data"])
     kl_ctrl.value = float(extra.get("kl_coef", kl_ctrl.value))
     return TrainerState(

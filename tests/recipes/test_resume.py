@@ -1,8 +1,11 @@
 """Resuming: a GRPO (and a PPO) run interrupted between steps and restarted with trainer.resume_mode=auto reaches the same
 metrics as an uninterrupted run (same data, same seeded samples, same updates); a Ctrl-C during a checkpoint
-save leaves no half-written checkpoint behind the ``latest_step`` marker."""
+save leaves no half-written checkpoint behind the ``latest_step`` marker; a damaged latest checkpoint is named
+(and passed over for an intact one only when asked); a full disk during a save is one error that leaves
+nothing behind, with the run's config untouched."""
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -11,8 +14,9 @@ import pytest
 from recipes import grpo, ppo
 from recipes.config import load_config
 from recipes.trainer import checkpoint as ckpt
-from recipes.trainer.run import start_run
+from recipes.trainer.run import start_run, write_run_config
 from recipes.trainer.tracking import Tracker
+from workers.engine.checkpoint import CheckpointError, verify_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -183,3 +187,88 @@ def test_old_checkpoints_pruned_beyond_max_to_keep(tmp_path):
     for role in groups:
         assert ckpt.step_dirs(tmp_path / role) == [4, 6]
     assert ckpt.latest_step(tmp_path) == 6
+
+
+def test_garbage_in_latest_step_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "latest_step").write_text("step_4\x00\n")
+    with pytest.raises(
+        CheckpointError, match=rf"{tmp_path}/latest_step should hold the number .* 'step_4\\x00'"
+    ):
+        ckpt.resolve_resume("auto", tmp_path, ["actor"])
+
+
+def test_run_config_on_a_full_disk_is_left_as_it_was(small_disk):
+    run_dir = small_disk("64k")
+    cfg = load_config("grpo", ["trainer.resume_mode=auto"])
+    write_run_config(cfg, run_dir)
+    before = (run_dir / "config.yaml").read_bytes()
+    (run_dir / "filler").write_bytes(bytes(shutil.disk_usage(run_dir).free))  # the disk is full
+    with pytest.raises(OSError, match=rf"cannot write the run's config .*No space left on device.*{run_dir}"):
+        write_run_config(cfg, run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "filler"]
+    assert (run_dir / "config.yaml").read_bytes() == before
+    (run_dir / "filler").unlink()
+    write_run_config(cfg, run_dir)  # with room again, the resumed run keeps the previous config
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.prev.yaml", "config.yaml"]
+
+
+def _damage(path: Path) -> None:
+    """Overwrite 4 KiB inside ``path`` without changing its size (bit rot, a bad copy)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(4096))
+    assert path.stat().st_size == size
+
+
+def test_damaged_latest_checkpoint_is_named_and_resumed_past_only_when_asked(ray_session, tmp_path, capsys):
+    """``resume_mode=auto`` on a checkpoint altered after it was saved: an error naming the file, the step and
+    the newest intact earlier checkpoint; with trainer.resume_fallback=true the run resumes from that one and
+    repeats the uninterrupted run's steps."""
+    run_dir = tmp_path / "run"
+    short = ["trainer.total_training_steps=2", "trainer.save_freq=1"]
+    cfg = _cfg("grpo", run_dir, "trainer.resume_mode=auto", *short)
+    full = {r["step"]: r for r in grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))["history"]}
+    shard = run_dir / "checkpoints" / "actor" / "step_2" / "model_optim" / "__0_0.distcp"
+    _damage(shard)
+
+    with pytest.raises(CheckpointError) as err:
+        grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    msg = str(err.value)
+    assert msg.startswith(
+        f"actor rank 0: checkpoint step_2 (step 2) is damaged: {shard} changed after it was saved"
+    )
+    intact = run_dir / "checkpoints" / "actor" / "step_1"
+    assert f"the newest intact earlier checkpoint is {intact}: set trainer.resume_fallback=true" in msg
+
+    capsys.readouterr()
+    cfg = _cfg("grpo", run_dir, "trainer.resume_mode=auto", "trainer.resume_fallback=true", *short)
+    result = grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    assert f"[grpo] resumed at step 1 from {intact}" in capsys.readouterr().out
+    resumed = {r["step"]: r for r in result["history"]}
+    for step in (1, 2):
+        for key in COMPARED + COMPARED_BY_RECIPE["grpo"]:
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
+    verify_checkpoint(shard.parent.parent)  # step 2 saved again, intact
+
+
+def test_full_disk_during_a_run_save_is_one_error_and_leaves_nothing_behind(
+    ray_session, small_disk, tmp_path
+):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    disk = small_disk("1m")  # the checkpoints on a disk too small for one (the nano model's needs ~2.4 MiB)
+    (run_dir / "checkpoints").rmdir()
+    (run_dir / "checkpoints").symlink_to(disk)
+    cfg = _cfg(
+        "grpo", run_dir, "trainer.resume_mode=auto", "trainer.total_training_steps=1", "trainer.save_freq=1"
+    )
+    with pytest.raises(CheckpointError) as err:
+        grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    msg = str(err.value)
+    assert (
+        f"actor rank 0: no space left on device for checkpoint {run_dir}/checkpoints/actor/step_1.tmp: it needs "
+        in msg
+    )
+    assert "\n" not in msg and "Traceback" not in msg
+    assert [p.name for p in disk.iterdir()] == ["actor"] and not any((disk / "actor").iterdir())
