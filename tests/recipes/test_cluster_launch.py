@@ -218,8 +218,8 @@ class LocalCluster:
         self._start_node([*worker, *_node_ports(self.worker_ports, 23000)], "worker.log")
 
 
-@pytest.fixture(scope="module")
-def local_cluster():
+@pytest.fixture
+def local_cluster():  # one test uses it: stopped before the Slurm tests start their own Ray
     tmp = tempfile.mkdtemp(prefix="hyfc", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
     cluster = LocalCluster(tmp)
     try:
@@ -416,3 +416,132 @@ def test_slurm_script_starts_head_and_worker_submits_and_tears_down(tmp_path):
             except ProcessLookupError:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Slurm batch script on a real Slurm: munged, slurmctld and two slurmd on this machine (tests/recipes/
+# slurm_testlib.py); sbatch, srun, scontrol and scancel are Slurm's own. Only the hosts are not real: both
+# nodes are this machine, so each node's Ray gets its own ports and the head listens on 127.0.0.1.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    from slurm_testlib import SlurmCluster, unavailable
+
+    if reason := unavailable():
+        if os.environ.get("CI") == "true":  # CI installs the packages (.ci/run): there it must run
+            pytest.fail(f"real-Slurm tests cannot run under CI: {reason}")
+        pytest.skip(reason)
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        left = cluster.stop()
+        assert not left, f"processes outlived their Slurm jobs: {left}"
+
+
+def _sbatch(
+    slurm, tmp_path: Path, name: str, sbatch_args: list[str], overrides: list[str]
+) -> tuple[str, str]:
+    """Submit hyflow.sbatch from the repository root as a user would (CPU nodes: no GPUs, 2 CPUs per task of
+    which Ray offers 1, so a 2-node recipe needs both nodes); returns (job id, Ray temp dir)."""
+    ray_tmp = tempfile.mkdtemp(prefix="hysr", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    gcs, dash, client, *ports = _free_ports(15)
+    env = _clean_env(
+        "",
+        SLURM_CONF=str(slurm.conf),
+        HYFLOW_CPUS_PER_NODE="1",
+        HYFLOW_HEAD_IP="127.0.0.1",  # both nodes are this machine
+        HYFLOW_DASHBOARD_HOST="127.0.0.1",
+        HYFLOW_RAY_PORT=str(gcs),
+        HYFLOW_DASHBOARD_PORT=str(dash),
+        HYFLOW_RAY_TMPDIR=ray_tmp,
+        HYFLOW_WAIT_TIMEOUT="90",
+        HYFLOW_RAY_HEAD_ARGS=" ".join([f"--ray-client-server-port={client}", *_node_ports(ports[:6], 26000)]),
+        HYFLOW_RAY_WORKER_ARGS=" ".join(["--node-ip-address=127.0.0.1", *_node_ports(ports[6:12], 27000)]),
+    )
+    del env["RAY_AUTH_TOKEN"], env["RAY_AUTH_MODE"]  # the script makes its own per-job token
+    res = slurm.run(
+        "sbatch", "--parsable", "--gpus-per-task=0", "--cpus-per-task=2", f"--output={tmp_path}/{name}-%j.out",
+        *sbatch_args, "recipes/slurm/hyflow.sbatch", "grpo", *overrides, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().split(";")[0], ray_tmp
+
+
+def _finish(slurm, job_id: str, ray_tmp: str, timeout: float) -> tuple[dict, str]:
+    """Wait for the job to end; returns (its scontrol record, its output file) after checking that no Ray
+    process of the job (by its temp dir) and no job-step process is left."""
+    try:
+        info = slurm.wait_job(job_id, timeout)
+        out = Path(info["StdOut"]).read_text(errors="replace")
+        deadline = time.monotonic() + 10  # slurmstepd reaps the step's processes after the job's state is set
+        while (left := _ours(ray_tmp) + slurm.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, (
+            f"left behind by job {job_id}: {_cmdlines(_ours(ray_tmp))} {slurm.leftovers()}\n{out}"
+        )
+        return info, out
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_sbatch_on_real_slurm_cancel_then_resume_on_two_nodes(slurm, tmp_path):
+    """A 2-node GRPO job cancelled with `scancel` after its first checkpoint: the job ends CANCELLED, the
+    script's teardown ran, no Ray or step process is left, and the checkpoint it wrote is intact -- a second
+    job resumes from it with trainer.resume_mode=auto, runs two more steps and ends COMPLETED."""
+    run_dir = tmp_path / "run"
+    job = [x for x in JOB if not x.startswith(("trainer.total_training_steps", "trainer.save_freq",
+                                               "trainer.resume_mode"))]  # fmt: skip
+    first, ray_tmp = _sbatch(
+        slurm, tmp_path, "cancel", ["--nodes=2"],
+        [*job, f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=100", "trainer.save_freq=1"],
+    )  # fmt: skip
+    latest = run_dir / "checkpoints" / "latest_step"
+    deadline = time.monotonic() + 150
+    while not (latest.exists() and "[grpo] step 1/100" in _slurm_out(tmp_path, "cancel")):  # logs stream in
+        state = slurm.job(first).get("JobState")
+        assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
+            f"job {first} is {state} without a checkpoint:\n{_slurm_out(tmp_path, 'cancel')}\n{slurm.logs()}"
+        )
+        time.sleep(0.5)
+    assert slurm.run("scancel", first).returncode == 0
+    info, out = _finish(slurm, first, ray_tmp, 60)
+    assert info["JobState"] == "CANCELLED", out
+    assert "stopping Ray on 2 node(s)" in out  # the teardown ran
+    saved = int(latest.read_text())
+    assert saved >= 1 and (run_dir / "checkpoints" / "actor" / f"step_{saved}").is_dir()
+
+    second, ray_tmp = _sbatch(
+        slurm, tmp_path, "resume", ["--nodes=2"],
+        [*job, f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={saved + 2}",
+         "trainer.save_freq=-1", "trainer.resume_mode=auto"],
+    )  # fmt: skip
+    info, out = _finish(slurm, second, ray_tmp, 240)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
+    assert "Ray worker on n2" in out and "stopping Ray on 2 node(s)" in out
+    assert f"[grpo] resumed at step {saved} from" in out
+    assert f"[grpo] step {saved + 2}/{saved + 2}" in out
+    assert f"Job 'hyflow-{second}-grpo' succeeded" in out
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [saved + 1, saved + 2]
+
+
+def test_sbatch_on_real_slurm_failing_recipe_ends_failed(slurm, tmp_path):
+    """One node; the recipe fails on the cluster (a misspelt config key): the job ends FAILED with exit code 1
+    and the recipe's error in its output, and Ray is torn down."""
+    job_id, ray_tmp = _sbatch(
+        slurm, tmp_path, "fail", ["--nodes=1"],
+        [*JOB[:-2], f"trainer.default_local_dir={tmp_path / 'run'}", "rollout.nn=3"],
+    )  # fmt: skip
+    info, out = _finish(slurm, job_id, ray_tmp, 180)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", out
+    assert f"Job 'hyflow-{job_id}-grpo' failed" in out
+    assert "unknown config key 'rollout.nn'" in out
+    assert "stopping Ray on 1 node(s)" in out
+
+
+def _slurm_out(tmp_path: Path, name: str) -> str:
+    return "\n".join(p.read_text(errors="replace")[-4000:] for p in tmp_path.glob(f"{name}-*.out"))
