@@ -1,11 +1,12 @@
 """Cluster launch for real on this machine: a Ray head (`ray start --head` on loopback) plus a second
 `ray start` node with its own resources, a recipe submitted with `ray job submit` (recipes/slurm/submit.sh), and
-the Slurm batch script (recipes/slurm/hyflow.sbatch) driven end to end.
+the Slurm batch script (recipes/slurm/hyflow.sbatch) submitted with `sbatch` to a real two-node Slurm cluster
+started on this machine (tests/recipes/slurm_testlib.py).
 
-Both clusters are separate from the test session's own Ray (tests/conftest.py): their own ports, temp dir,
-token and environment (no RAY_* variables of this process leak in); each `ray start --block` runs in its own
-session and is stopped with SIGTERM by id in a finalizer, after which no process of its temp dir may remain.
-The recipe runs with trainer.nnodes=2 on nodes of 1 CPU each, so its pool needs a placement group on both
+The Ray clusters are separate from the test session's own Ray (tests/conftest.py): their own ports, temp dir,
+token and environment (no RAY_* variables of this process leak in); each `ray start --block` is stopped with
+SIGTERM (by our finalizer, or by the Slurm job's teardown), after which no process of its temp dir may remain.
+The recipe runs with trainer.nnodes=2 on Ray nodes of 1 CPU each, so its pool needs a placement group on both
 nodes: a success means both Ray nodes ran workers.
 """
 
@@ -302,123 +303,6 @@ def test_submit_refuses_an_unknown_recipe():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The Slurm batch script, with stand-ins for Slurm's commands
-# ---------------------------------------------------------------------------------------------------------------
-
-FAKE_SRUN = """#!/usr/bin/env bash
-# Stand-in for Slurm's srun (no Slurm here): records the call, drops srun's own --options and runs the
-# command on this machine in place of the named node (exec, so signals reach it as they would via srun).
-echo "srun $*" >> "$FAKE_SLURM_LOG"
-while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done
-exec "$@"
-"""
-FAKE_SCONTROL = """#!/usr/bin/env bash
-# Stand-in for `scontrol show hostnames LIST`: prints the space/comma separated names of FAKE_NODES.
-[ "$1 $2" = "show hostnames" ] || { echo "fake scontrol: only 'show hostnames'" >&2; exit 2; }
-for n in ${FAKE_NODES//,/ }; do echo "$n"; done
-"""
-
-
-def _fake_slurm_bin(tmp_path: Path) -> Path:
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (fake_bin / name).write_text(text)
-        (fake_bin / name).chmod(0o755)
-    return fake_bin
-
-
-def test_slurm_script_refuses_a_bad_allocation_before_starting_anything(tmp_path):
-    """Same stand-ins as below; no Ray is started: the script stops at its checks."""
-    fake_bin = _fake_slurm_bin(tmp_path)
-    base = _clean_env("0" * 64, PATH=f"{fake_bin}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    base |= {"FAKE_SLURM_LOG": str(tmp_path / "srun.log"), "SLURM_SUBMIT_DIR": str(REPO)}
-    script = ["bash", str(REPO / "recipes/slurm/hyflow.sbatch"), "grpo"]
-    outside = _run(script, base, 30, cwd=tmp_path)
-    assert outside.returncode != 0 and "not inside a Slurm allocation" in outside.stderr
-    short = _run(script, base | {"SLURM_JOB_NUM_NODES": "1", "HYFLOW_NNODES": "3", "FAKE_NODES": "node1",
-                                 "SLURM_JOB_NODELIST": "node1"}, 30, cwd=tmp_path)  # fmt: skip
-    assert short.returncode == 2 and "HYFLOW_NNODES=3 but the allocation has 1 node(s): node1" in short.stderr
-    elsewhere = _run(
-        script, base | {"SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_NUM_NODES": "1"}, 30, cwd=tmp_path
-    )
-    assert elsewhere.returncode == 2 and "is not the hyflow repository" in elsewhere.stderr
-    assert not (tmp_path / "srun.log").exists()  # no step was started
-
-
-def test_slurm_script_starts_head_and_worker_submits_and_tears_down(tmp_path):
-    """hyflow.sbatch run as Slurm would run it on the first node of a 2-node allocation, with stand-ins for
-    what Slurm provides: `srun` (runs the step's command here instead of on the named node), `scontrol show
-    hostnames` (the node list) and the SLURM_* variables. Everything else is real: two `ray start` nodes on
-    loopback, `ray job submit` in shared-code mode, the teardown when the script exits. The job is the GRPO
-    recipe with a misspelt key: it fails on the cluster after the code was found, and the script must exit 1
-    with the job's error in its log and still tear both nodes down (the failure path; a successful training
-    run through `ray job submit` is test_ray_job_submit_runs_a_recipe_on_two_nodes)."""
-    tmp = tempfile.mkdtemp(prefix="hyfs", dir="/tmp")
-    fake_bin = _fake_slurm_bin(tmp_path)
-    gcs, dash, client, *ports = _free_ports(15)
-    run_dir = tmp_path / "run"
-    env = _clean_env(
-        secrets.token_hex(32),
-        PATH=f"{fake_bin}{os.pathsep}{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        FAKE_SLURM_LOG=str(tmp_path / "srun.log"),
-        FAKE_NODES="node1,node2",
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NUM_NODES="2",
-        SLURM_JOB_NODELIST="node[1-2]",
-        SLURM_SUBMIT_DIR=str(REPO),
-        SLURM_CPUS_PER_TASK="1",
-        HYFLOW_HEAD_IP="127.0.0.1",  # both "nodes" are this machine
-        HYFLOW_DASHBOARD_HOST="127.0.0.1",
-        HYFLOW_RAY_PORT=str(gcs),
-        HYFLOW_DASHBOARD_PORT=str(dash),
-        HYFLOW_RAY_TMPDIR=tmp,
-        HYFLOW_WAIT_TIMEOUT="60",
-        HYFLOW_RAY_HEAD_ARGS=" ".join([f"--ray-client-server-port={client}", *_node_ports(ports[:6], 24000)]),
-        HYFLOW_RAY_WORKER_ARGS=" ".join(["--node-ip-address=127.0.0.1", *_node_ports(ports[6:12], 25000)]),
-    )
-    env.pop("RAY_AUTH_TOKEN")  # the script makes its own per-job token
-    try:
-        res = _run(
-            [
-                "bash",
-                str(REPO / "recipes/slurm/hyflow.sbatch"),
-                "grpo",
-                *JOB,
-                f"trainer.default_local_dir={run_dir}",
-                "rollout.nn=3",
-            ],
-            env,
-            300,
-            cwd=tmp_path,
-        )
-        out = res.stdout + res.stderr
-        left_at_exit = _ours(tmp)
-        assert res.returncode == 1, out[
-            -6000:
-        ]  # `ray job submit` exits 1 for a failed job; the script passes it on
-        assert "Job 'hyflow-4242-grpo' failed" in out
-        assert "unknown config key 'rollout.nn'" in out  # the job's own error, streamed
-        assert "stopping Ray on 2 node(s)" in out
-        calls = (tmp_path / "srun.log").read_text().splitlines()
-        head = [c for c in calls if "ray start --head" in c]
-        worker = [c for c in calls if f"ray start --address=127.0.0.1:{gcs}" in c]
-        assert len(head) == 1 and "--nodelist=node1" in head[0] and "--num-cpus=1" in head[0]
-        assert len(worker) == 1 and "--nodelist=node2" in worker[0]
-        assert any("--nodelist=node1" in c and "submit.sh grpo" in c for c in calls)
-        assert all("--overlap" in c for c in calls)
-        # teardown: the script waited for both nodes' Ray to stop before it exited
-        assert not left_at_exit, f"Ray processes outlived hyflow.sbatch: {_cmdlines(left_at_exit)}"
-    finally:
-        for pid in _ours(tmp):  # only if the script's teardown failed
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The Slurm batch script on a real Slurm: munged, slurmctld and two slurmd on this machine (tests/recipes/
 # slurm_testlib.py); sbatch, srun, scontrol and scancel are Slurm's own. Only the hosts are not real: both
 # nodes are this machine, so each node's Ray gets its own ports and the head listens on 127.0.0.1.
@@ -545,3 +429,27 @@ def test_sbatch_on_real_slurm_failing_recipe_ends_failed(slurm, tmp_path):
 
 def _slurm_out(tmp_path: Path, name: str) -> str:
     return "\n".join(p.read_text(errors="replace")[-4000:] for p in tmp_path.glob(f"{name}-*.out"))
+
+
+def test_sbatch_refuses_a_bad_allocation_before_starting_anything(slurm, tmp_path):
+    """The script's own checks, in real jobs: more Ray nodes asked than allocated, or submitted from outside
+    the repository: the job ends FAILED (exit 2) with the reason, before any Ray step. Outside Slurm at all
+    (plain bash, no SLURM_* variables) it stops at once."""
+    env = _clean_env("0" * 64, SLURM_CONF=str(slurm.conf))
+    script = str(REPO / "recipes/slurm/hyflow.sbatch")
+    outside = _run(["bash", script, "grpo"], env, 30)  # from the repository root
+    assert outside.returncode != 0 and "not inside a Slurm allocation" in outside.stderr
+    sbatch = ["sbatch", "--parsable", "--gpus-per-task=0", "--cpus-per-task=1", "--nodes=1"]
+    short = slurm.run(*sbatch, f"--output={tmp_path}/short-%j.out", script, "grpo", env=env | {"HYFLOW_NNODES": "3"},
+                      cwd=REPO)  # fmt: skip
+    elsewhere = slurm.run(
+        *sbatch, f"--output={tmp_path}/elsewhere-%j.out", script, "grpo", env=env, cwd=tmp_path
+    )
+    for job, reason in (
+        (short, "HYFLOW_NNODES=3 but the allocation has 1 node(s): n1"),
+        (elsewhere, f"{tmp_path} is not the hyflow repository"),
+    ):
+        info = slurm.wait_job(job.stdout.strip(), 60)
+        out = Path(info["StdOut"]).read_text()
+        assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0") and reason in out, out
+        assert "Ray head" not in out
