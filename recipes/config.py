@@ -506,13 +506,6 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
     if uses_critic(cfg):
         critic_dp = _megatron_dp(errors, "critic", cfg.critic, critic_dp)
         _check_megatron_colocation(errors, cfg)
-    megatron_roles = [sec for sec in ("actor", "critic") if getattr(cfg, sec).strategy == "megatron"]
-    megatron_roles = [sec for sec in megatron_roles if sec == "actor" or uses_critic(cfg)]
-    if megatron_roles and t.save_freq > 0:
-        errors.append(
-            f"trainer.save_freq={t.save_freq} saves checkpoints, but {', '.join(megatron_roles)}.strategy=megatron "
-            "has no checkpoint save/resume yet (its HF export works); set trainer.save_freq=-1"
-        )
 
     # batch sizes
     n = r.n

@@ -1,6 +1,6 @@
 """Recipes with ``actor.strategy=megatron`` and TP/PP inside the role workers: the config checks that count
 data-parallel replicas as ``world / (tp * pp)``, and one GRPO step end to end on the nano model with a TP=2
-hybrid actor (2 CPU ranks over gloo, colocated with an FSDP reference)."""
+hybrid actor (2 CPU ranks over gloo, colocated with an FSDP reference), checkpointed."""
 
 import importlib.util
 import math
@@ -9,7 +9,9 @@ import pytest
 
 from recipes import grpo
 from recipes.config import ConfigError, load_config
+from recipes.trainer.checkpoint import latest_step
 from recipes.trainer.run import start_run
+from workers.engine.checkpoint import verify_checkpoint
 
 TINY = [
     "model.tiny_size=nano",
@@ -25,7 +27,7 @@ TINY = [
     "trainer.total_training_steps=1",
     "trainer.test_freq=-1",
     "trainer.val_before_train=false",
-    "trainer.save_freq=-1",  # MegatronEngine has no torch.distributed.checkpoint save yet
+    "trainer.save_freq=-1",
     "trainer.resume_mode=disable",
     "trainer.progress_bar=false",
     "trainer.plot=false",
@@ -51,10 +53,6 @@ def test_megatron_sizes_set_the_data_parallel_size():
         r"2 \* 1 = 2 must divide the 3 device\(s\)",
     ):
         load_config("grpo", [*TINY, "trainer.n_gpus_per_node=3", "data.train_batch_size=3", *TP2])
-    with pytest.raises(
-        ConfigError, match=r"trainer.save_freq=10 saves checkpoints, but actor.strategy=megatron"
-    ):
-        load_config("grpo", [*four, *TP2, "trainer.save_freq=10"])
     with pytest.raises(ConfigError, match="actor.strategy must be fsdp or megatron, got 'deepspeed'"):
         load_config("grpo", [*TINY, "actor.strategy=deepspeed"])
 
@@ -103,9 +101,14 @@ def test_grpo_step_with_tensor_parallel_actor(ray_session, tmp_path):
         "actor.use_dynamic_bsz=false",
         "actor.ppo_micro_batch_size_per_gpu=2",
         f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.save_freq=1",  # the Megatron actor's DCP checkpoint, one shard per TP rank
     ]
     cfg = load_config("grpo", overrides)
     result = grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    assert latest_step(ckpt_dir) == 1
+    manifest = verify_checkpoint(ckpt_dir / "actor" / "step_1")
+    assert {"model_optim/__0_0.distcp", "model_optim/__1_0.distcp"} <= set(manifest["files"])
     (row,) = result["history"]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "perf/weight_sync_bytes"):
         assert key in row and math.isfinite(row[key]), key

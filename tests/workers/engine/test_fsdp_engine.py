@@ -8,7 +8,6 @@ import math
 import random
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import engine_testlib as T
@@ -379,18 +378,6 @@ def test_altered_checkpoint_file_fails_to_load_naming_file_and_step(model_dir, t
         assert torch.equal(v, before[k]), k
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 4 MiB tmpfs: a disk that fills up. Needs root (mount); skipped where it cannot be mounted."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def _fill(disk: Path, leave: int) -> None:
     """Leave ``leave`` bytes free on ``disk`` (whole pages)."""
     free = shutil.disk_usage(disk).free
@@ -399,16 +386,17 @@ def _fill(disk: Path, leave: int) -> None:
 
 
 def test_full_disk_save_names_path_and_bytes_and_keeps_previous_checkpoint(model_dir, small_disk):
+    disk = small_disk("4m")
     eng = _engine(model_dir)
     eng.train_step(T.make_batch(4, seed=30), T.pg_loss)
-    root = small_disk / "ck"
+    root = disk / "ck"
     step1 = Path(eng.save_checkpoint(str(root)))
     manifest = (step1 / "manifest.json").read_text()
     eng.train_step(T.make_batch(4, seed=31), T.pg_loss)
     needed = sum(t.numel() * t.element_size() for t in _tensors(eng.state_dict()))
 
     # too little space for the tensors alone: refused before anything is written
-    _fill(small_disk, leave=needed // 2)
+    _fill(disk, leave=needed // 2)
     with pytest.raises(CheckpointError) as err:
         eng.save_checkpoint(str(root))
     msg = str(err.value)
@@ -416,8 +404,8 @@ def test_full_disk_save_names_path_and_bytes_and_keeps_previous_checkpoint(model
     assert sorted(p.name for p in root.iterdir()) == ["step_1"]
 
     # room for the tensors but not for the whole checkpoint: the real ENOSPC mid-save, reported the same way
-    (small_disk / "filler0").unlink()
-    _fill(small_disk, leave=needed + 4096)
+    (disk / "filler0").unlink()
+    _fill(disk, leave=needed + 4096)
     with pytest.raises(CheckpointError) as err:
         eng.save_checkpoint(str(root))
     assert f"no space left on device for checkpoint {root}/step_2.tmp: it needs about {needed} bytes" in str(

@@ -1,7 +1,8 @@
 """Megatron-core engine (workers/engine/megatron): HF <-> Megatron conversion round trips, HF vs Megatron
 logits and log-probs, Megatron vs FSDP engine training parity in one process, and TP=2 / PP=2 (1F1B) / DP=2
 over 2 gloo processes matching one process: losses, grad norms, log-probs and updated weights; the same for
-critics (values, value-loss steps) against the FSDP critic.
+critics (values, value-loss steps) against the FSDP critic; checkpoint save/resume at TP=2 and PP=2 repeating
+the uninterrupted steps exactly.
 
 CPU only here: megatron-core runs with the stand-ins of workers/engine/megatron/cpu_compat.py."""
 
@@ -224,6 +225,44 @@ def _pair(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     torch.save(res, Path(out_dir) / f"pair{rank}.pt")
 
 
+def _resume(rank: int, world: int, model_dir: str, out_dir: str) -> None:
+    """World 2 at TP=2, then PP=2: two steps, a checkpoint, two more steps; a fresh engine loads the
+    checkpoint and repeats the last two. Then the TP=2 checkpoint offered to the PP=2 engine."""
+    from workers.engine import CheckpointError
+    from workers.engine.megatron.engine import MegatronConfig, MegatronEngine
+
+    res: dict = {}
+    batches = [T.make_batch(8, seed=300 + s) for s in range(4)]
+    for label, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
+        run = lambda eng, b: eng.train_step(b, T.pg_loss, micro_batch_size=MICRO, shuffle=True)  # noqa: E731
+        eng = MegatronEngine(T.engine_config(model_dir), MegatronConfig(tp, pp))
+        for b in batches[:2]:
+            run(eng, b)
+        path = eng.save_checkpoint(str(Path(out_dir) / label), extra={"data_pos": 2})
+        entry = {"full": [run(eng, b) for b in batches[2:]], "full_params": dict(eng.full_state_dict_iter())}
+        eng.destroy()
+        eng = MegatronEngine(T.engine_config(model_dir), MegatronConfig(tp, pp))
+        entry["extra"], entry["step"] = eng.load_checkpoint(path), eng.global_step
+        entry["resumed"] = [run(eng, b) for b in batches[2:]]
+        entry["resumed_params"] = dict(eng.full_state_dict_iter())
+        entry["files"] = sorted(p.name for p in (Path(path) / "model_optim").iterdir())
+        if label == "pp2":
+            try:
+                eng.load_checkpoint(str(Path(out_dir) / "tp2" / "step_2"))
+            except CheckpointError as e:
+                entry["layout_error"] = str(e)
+        eng.destroy()
+        res[label] = entry
+    torch.save(res, Path(out_dir) / f"resume{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def resumed(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_resume")
+    run_in_processes(_resume, 2, model_dir, str(out))
+    return [torch.load(out / f"resume{r}.pt", weights_only=False) for r in range(2)]
+
+
 @pytest.fixture(scope="module")
 def single(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron_single")
@@ -331,6 +370,25 @@ def test_megatron_critic_matches_the_fsdp_critic(single):
 def test_two_rank_critics_match_one_process(pair, single, label):
     for rank, res in enumerate(pair):
         _assert_critic_close(res[label]["critic"], single["critic"], (label, rank))
+
+
+@pytest.mark.parametrize("label", ["tp2", "pp2"])
+def test_resumed_checkpoint_repeats_the_uninterrupted_steps(resumed, label):
+    for rank, res in enumerate(resumed):
+        entry = res[label]
+        assert entry["extra"] == {"data_pos": 2} and entry["step"] == 2, (label, rank)
+        for got, ref in zip(entry["resumed"], entry["full"], strict=True):
+            assert got["losses"] == ref["losses"] and got["grad_norms"] == ref["grad_norms"], (label, rank)
+            assert got["lr"] == ref["lr"] and got["global_step"] == ref["global_step"], (label, rank)
+        for name, ref in entry["full_params"].items():
+            assert torch.equal(entry["resumed_params"][name], ref), (label, rank, name)
+        assert entry["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its shard
+    assert resumed[0]["tp2"]["full"][-1]["loss"] != resumed[0]["tp2"]["full"][0]["loss"]  # the steps differ
+    for rank in range(2):
+        assert (
+            "tensor_model_parallel_size=2 in the checkpoint, 1 here, pipeline_model_parallel_size=1 in the "
+            "checkpoint, 2 here" in resumed[rank]["pp2"]["layout_error"]
+        )
 
 
 def test_pipeline_stages_hold_their_own_layers(pair):

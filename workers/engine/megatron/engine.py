@@ -25,8 +25,12 @@ variable-length kernel.
 Critics (``value_head=True``): the HF ``*ForTokenClassification`` score head replaces the vocabulary
 projection on the last stage (replicated over TP); ``compute_values`` and value ``train_step`` as in FSDP.
 
-Not implemented here: ``torch.distributed.checkpoint`` save/load (export to HF works), sequence
-parallelism, virtual pipeline stages, context/expert parallelism.
+Checkpoints: ``torch.distributed.checkpoint`` through workers/engine/checkpoint.py (atomic ``step_N``
+directory, content hashes). Each (TP, PP) shard's model and optimizer state is keyed by its ranks
+(``tp<t>_pp<p>.model...``), so DP replicas share keys and DCP writes one copy; a checkpoint resumes on the
+same TP/PP sizes (checked at load) and any DP size.
+
+Not implemented here: sequence parallelism, virtual pipeline stages, context/expert parallelism.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from workers.engine import distributed as du
+from workers.engine.checkpoint import load_checkpoint, load_module_state, module_state, save_checkpoint
 from workers.engine.fsdp_engine import (
     EngineConfig,
     LossContext,
@@ -682,12 +687,29 @@ class MegatronEngine:
             tokenizer.save_pretrained(out_dir)
         return out_dir
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError(
-            "strategy=megatron: checkpoint save/resume is not implemented (export_hf works)"
-        )
+    # -- checkpoints (workers/engine/checkpoint.py) ---------------------------------------------------------
 
-    load_checkpoint = save_checkpoint
+    def checkpoint_group(self):
+        return dist.group.WORLD  # all TP x PP x DP ranks of this engine
+
+    def checkpoint_layout(self) -> dict:
+        return {
+            "value_head": self.is_value_model,
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+        }
+
+    def state_dict(self) -> dict:
+        return {f"tp{self.tp_rank}_pp{self.pp_rank}": module_state(self.model, self.optimizer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_module_state(self.model, self.optimizer, state[f"tp{self.tp_rank}_pp{self.pp_rank}"])
+
+    def save_checkpoint(self, root_dir: str, extra: dict | None = None, step: int | None = None) -> str:
+        return save_checkpoint(self, root_dir, step=step, extra=extra)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return load_checkpoint(self, path)
 
     def destroy(self) -> None:
         """Tear down the resharding groups and Megatron's parallel state (another engine may follow)."""
