@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from recipes import grpo, ppo
 from recipes.config import load_config
@@ -213,11 +214,15 @@ def test_run_config_on_a_full_disk_is_left_as_it_was(small_disk):
 
 
 def _damage(path: Path) -> None:
-    """Overwrite 4 KiB inside ``path`` without changing its size (bit rot, a bad copy)."""
+    """Overwrite 4 KiB inside the largest tensor of DCP shard ``path`` without changing its size (bit rot, a
+    bad copy): without content hashes this loads silently and trains on NaN."""
     size = path.stat().st_size
+    item = max(
+        FileSystemReader(str(path.parent)).read_metadata().storage_data.values(), key=lambda i: i.length
+    )
     with open(path, "r+b") as f:
-        f.seek(size // 2)
-        f.write(bytes(4096))
+        f.seek(item.offset + item.length // 2 - 2048)
+        f.write(b"\xff" * 4096)
     assert path.stat().st_size == size
 
 

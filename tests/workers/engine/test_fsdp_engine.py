@@ -14,6 +14,7 @@ import engine_testlib as T
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from workers.engine import (
@@ -355,16 +356,15 @@ def test_altered_checkpoint_file_fails_to_load_naming_file_and_step(model_dir, t
     eng = _engine(model_dir)
     eng.train_step(T.make_batch(4, seed=30), T.pg_loss)
     path = Path(eng.save_checkpoint(str(tmp_path / "ck")))
-    files = json.loads((path / "manifest.json").read_text())["files"]
-    assert set(files) == {
-        "engine_state.pt", "rng_rank0.pt", "model_optim/.metadata", "model_optim/__0_0.distcp"
-    }  # fmt: skip
-    assert all(len(entry["xxh3_128"]) == 32 for entry in files.values())
     shard = path / "model_optim" / "__0_0.distcp"
     size = shard.stat().st_size
+    # inside the largest tensor's bytes: without the hash this loads silently and trains on NaN (issue 14)
+    item = max(
+        FileSystemReader(str(shard.parent)).read_metadata().storage_data.values(), key=lambda i: i.length
+    )
     with open(shard, "r+b") as f:
-        f.seek(size // 2)
-        f.write(bytes(4096))
+        f.seek(item.offset + item.length // 2 - 2048)
+        f.write(b"\xff" * 4096)
     assert shard.stat().st_size == size
     fresh = _engine(model_dir)
     before = T.params(fresh)
@@ -376,6 +376,11 @@ def test_altered_checkpoint_file_fails_to_load_naming_file_and_step(model_dir, t
     assert fresh.global_step == 0
     for k, v in T.params(fresh).items():
         assert torch.equal(v, before[k]), k
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert set(files) == {
+        "engine_state.pt", "rng_rank0.pt", "model_optim/.metadata", "model_optim/__0_0.distcp"
+    }  # fmt: skip
+    assert all(len(entry["xxh3_128"]) == 32 for entry in files.values())
 
 
 def _fill(disk: Path, leave: int) -> None:
