@@ -275,7 +275,7 @@ class EngineRoleWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
-        """Restore from a checkpoint directory (or a root holding a ``latest`` marker); returns its ``extra``."""
+        """Restore from a checkpoint directory ``.../step_N`` (verified first); returns its ``extra``."""
         engine = self._require_engine("load_checkpoint")
         return engine.load_checkpoint(str(path))
 
