@@ -287,7 +287,8 @@ def test_misuse_raises_and_cancellation_restarts(sandbox):
 def test_isolation_report(sandbox):
     report = sandbox.isolation_report()
     assert report["mode"] == sandbox.mode in ("bwrap", "rlimits")
-    for key in ("namespaces", "network", "filesystem", "uid_separation", "limits", "process", "python_level"):
+    keys = ("namespaces", "network", "filesystem", "uid_separation", "limits", "process", "python_level")
+    for key in keys + ("environment", "seccomp"):
         assert key in report
     assert set(report["limits"]) >= {"timeout", "memory", "cpu", "processes", "file_size"}
     if report["mode"] == "bwrap":
