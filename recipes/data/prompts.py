@@ -16,7 +16,7 @@ from recipes.data.reading import read_rows, render_prompt, tokenize_texts
 logger = logging.getLogger("recipes.data")
 
 _UID_NAMESPACE = uuid.UUID("6f1c1f0e-2a59-4d55-9a8e-6b7c3c0a9d11")
-NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "uid")
+NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "data_row", "uid")
 
 
 def object_array(values: list) -> np.ndarray:
@@ -99,6 +99,7 @@ class PromptDataset:
             "data_source": r["data_source"],
             "reward_model": r.get("reward_model"),
             "extra_info": r.get("extra_info"),
+            "data_row": f"row {r['_row']} of {r['_file']}",  # where later errors point (file rows, not batch rows)
         }
 
 
@@ -136,7 +137,8 @@ def collate_prompts(
 
     Tensors: ``input_ids``, ``attention_mask`` (int64, [B, P]) and ``position_ids =
     clamp(cumsum(attention_mask) - 1, min=0)``; P is the longest prompt, or ``pad_to``. Non-tensors
-    (numpy object arrays): ``data_source``, ``reward_model``, ``extra_info``, ``raw_prompt``, ``uid``.
+    (numpy object arrays): ``data_source``, ``reward_model``, ``extra_info``, ``raw_prompt``, ``uid`` and, for
+    items that carry it, ``data_row`` ("row 11 of train.parquet": the item's file and row there).
     """
     width = max(len(it["input_ids"]) for it in items)
     if pad_to is not None:
@@ -160,6 +162,8 @@ def collate_prompts(
         "raw_prompt": object_array([it["raw_prompt"] for it in items]),
         "uid": object_array(list(uids)),
     }
+    if all("data_row" in it for it in items):
+        non_tensors["data_row"] = object_array([it["data_row"] for it in items])
     return {
         "tensors": {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
         "non_tensors": non_tensors,

@@ -124,15 +124,20 @@ TINY = [
 def _grpo(tmp_path, *overrides, reward: str | None = None):
     """Run recipes.grpo's train on the test Ray session; ``reward``: the source of a custom reward function."""
     from recipes import grpo
-    from recipes.config import load_config
     from recipes.trainer.run import start_run
+
+    cfg = _cfg(tmp_path, *overrides, reward=reward)
+    return grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+
+
+def _cfg(tmp_path, *overrides, reward: str | None = None):
+    from recipes.config import load_config
 
     extra = []
     if reward is not None:
         (tmp_path / "reward.py").write_text(reward)
         extra = [f"custom_reward_function.path={tmp_path / 'reward.py'}"]
-    cfg = load_config("grpo", [*TINY, *extra, *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"])
-    return grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    return load_config("grpo", [*TINY, *extra, *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"])
 
 
 def test_nnodes_beyond_the_alive_nodes_fails_before_any_actor(ray_session, tmp_path):
@@ -220,20 +225,27 @@ def test_reward_errors_warned_each_step_and_a_run_where_every_sample_fails_abort
 ):
     import json
 
-    from recipes.trainer.run import RunAborted
+    from recipes.trainer.data import prompt_batches, train_loader
+    from recipes.trainer.run import RunAborted, start_run
 
     with pytest.raises(RunAborted) as err:
         _grpo(tmp_path, reward=FLAKY_REWARD)
+    # errors name the prompt's row in its parquet file: the first sample of each step is its first prompt's
+    cfg = _cfg(tmp_path, reward=FLAKY_REWARD)
+    batches = prompt_batches(train_loader(cfg, start_run(cfg, "grpo", start_ray=False)))
+    first_rows = [next(batches).non_tensor_batch["data_row"][0] for _ in range(2)]
+    train_file = tmp_path / "run" / "data" / "train.parquet"
+    assert all(r.startswith("row ") and r.endswith(f" of {train_file}") for r in first_rows)
     assert str(err.value) == (
-        "step 2: 8 of 8 samples failed to score (reward 0); first: row 0 (hyflow/arithmetic): ValueError: scorer "
-        "broke on call 9 -- aborting (reward.max_error_frac=1)"
+        f"step 2: 8 of 8 samples failed to score (reward 0); first: {first_rows[1]} (hyflow/arithmetic): "
+        "ValueError: scorer broke on call 9 -- aborting (reward.max_error_frac=1)"
     )
     out = capsys.readouterr().out
     # step 1: the raising rows and the NaN rows are errors (reward 0), seen on the console with the first one
     assert (
-        "WARNING step 1: 4 of 8 samples failed to score (reward 0); first: row 0 (hyflow/arithmetic): ValueError: bad row"
-        in out
-    )
+        f"WARNING step 1: 4 of 8 samples failed to score (reward 0); first: {first_rows[0]} (hyflow/arithmetic): "
+        "ValueError: bad row"
+    ) in out
     step1 = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert step1["step"] == 1 and step1["reward/errors"] == 4 and step1["critic/score/mean"] == 0.5
 

@@ -94,11 +94,13 @@ class RewardWorker(Worker):
                 [responses[i, : int(lengths[i])].tolist() for i in range(len(data))], skip_special_tokens=True
             )
 
+        # errors name the prompt's file row when the data loader recorded it, else the batch row
+        where = data.non_tensor_batch.get("data_row", [f"row {i}" for i in range(len(data))])
         scores = torch.zeros(len(data), dtype=torch.float32)
         row_errors = [""] * len(data)
         for i, (text, source, rm) in enumerate(zip(texts, sources, reward_models)):
             if not isinstance(rm, dict) or "ground_truth" not in rm:
-                row_errors[i] = f"row {i} ({source}): reward_model has no 'ground_truth' (got {rm!r})"
+                row_errors[i] = f"{where[i]} ({source}): reward_model has no 'ground_truth' (got {rm!r})"
                 continue
             extra = extra_infos[i] if extra_infos is not None else None
             try:
@@ -106,10 +108,10 @@ class RewardWorker(Worker):
                     [text], [source], [rm["ground_truth"]], [extra], self.reward_config.default_scorer
                 )
             except KeyError as err:  # no scorer for this data source: a configuration error
-                raise KeyError(f"{self.tag}: compute_rm_score row {i}: {err.args[0]}") from None
+                raise KeyError(f"{self.tag}: compute_rm_score {where[i]}: {err.args[0]}") from None
             scores[i] = result.scores[0]
             if result.errors:
-                row_errors[i] = f"row {i} " + result.error_messages[0].removeprefix("row 0 ")
+                row_errors[i] = f"{where[i]} " + result.error_messages[0].removeprefix("row 0 ")
 
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (lengths - 1).clamp(min=0)
