@@ -308,3 +308,20 @@ def test_consecutive_skipped_updates_abort_naming_step_and_metric(ray_session, t
     )
     assert "'actor/grad_norm'" in msg
     assert "WARNING step 1: actor update skipped" in capsys.readouterr().out
+
+
+def test_a_command_line_run_that_aborts_exits_1_with_the_message(capsys):
+    from recipes.config import ConfigError
+    from recipes.trainer.run import RunAborted, cli
+
+    for err, prefix in (
+        (RunAborted("step 2: 8 of 8 samples failed"), "run aborted"),
+        (ConfigError("x"), "config error"),
+    ):
+
+        def main(err=err):
+            raise err
+
+        with pytest.raises(SystemExit) as exc:
+            cli(main)
+        assert exc.value.code == f"{prefix}: {err}"  # sys.exit(message): status 1, the message on stderr
