@@ -572,7 +572,7 @@ class _Zygote:
     def _probe_seccomp(self) -> str:
         """Does the REPL's seccomp filter install here, and does it refuse a nested user namespace?"""
         try:
-            _seccomp.program()
+            _seccomp.prepare()
         except OSError as exc:
             return f"not available: {exc.strerror}"
         pid = os.fork()

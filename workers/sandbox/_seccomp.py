@@ -20,6 +20,7 @@ Standard library only: the sandbox's zygote imports this file beside ``_child.py
 import ctypes
 import ctypes.util
 import errno
+import functools
 import platform
 import socket
 
@@ -151,13 +152,20 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
+@functools.cache
+def prepare() -> tuple:
+    """The compiled filter and libc, built once (the zygote calls this, so that a forked REPL only
+    makes the prctl call: find_library runs ldconfig). Raises OSError on an unsupported machine."""
+    prog = program()
+    insns = (_SockFilter * len(prog))(*[_SockFilter(*i) for i in prog])
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return libc, _SockFprog(len(prog), insns), insns
+
+
 def install() -> None:
     """Install the filter on the calling thread (and what it forks); needs PR_SET_NO_NEW_PRIVS set
     first unless the caller holds CAP_SYS_ADMIN. Raises OSError when it cannot be installed."""
-    prog = program()
-    insns = (_SockFilter * len(prog))(*[_SockFilter(*i) for i in prog])
-    fprog = _SockFprog(len(prog), insns)
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc, fprog, _ = prepare()
     rc = libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog), 0, 0)
     if rc != 0:
         err = ctypes.get_errno()
