@@ -153,8 +153,15 @@ def _file_hash(path: Path) -> str:
 def _hash_share(group, directory: Path, names: list[str]) -> dict[str, str]:
     """Content hashes of ``names`` under ``directory``, each rank of ``group`` hashing every k-th file."""
     rank, world = _rank(group), (dist.get_world_size(group) if group is not None else 1)
-    mine = {n: _file_hash(directory / n) for n in names[rank::world]}
-    return {k: v for part in _all_gather(group, mine) for k, v in part.items()}
+    try:
+        mine, err = {n: _file_hash(directory / n) for n in names[rank::world]}, None
+    except OSError as e:  # e.g. a file that vanished: every rank raises it, none waits for this one
+        mine, err = {}, CheckpointError(f"cannot read checkpoint file {e.filename}: {e.strerror}")
+    parts = _all_gather(group, (mine, err))
+    errors = [e for _, e in parts if e is not None]
+    if errors:
+        raise errors[0]
+    return {k: v for part, _ in parts for k, v in part.items()}
 
 
 def _state_bytes(group, state: dict) -> int:
