@@ -226,14 +226,14 @@ def _pair(rank: int, world: int, model_dir: str, out_dir: str) -> None:
 
 
 def _resume(rank: int, world: int, model_dir: str, out_dir: str) -> None:
-    """World 2 at TP=2, then PP=2: two steps, a checkpoint, two more steps; a fresh engine loads the
-    checkpoint and repeats the last two. Then the TP=2 checkpoint offered to the PP=2 engine."""
+    """World 2 at TP=2, PP=2 and DP=2 in turn: two steps, a checkpoint, two more steps; a fresh engine loads
+    the checkpoint and repeats the last two. Then the TP=2 checkpoint offered to the PP=2 engine."""
     from workers.engine import CheckpointError
     from workers.engine.megatron.engine import MegatronConfig, MegatronEngine
 
     res: dict = {}
     batches = [T.make_batch(8, seed=300 + s) for s in range(4)]
-    for label, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
+    for label, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1)):
         run = lambda eng, b: eng.train_step(b, T.pg_loss, micro_batch_size=MICRO, shuffle=True)  # noqa: E731
         eng = MegatronEngine(T.engine_config(model_dir), MegatronConfig(tp, pp))
         for b in batches[:2]:
@@ -246,6 +246,7 @@ def _resume(rank: int, world: int, model_dir: str, out_dir: str) -> None:
         entry["resumed"] = [run(eng, b) for b in batches[2:]]
         entry["resumed_params"] = dict(eng.full_state_dict_iter())
         entry["files"] = sorted(p.name for p in (Path(path) / "model_optim").iterdir())
+        entry["bytes"] = sum(p.stat().st_size for p in (Path(path) / "model_optim").glob("*.distcp"))
         if label == "pp2":
             try:
                 eng.load_checkpoint(str(Path(out_dir) / "tp2" / "step_2"))
@@ -372,7 +373,7 @@ def test_two_rank_critics_match_one_process(pair, single, label):
         _assert_critic_close(res[label]["critic"], single["critic"], (label, rank))
 
 
-@pytest.mark.parametrize("label", ["tp2", "pp2"])
+@pytest.mark.parametrize("label", ["tp2", "pp2", "dp2"])
 def test_resumed_checkpoint_repeats_the_uninterrupted_steps(resumed, label):
     for rank, res in enumerate(resumed):
         entry = res[label]
@@ -382,8 +383,11 @@ def test_resumed_checkpoint_repeats_the_uninterrupted_steps(resumed, label):
             assert got["lr"] == ref["lr"] and got["global_step"] == ref["global_step"], (label, rank)
         for name, ref in entry["full_params"].items():
             assert torch.equal(entry["resumed_params"][name], ref), (label, rank, name)
-        assert entry["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its shard
+        if label != "dp2":  # each rank wrote its own shard (DP replicas share keys: DCP writes them once)
+            assert entry["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert resumed[0]["tp2"]["full"][-1]["loss"] != resumed[0]["tp2"]["full"][0]["loss"]  # the steps differ
+    # DP replicas hold one copy of the model + optimizer between them, as TP=2's two shards do
+    assert 0.9 < resumed[0]["dp2"]["bytes"] / resumed[0]["tp2"]["bytes"] < 1.1
     for rank in range(2):
         assert (
             "tensor_model_parallel_size=2 in the checkpoint, 1 here, pipeline_model_parallel_size=1 in the "
