@@ -190,6 +190,10 @@ def test_lengths_and_data_sources():
         ["task.n_train=8"]
     )
     assert "trainer.resume_mode" in _errors(["trainer.resume_mode=/no/such/checkpoint"])
+    assert "trainer.resume_fallback=true applies to trainer.resume_mode=auto only, got 'disable'" in _errors(
+        ["trainer.resume_fallback=true", "trainer.resume_mode=disable"]
+    )
+    assert "trainer.resume_fallback" in _errors(["trainer.resume_fallback=maybe"])  # not a bool
     assert "custom_reward_function.path='/no/such.py' is not a file" in _errors(
         ["custom_reward_function.path=/no/such.py"]
     )
