@@ -384,7 +384,7 @@ def test_sbatch_on_real_slurm_cancel_then_resume_on_two_nodes(slurm, tmp_path):
         [*job, f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=100", "trainer.save_freq=1"],
     )  # fmt: skip
     latest = run_dir / "checkpoints" / "latest_step"
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 240
     while not (latest.exists() and "[grpo] step 1/100" in _slurm_out(tmp_path, "cancel")):  # logs stream in
         state = slurm.job(first).get("JobState")
         assert state in ("PENDING", "RUNNING") and time.monotonic() < deadline, (
