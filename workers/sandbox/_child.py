@@ -2,8 +2,8 @@
 
 This file runs as a script in its own interpreter, started by ``workers/sandbox/sandbox.py``
 (inside bubblewrap where available, else inside namespaces it sets up itself). It uses the
-standard library and ``_seccomp.py`` (beside it) only and does nothing on import, so the host may import it for the wire format and
-the reserved names.
+standard library and ``_seccomp.py`` (beside it) only and does nothing on import, so the host may
+import it for the wire format and the reserved names.
 
 Processes (inside the sandbox's pid namespace):
 
@@ -957,7 +957,7 @@ def _enter_namespaces(args: dict, report: dict) -> None:
     if entered & CLONE_NEWNS:
         try:
             _setup_mounts(args, report)
-        except (OSError, KeyError) as exc:
+        except (OSError, KeyError) as exc:  # KeyError: no pivot_root number for this machine
             os.makedirs(args["scratch_root"], exist_ok=True)
             report["filesystem"] = f"host filesystem as is (building the minimal root failed: {exc})"
     else:
@@ -992,7 +992,9 @@ def _setup_mounts(args: dict, report: dict) -> None:
     Python installation and a few /etc files), add a fresh /proc, a minimal /dev and the scratch tmpfs,
     and pivot into it: every other host path, unix sockets included, is then gone from this view."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    new, scratch = args["scratch_root"], args["scratch_root"]  # an empty host dir as the mount point
+    # The new root's tmpfs goes on the host's (empty) scratch dir; inside the new root the scratch
+    # tmpfs sits at the same path, so the REPLs' scratch paths are what the host expects.
+    scratch = new = args["scratch_root"]
     os.makedirs(new, exist_ok=True)
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
     os.umask(0o022)

@@ -520,7 +520,7 @@ class ReplSandbox:
             "uid_base": self._uid_block.base if (root and self._uid_block) else None,
             "preimport": list(cfg.preimport),
             "python_paths": _python_paths(),
-            "root_plan": _root_plan(),
+            "root_plan": _root_plan() if mode == "rlimits" else None,  # bwrap gets it as argv
         }
         z = _ZygoteClient(prefix, args, mode)
         z.start(cfg.start_timeout_s)
