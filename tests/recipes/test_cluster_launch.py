@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ray.util import get_node_ip_address
 
 from recipes.launch import runtime_env
 
@@ -305,7 +306,7 @@ def test_submit_refuses_an_unknown_recipe():
 # ---------------------------------------------------------------------------------------------------------------
 # The Slurm batch script on a real Slurm: munged, slurmctld and two slurmd on this machine (tests/recipes/
 # slurm_testlib.py); sbatch, srun, scontrol and scancel are Slurm's own. Only the hosts are not real: both
-# nodes are this machine, so each node's Ray gets its own ports and the head listens on 127.0.0.1.
+# nodes are this machine, so each node's Ray gets its own ports.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -337,14 +338,12 @@ def _sbatch(
         "",
         SLURM_CONF=str(slurm.conf),
         HYFLOW_CPUS_PER_NODE="1",
-        HYFLOW_HEAD_IP="127.0.0.1",  # both nodes are this machine
-        HYFLOW_DASHBOARD_HOST="127.0.0.1",
         HYFLOW_RAY_PORT=str(gcs),
         HYFLOW_DASHBOARD_PORT=str(dash),
         HYFLOW_RAY_TMPDIR=ray_tmp,
         HYFLOW_WAIT_TIMEOUT="90",
         HYFLOW_RAY_HEAD_ARGS=" ".join([f"--ray-client-server-port={client}", *_node_ports(ports[:6], 26000)]),
-        HYFLOW_RAY_WORKER_ARGS=" ".join(["--node-ip-address=127.0.0.1", *_node_ports(ports[6:12], 27000)]),
+        HYFLOW_RAY_WORKER_ARGS=" ".join(_node_ports(ports[6:12], 27000)),
     )
     del env["RAY_AUTH_TOKEN"], env["RAY_AUTH_MODE"]  # the script makes its own per-job token
     res = slurm.run(
@@ -407,6 +406,9 @@ def test_sbatch_on_real_slurm_cancel_then_resume_on_two_nodes(slurm, tmp_path):
     info, out = _finish(slurm, second, ray_tmp, 240)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
     assert "Ray worker on n2" in out and "Ray stopped; exit 0" in out
+    # the head's address is the one Ray picks (this machine's outward interface where it has one), not a
+    # loopback address from /etc/hosts that other hosts could not reach
+    assert f"Ray head on n1 ({get_node_ip_address()}:" in out
     assert f"[grpo] resumed at step {saved} from" in out
     assert f"[grpo] step {saved + 2}/{saved + 2}" in out
     assert f"Job 'hyflow-{second}-grpo' succeeded" in out
