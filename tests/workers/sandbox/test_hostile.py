@@ -258,11 +258,11 @@ def test_host_environment_does_not_leak(repl):
     code = (
         "import ctypes\nctypes.CDLL(None).prctl(4, 1, 0, 0, 0)\n"  # PR_SET_DUMPABLE
         "raw = open('/proc/self/environ', 'rb').read().decode()\n"
-        "print(dict(kv.split('=', 1) for kv in raw.split('\\0') if kv))"
+        "import json\nprint(json.dumps(dict(kv.split('=', 1) for kv in raw.split('\\0') if kv)))"
     )
     res = repl.execute(code)
     assert res.error is None, res.error
-    env = eval(res.stdout)
+    env = json.loads(res.stdout)
     assert env.pop("PWD", "/") == "/"
     assert env == SANDBOX_ENV
 
