@@ -1,11 +1,13 @@
-"""A throwaway Slurm cluster on this machine for tests: munged, slurmctld and two slurmd (nodes ``n1``, ``n2``,
+"""A throwaway Slurm cluster on this machine for tests: munged, slurmctld and two slurmd (nodes ``<id>1``, ``<id>2``,
 each on its own port of 127.0.0.1; Debian's slurm-wlm is built with multiple-slurmd support), all started from a
 generated config under one temp dir, as root, in the foreground, each in its own session.
 
-The config suits a container: no cgroup plugins (process tracking by process tree, ``proctrack/linuxproc``;
-CPU binding with ``task/affinity``; no memory enforcement, no accounting database), so nothing touches the
-machine's cgroup hierarchy; node sizes come from the config (``SlurmdParameters=config_overrides``), not the
-hardware, so two 2-CPU nodes fit on a 2-core machine. Every process the cluster starts (daemons, slurmstepd,
+The config suits a container. Process tracking: ``proctrack/cgroup`` in the cgroup v1 freezer hierarchy
+where that is mounted writable (as on the project's CI machine; the ``slurm_<node>`` cgroups are removed
+at teardown; node names are unique per cluster, so that two test sessions' clusters never share one), else ``proctrack/linuxproc`` (by process tree; no cgroup enforcement). No CPU or memory
+constraint through cgroups (``cgroup.conf``): the machine's cpuset and memory hierarchies stay untouched; CPU
+binding by ``task/affinity``; no accounting database. Node sizes come from the config
+(``SlurmdParameters=config_overrides``), not the hardware, so two 2-CPU nodes fit on a 2-core machine. Every process the cluster starts (daemons, slurmstepd,
 job steps and what they spawn) inherits ``SLURM_CONF=<temp dir>/slurm.conf`` in its environment: teardown
 cancels all jobs, stops the daemons by pid and then finds any leftover by that variable.
 """
@@ -22,7 +24,6 @@ import time
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
-NODES = ("n1", "n2")
 TERMINAL = {
     "COMPLETED",
     "FAILED",
@@ -47,6 +48,14 @@ def unavailable() -> str | None:
     return None
 
 
+FREEZER = Path("/sys/fs/cgroup/freezer")  # cgroup v1 (Slurm 22.05's cgroup/v2 wants systemd)
+
+
+def cgroup_tracking() -> bool:
+    """Whether jobs can be tracked in cgroups here (a writable cgroup v1 freezer hierarchy)."""
+    return FREEZER.is_dir() and os.access(FREEZER, os.W_OK)
+
+
 def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
@@ -57,11 +66,11 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _conf(d: Path, ctld_port: int, node_ports: list[int]) -> str:
+def _conf(d: Path, ctld_port: int, nodes: list[str], node_ports: list[int]) -> str:
     host = socket.gethostname().split(".")[0]  # slurmctld only runs on the host SlurmctldHost names
-    nodes = "\n".join(
+    lines = "\n".join(
         f"NodeName={n} NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=4000 State=UNKNOWN"
-        for n, p in zip(NODES, node_ports)
+        for n, p in zip(nodes, node_ports)
     )
     return f"""\
 ClusterName=hyflowtest
@@ -79,7 +88,7 @@ SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/%n/slurmd.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/%n/slurmd.log
-ProctrackType=proctrack/linuxproc
+ProctrackType={"proctrack/cgroup" if cgroup_tracking() else "proctrack/linuxproc"}
 TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -92,8 +101,8 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=15
 MinJobAge=600
-{nodes}
-PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+{lines}
+PartitionName=test Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -102,6 +111,7 @@ class SlurmCluster:
         self.dir = Path(tempfile.mkdtemp(prefix="hysl", dir="/tmp"))  # short: munge's socket path
         self.conf = self.dir / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
+        self.nodes = [f"n{self.dir.name[4:]}-{i}" for i in (1, 2)]  # unique: the temp dir's random suffix
 
     def env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf), **extra}
@@ -120,10 +130,11 @@ class SlurmCluster:
         key = d / "munge" / "key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        for sub in ("ctld", *NODES):
+        for sub in ("ctld", *self.nodes):
             (d / sub).mkdir()
-        ctld_port, *node_ports = _free_ports(1 + len(NODES))
-        self.conf.write_text(_conf(d, ctld_port, node_ports))
+        ctld_port, *node_ports = _free_ports(1 + len(self.nodes))
+        self.conf.write_text(_conf(d, ctld_port, self.nodes, node_ports))
+        (d / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nConstrainCores=no\nConstrainRAMSpace=no\n")
         m = d / "munge"
         self._daemon(
             "munged",
@@ -132,10 +143,12 @@ class SlurmCluster:
         )  # fmt: skip
         self._wait(lambda: (m / "sock").exists(), timeout, "munged did not create its socket")
         self._daemon("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
-        for n in NODES:
+        for n in self.nodes:
             self._daemon(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)])
         self._wait(
-            lambda: self.node_states() == {n: "idle" for n in NODES}, timeout, "the nodes did not become idle"
+            lambda: self.node_states() == {n: "idle" for n in self.nodes},
+            timeout,
+            "the nodes did not become idle",
         )
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -210,5 +223,8 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for n in self.nodes:  # slurmd leaves its node's (empty) cgroup behind
+            for cg in sorted((FREEZER / f"slurm_{n}").glob("**/"), reverse=True):
+                cg.rmdir()
         shutil.rmtree(self.dir, ignore_errors=True)
         return left

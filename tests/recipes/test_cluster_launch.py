@@ -405,10 +405,10 @@ def test_sbatch_on_real_slurm_cancel_then_resume_on_two_nodes(slurm, tmp_path):
     )  # fmt: skip
     info, out = _finish(slurm, second, ray_tmp, 240)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out
-    assert "Ray worker on n2" in out and "Ray stopped; exit 0" in out
+    assert f"Ray worker on {slurm.nodes[1]}" in out and "Ray stopped; exit 0" in out
     # the head's address is the one Ray picks (this machine's outward interface where it has one), not a
     # loopback address from /etc/hosts that other hosts could not reach
-    assert f"Ray head on n1 ({get_node_ip_address()}:" in out
+    assert f"Ray head on {slurm.nodes[0]} ({get_node_ip_address()}:" in out
     assert f"[grpo] resumed at step {saved} from" in out
     assert f"[grpo] step {saved + 2}/{saved + 2}" in out
     assert f"Job 'hyflow-{second}-grpo' succeeded" in out
@@ -449,7 +449,7 @@ def test_sbatch_refuses_a_bad_allocation_before_starting_anything(slurm, tmp_pat
         *sbatch, f"--output={tmp_path}/elsewhere-%j.out", script, "grpo", env=env, cwd=tmp_path
     )
     for job, reason in (
-        (short, "HYFLOW_NNODES=3 but the allocation has 1 node(s): n1"),
+        (short, f"HYFLOW_NNODES=3 but the allocation has 1 node(s): {slurm.nodes[0]}"),
         (elsewhere, f"{tmp_path} is not the hyflow repository"),
     ):
         info = slurm.wait_job(job.stdout.strip(), 60)
