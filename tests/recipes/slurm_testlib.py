@@ -1,15 +1,17 @@
-"""A throwaway Slurm cluster on this machine for tests: munged, slurmctld and two slurmd (nodes ``<id>1``, ``<id>2``,
-each on its own port of 127.0.0.1; Debian's slurm-wlm is built with multiple-slurmd support), all started from a
-generated config under one temp dir, as root, in the foreground, each in its own session.
+"""A throwaway Slurm cluster on this machine for tests: munged, slurmctld and two slurmd (nodes ``<id>-1``,
+``<id>-2``, each on its own port of 127.0.0.1; Debian's slurm-wlm allows several slurmd per host), all started
+from a generated config under one temp dir, as root, in the foreground, each in its own session.
 
-The config suits a container. Process tracking: ``proctrack/cgroup`` in the cgroup v1 freezer hierarchy
-where that is mounted writable (as on the project's CI machine; the ``slurm_<node>`` cgroups are removed
-at teardown; node names are unique per cluster, so that two test sessions' clusters never share one), else ``proctrack/linuxproc`` (by process tree; no cgroup enforcement). No CPU or memory
-constraint through cgroups (``cgroup.conf``): the machine's cpuset and memory hierarchies stay untouched; CPU
-binding by ``task/affinity``; no accounting database. Node sizes come from the config
-(``SlurmdParameters=config_overrides``), not the hardware, so two 2-CPU nodes fit on a 2-core machine. Every process the cluster starts (daemons, slurmstepd,
-job steps and what they spawn) inherits ``SLURM_CONF=<temp dir>/slurm.conf`` in its environment: teardown
-cancels all jobs, stops the daemons by pid and then finds any leftover by that variable.
+The config suits a container. Process tracking: ``proctrack/cgroup`` in the cgroup v1 freezer hierarchy where
+that is mounted writable (it is on the CI-class machine these tests were written on; the ``slurm_<node>``
+cgroups are removed at teardown; node names are unique per cluster, so two test sessions' clusters never share
+one), else ``proctrack/linuxproc`` (by process tree: no cgroup enforcement). No CPU or memory constraint
+through cgroups (``cgroup.conf``): the machine's cpuset and memory hierarchies stay untouched; CPU binding by
+``task/affinity``; no accounting database. Node sizes come from the config (``SlurmdParameters=
+config_overrides``), not the hardware, so two 2-CPU nodes fit on a 2-core machine. Every process the cluster
+starts (daemons, slurmstepd, job steps and what they spawn) inherits ``SLURM_CONF=<temp dir>/slurm.conf`` in
+its environment: teardown cancels all jobs, stops the daemons by pid and then finds any leftover by that
+variable.
 """
 
 from __future__ import annotations
