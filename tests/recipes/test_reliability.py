@@ -264,13 +264,18 @@ def test_a_hanging_reward_call_times_out_naming_role_rank_method_and_time(ray_se
 
     with pytest.raises(WorkerGroupTimeoutError) as err:
         _grpo(
-            tmp_path, "trainer.call_timeout_s=10", "trainer.call_timeout_per_row_s=0.5", reward=HANGING_REWARD
+            tmp_path, "trainer.call_timeout_s=15", "trainer.call_timeout_per_row_s=0.5", reward=HANGING_REWARD
         )
     e = err.value
-    assert (e.role, e.rank, e.method, e.timeout_s) == ("reward", 0, "compute_rm_score", 14.0)  # 10 s + 8 rows
-    assert e.elapsed_s >= 14.0
+    assert (e.role, e.rank, e.method, e.timeout_s) == (
+        "reward",
+        0,
+        "compute_rm_score",
+        19.0,
+    )  # 15 s + 8 rows x 0.5 s
+    assert e.elapsed_s >= 19.0
     assert (
-        "worker group 'reward' rank 0 failed in 'compute_rm_score': no result after 14s from rank(s) [0]"
+        "worker group 'reward' rank 0 failed in 'compute_rm_score': no result after 19s from rank(s) [0]"
         in str(e)
     )
     assert "after the call started" in str(e)
