@@ -223,8 +223,10 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        for n in self.nodes:  # slurmd leaves its node's (empty) cgroup behind
-            for cg in sorted((FREEZER / f"slurm_{n}").glob("**/"), reverse=True):
-                cg.rmdir()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            for n in self.nodes:  # slurmd leaves its node's (empty) cgroup behind
+                for cg in sorted((FREEZER / f"slurm_{n}").glob("**/"), reverse=True):
+                    cg.rmdir()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
         return left
