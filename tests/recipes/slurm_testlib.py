@@ -48,7 +48,7 @@ def unavailable() -> str | None:
     return None
 
 
-FREEZER = Path("/sys/fs/cgroup/freezer")  # cgroup v1 (Slurm 22.05's cgroup/v2 wants systemd)
+FREEZER = Path("/sys/fs/cgroup/freezer")  # cgroup v1, as mounted here; cgroup v2 hosts are not tried
 
 
 def cgroup_tracking() -> bool:
