@@ -1,4 +1,4 @@
-"""SGLang rollout adapter (GPU clusters): ``SGLangRollout``, a ``RolloutEngine`` over ``sglang.Engine``.
+"""SGLang rollout adapter (GPU clusters; CPU engine for tests and CI): ``SGLangRollout``, a ``RolloutEngine`` over ``sglang.Engine``.
 
 sglang is imported lazily (only when an engine is built), so this package imports on CPU-only
 machines; without sglang, ``SGLangRollout(config)`` raises ``ImportError`` with
@@ -53,6 +53,7 @@ from workers.rollout.sglang.convert import (
     prompt_id_lists,
     to_sglang_sampling_params,
 )
+from workers.rollout.sglang.lifecycle import SGLangEngineDied
 from workers.rollout.sglang.rollout import (
     INSTALL_HINT,
     SGLangRollout,
@@ -63,6 +64,7 @@ from workers.rollout.sglang.rollout import (
 
 __all__ = [
     "INSTALL_HINT",
+    "SGLangEngineDied",
     "SGLangRollout",
     "SGLangRolloutConfig",
     "build_rollout_batch",

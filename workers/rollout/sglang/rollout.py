@@ -1,4 +1,4 @@
-"""``SGLangRollout``: hyflow's ``RolloutEngine`` over an in-process ``sglang.Engine`` (GPU clusters).
+"""``SGLangRollout``: hyflow's ``RolloutEngine`` over an in-process ``sglang.Engine`` (GPU, or CPU for tests).
 
 Same interface and ``meta_info`` contract as the native engine (``workers/rollout/base.py``,
 ``workers/rollout/native/engine.py``), so the rollout worker can hold either:
@@ -15,27 +15,41 @@ Same interface and ``meta_info`` contract as the native engine (``workers/rollou
   ``Engine.async_generate`` (a list of n when ``sampling_params.n > 1``).
 * ``update_weights(named_tensors)``: HF-named tensors through ``Engine.update_weights_from_tensor`` in
   size-bounded buckets (``bucket_mb``, each sent with ``flush_cache=False``), then one
-  ``Engine.flush_cache()``.
+  ``Engine.flush_cache()``. SGLang >= 0.5.21 accepts tensors only inside a weight-update session
+  (``begin_weight_update()`` ... ``end_weight_update()``); older versions have no such methods. The
+  adapter opens the session when the engine has it.
 * ``release_memory(weights=False)`` / ``resume_memory(kv_cache=True)``: ``release_memory_occupation``
   / ``resume_memory_occupation`` with tags ``"kv_cache"``, ``"weights"`` (when asked) and
-  ``"cuda_graph"`` (when ``release_cuda_graph``). Needs the engine started with
-  ``enable_memory_saver=True`` (the default here). Released weights hold garbage after
+  ``"cuda_graph"`` (when ``release_cuda_graph``), after waiting until the engine is idle (SGLang
+  asserts that, and its scheduler dies otherwise). Frees memory only on an engine started with
+  ``enable_memory_saver=True`` (the CUDA default here; on CPU there is no memory saver, so the calls
+  run their control flow and free nothing). Released weights hold garbage after
   ``resume_memory()``: refill them with ``update_weights`` before generating. The colocated order that
   keeps peak memory low is ``resume_memory(kv_cache=False)`` -> ``update_weights`` ->
   ``resume_memory()``.
-* ``flush_cache()``, ``shutdown()``.
+* ``flush_cache()``, ``shutdown()`` (stops exactly the engine's processes).
 
+If an engine process dies, calls raise ``SGLangEngineDied`` naming the engine and the last request
+instead of hanging or taking this process down (``lifecycle.py``).
+
+``device="cpu"`` runs SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``, ``torch_native`` attention, no
+CUDA graphs, no memory saver) with the import shims of ``cpu_shim/``; ``make sglang-cpu`` installs it.
 sglang is imported only when an engine is built; on a machine without it the constructor raises an
-``ImportError`` that says how to install it. Tests pass an ``engine`` object instead.
+``ImportError`` that says how to install it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
+import os
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,11 +64,15 @@ from workers.rollout.sglang.convert import (
     output_to_generation,
     prompt_id_lists,
 )
+from workers.rollout.sglang.lifecycle import EngineLifecycle
 from workers.weight_sync.buckets import bucket_mb_to_bytes, flatten_bucket, iter_buckets
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install hyflow[sglang] on a CUDA machine (SGLang's kernels are CUDA-only wheels)"
+INSTALL_HINT = (
+    "on a CUDA machine: pip install hyflow[sglang]; for the CPU engine (tests, CI): make sglang-cpu"
+)
+CPU_SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
 
 KV_CACHE = "kv_cache"  # sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE
 WEIGHTS = "weights"  # sglang.srt.constants.GPU_MEMORY_TYPE_WEIGHTS
@@ -66,13 +84,40 @@ WEIGHT_LOAD_FORMATS = ("tensor", "flattened_bucket")
 _REBUILT_KEYS = ("prompts", "input_ids", "attention_mask", "position_ids")
 
 
-def import_sglang():
-    """The ``sglang`` module, or an ImportError saying how to get it."""
+def import_sglang(device: str = "cuda"):
+    """The ``sglang`` module, or an ImportError saying how to get it; ``device="cpu"`` prepares the CPU engine."""
+    if device == "cpu":
+        prepare_cpu_engine()
     try:
         import sglang
     except ImportError as err:
         raise ImportError(f"SGLang is not installed ({err}); {INSTALL_HINT}") from err
     return sglang
+
+
+def prepare_cpu_engine() -> None:
+    """Set this process (and the engine processes it spawns) up for SGLang's CPU engine.
+
+    Must run before sglang is first imported: SGLang reads ``SGLANG_USE_CPU_ENGINE`` into module
+    constants. Puts ``cpu_shim/`` (stand-ins for ``sgl_kernel`` and ``torchvision``, which have no CPU
+    build) first on ``sys.path`` and ``PYTHONPATH``; never on a machine with CUDA, which needs the real ones.
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "device='cpu' SGLang uses import shims for sgl_kernel/torchvision that must not shadow the real "
+            "packages on a CUDA machine; use device='cuda' there"
+        )
+    if "sglang" in sys.modules and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        raise RuntimeError(
+            "sglang was imported before prepare_cpu_engine(): set SGLANG_USE_CPU_ENGINE=1 before importing it"
+        )
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    shim = str(CPU_SHIM_DIR)
+    if shim not in sys.path:
+        sys.path.insert(0, shim)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if shim not in paths:  # the scheduler and detokenizer are spawned processes
+        os.environ["PYTHONPATH"] = os.pathsep.join([shim, *paths])
 
 
 def _flattened_bucket_api():
@@ -99,16 +144,19 @@ class SGLangRolloutConfig:
     """
 
     model_path: str
+    device: str = "cuda"  # "cpu": SGLang's CPU engine (tests, CI; see prepare_cpu_engine)
     tp_size: int = 1
     mem_fraction_static: float = 0.5  # share of GPU memory for weights + KV cache (colocated: leave room)
     dtype: str = "auto"
     seed: int = 0
     bucket_mb: float = 512.0  # weight update bucket bound, MiB
     weight_load_format: str = "tensor"  # "tensor" or "flattened_bucket" (one IPC handle per bucket)
-    enable_memory_saver: bool = True  # required for release_memory / resume_memory to free anything
+    # required for release_memory / resume_memory to free anything; None: on for CUDA, off for CPU
+    # (torch_memory_saver has only CUDA hooks)
+    enable_memory_saver: bool | None = None
     release_cuda_graph: bool = False  # also release the "cuda_graph" tag (newer SGLang versions)
     deterministic: bool = False  # enable_deterministic_inference: needed for seeded sampling
-    attention_backend: str | None = None
+    attention_backend: str | None = None  # None: SGLang's choice on CUDA, "torch_native" on CPU
     base_gpu_id: int = 0
     log_level: str = "error"
     trust_remote_code: bool = False
@@ -119,6 +167,14 @@ class SGLangRolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.enable_memory_saver is None:
+            self.enable_memory_saver = self.device == "cuda"
+        elif self.enable_memory_saver and self.device == "cpu":
+            raise ValueError(
+                "enable_memory_saver=True needs CUDA (torch_memory_saver); set it False for device='cpu'"
+            )
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 < self.mem_fraction_static < 1:
@@ -135,6 +191,7 @@ class SGLangRolloutConfig:
         """Keyword arguments for ``sglang.Engine(**kwargs)`` (= ``ServerArgs`` fields)."""
         kwargs: dict[str, Any] = dict(
             model_path=self.model_path,
+            device=self.device,
             tp_size=self.tp_size,
             mem_fraction_static=self.mem_fraction_static,
             dtype=self.dtype,
@@ -148,10 +205,14 @@ class SGLangRolloutConfig:
             kwargs["enable_deterministic_inference"] = True
         if self.attention_backend is not None:
             kwargs["attention_backend"] = self.attention_backend
+        elif self.device == "cpu":
+            kwargs["attention_backend"] = "torch_native"  # SGLang's CPU kernels are not on the registries
         clash = sorted(set(kwargs) & set(self.engine_kwargs))
         if clash:
             raise ValueError(f"engine_kwargs repeats field(s) {clash} that have their own config entries")
         kwargs.update(self.engine_kwargs)
+        if self.device == "cpu":
+            kwargs.setdefault("disable_cuda_graph", True)
         return kwargs
 
 
@@ -159,11 +220,16 @@ class SGLangRollout(RolloutEngine):
     """Rollout engine adapter over ``sglang.Engine`` (see the module docstring for the contract)."""
 
     def __init__(self, config: SGLangRolloutConfig, engine: Any | None = None):
+        """Start an engine from ``config``; or wrap ``engine``, already built (its processes then unknown)."""
         self.config = config
+        name = f"{config.model_path} (device {config.device}, tp_size {config.tp_size})"
         if engine is None:
-            sglang = import_sglang()
-            engine = sglang.Engine(**config.server_kwargs())
-        self.engine = engine
+            sglang = import_sglang(config.device)
+            kwargs = config.server_kwargs()
+            self.life = EngineLifecycle.start(lambda: sglang.Engine(**kwargs), name)
+        else:
+            self.life = EngineLifecycle(engine, name, processes=[])
+        self.engine = self.life.engine
         self.released_tags: set[str] = set()
         self._pad_token_id = config.pad_token_id
         self._eos_token_ids = None if config.eos_token_ids is None else token_id_list(config.eos_token_ids)
@@ -187,9 +253,14 @@ class SGLangRollout(RolloutEngine):
         params, response_length = sampling_from_meta(meta, self.config.sampling, self.config.response_length)
         self._check_seed(params)
 
-        input_ids, sampling, source = expand_requests(prompt_id_lists(prompt_ids, mask), params)
-        raw = self.engine.generate(
-            input_ids=input_ids, sampling_params=sampling, return_logprob=params.logprobs
+        id_lists = prompt_id_lists(prompt_ids, mask)
+        self._check_prompt_lengths(id_lists)
+        input_ids, sampling, source = expand_requests(id_lists, params)
+        raw = self.life.call(
+            f"generate_sequences of {len(input_ids)} requests (prompt lengths {_lengths(input_ids)})",
+            lambda: self.engine.generate(
+                input_ids=input_ids, sampling_params=sampling, return_logprob=params.logprobs
+            ),
         )
         if isinstance(raw, Mapping):  # a single request comes back as a dict, a batch as a list
             raw = [raw]
@@ -238,15 +309,17 @@ class SGLangRollout(RolloutEngine):
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise ValueError("prompt_ids is empty")
+        self._check_prompt_lengths([ids])
         input_ids, sampling, _ = expand_requests([ids], params)
-        if params.n == 1:
-            raw = await self.engine.async_generate(
-                input_ids=input_ids[0], sampling_params=sampling[0], return_logprob=params.logprobs
-            )
-        else:
-            raw = await self.engine.async_generate(
-                input_ids=input_ids, sampling_params=sampling, return_logprob=params.logprobs
-            )
+        single = params.n == 1
+        raw = await self.life.acall(
+            f"async generate of {params.n} sample(s) for a {len(ids)}-token prompt",
+            self.engine.async_generate(
+                input_ids=input_ids[0] if single else input_ids,
+                sampling_params=sampling[0] if single else sampling,
+                return_logprob=params.logprobs,
+            ),
+        )
         raw = [raw] if isinstance(raw, Mapping) else list(raw)
         if len(raw) != params.n:
             raise RuntimeError(f"SGLang returned {len(raw)} outputs for {params.n} samples")
@@ -269,21 +342,43 @@ class SGLangRollout(RolloutEngine):
             raise RuntimeError("weights are released; call resume_memory() before update_weights()")
         bucket_bytes = bucket_mb_to_bytes(self.config.bucket_mb)
         stats = {"buckets": 0, "tensors": 0, "bytes": 0, "max_bucket_bytes": 0}
-        for bucket in iter_buckets(named_tensors, bucket_bytes):
-            size = sum(t.numel() * t.element_size() for _, t in bucket)
-            self._send_bucket(bucket)
-            stats["buckets"] += 1
-            stats["tensors"] += len(bucket)
-            stats["bytes"] += size
-            stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], size)
+        with self._weight_update_session():
+            for bucket in iter_buckets(named_tensors, bucket_bytes):
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                self._send_bucket(bucket, stats["buckets"])
+                stats["buckets"] += 1
+                stats["tensors"] += len(bucket)
+                stats["bytes"] += size
+                stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], size)
         if flush_cache and stats["buckets"]:
             self.flush_cache()
         return stats
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    @contextlib.contextmanager
+    def _weight_update_session(self):
+        """SGLang >= 0.5.21 loads tensors only between begin_weight_update() and end_weight_update();
+        0.5.20 and older have neither method and load them directly."""
+        if not hasattr(self.engine, "begin_weight_update"):
+            yield
+            return
+        _check_result(
+            "begin_weight_update", self.life.call("begin_weight_update", self.engine.begin_weight_update)
+        )
+        try:
+            yield
+        finally:
+            _check_result(
+                "end_weight_update", self.life.call("end_weight_update", self.engine.end_weight_update)
+            )
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], index: int) -> None:
+        what = f"update_weights_from_tensor (bucket {index}, {len(bucket)} tensors from {bucket[0][0]})"
         if self.config.weight_load_format == "tensor":
-            result = self.engine.update_weights_from_tensor(
-                named_tensors=bucket, load_format=None, flush_cache=False
+            result = self.life.call(
+                what,
+                lambda: self.engine.update_weights_from_tensor(
+                    named_tensors=bucket, load_format=None, flush_cache=False
+                ),
             )
             _check_result("update_weights_from_tensor", result)
             return
@@ -305,8 +400,14 @@ class SGLangRollout(RolloutEngine):
             ]
             payload = {"flattened_tensor": flat.buffer, "metadata": metadata}
             serialized = [serialize(payload) for _ in range(self.config.tp_size)]
-            result = self.engine.update_weights_from_tensor(
-                named_tensors=serialized, load_format="flattened_bucket", flush_cache=False
+            result = self.life.call(
+                what,
+                functools.partial(
+                    self.engine.update_weights_from_tensor,
+                    named_tensors=serialized,
+                    load_format="flattened_bucket",
+                    flush_cache=False,
+                ),
             )
             _check_result("update_weights_from_tensor", result)
 
@@ -322,7 +423,10 @@ class SGLangRollout(RolloutEngine):
         )
         tags = [t for t in tags if t not in self.released_tags]
         if tags:
-            self.engine.release_memory_occupation(tags=tags)
+            self.life.wait_idle()  # SGLang asserts idleness here; its scheduler dies otherwise
+            self.life.call(
+                f"release_memory_occupation {tags}", lambda: self.engine.release_memory_occupation(tags=tags)
+            )
             self.released_tags.update(tags)
 
     def resume_memory(self, kv_cache: bool = True) -> None:
@@ -332,17 +436,19 @@ class SGLangRollout(RolloutEngine):
         if not kv_cache:
             tags = [t for t in tags if t == WEIGHTS]
         if tags:
-            self.engine.resume_memory_occupation(tags=tags)
+            self.life.call(
+                f"resume_memory_occupation {tags}", lambda: self.engine.resume_memory_occupation(tags=tags)
+            )
             self.released_tags.difference_update(tags)
 
     def flush_cache(self) -> None:
-        """Drop SGLang's radix prefix cache (stale after a weight change); the engine must be idle."""
-        result = self.engine.flush_cache()
-        if getattr(result, "success", True) is False:  # FlushCacheReqOutput(success=False): not idle
-            raise RuntimeError("SGLang flush_cache failed: the engine still has running requests")
+        """Drop SGLang's radix prefix cache (stale after a weight change), once the engine is idle."""
+        self.life.wait_idle()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine's own processes (SGLang's ``Engine.shutdown`` would kill every child of this
+        process, Ray's included)."""
+        self.life.shutdown()
 
     # ------------------------------------------------------------------ helpers
     def _tokenizer_or_none(self):
@@ -386,6 +492,19 @@ class SGLangRollout(RolloutEngine):
             self._eos_token_ids = sorted(set(ids))
         return list(self._eos_token_ids)
 
+    def _check_prompt_lengths(self, id_lists: list[list[int]]) -> None:
+        """SGLang rejects a whole batch for one prompt that does not fit its context; name the rows instead."""
+        context = getattr(getattr(self.engine, "tokenizer_manager", None), "context_len", None)
+        if context is None:
+            return
+        long = [(i, len(ids)) for i, ids in enumerate(id_lists) if len(ids) >= context]
+        if long:
+            rows = ", ".join(f"row {i} ({n} tokens)" for i, n in long[:8])
+            raise ValueError(
+                f"prompt {rows} does not fit the SGLang engine's context length of {context} tokens "
+                f"(model {self.config.model_path}); shorten it or raise engine_kwargs['context_length']"
+            )
+
     def _check_seed(self, params: SamplingParams) -> None:
         if params.seed is not None and not self.config.deterministic and not self._warned_seed:
             self._warned_seed = True
@@ -394,6 +513,11 @@ class SGLangRollout(RolloutEngine):
                 "enable_deterministic_inference (SGLangRolloutConfig.deterministic=False); SGLang ignores "
                 "sampling_seed then, so seeded requests are not reproducible"
             )
+
+
+def _lengths(id_lists: list[list[int]]) -> str:
+    lengths = [len(ids) for ids in id_lists]
+    return ", ".join(map(str, lengths[:8])) + (", ..." if len(lengths) > 8 else "")
 
 
 def _split_by_dtype(bucket: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
