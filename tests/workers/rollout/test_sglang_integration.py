@@ -191,23 +191,25 @@ def test_update_weights_changes_output_and_restoring_restores_it(rollout, tiny, 
 
 
 def test_generate_release_resume_cycles_keep_the_engine_alive(rollout, tiny):
-    """Regression (bug 2): release_memory right after generate_sequences used to kill the scheduler
-    ("release_memory_occupation should be called only when server is idle") in about 1 of 3 tries.
-    On CPU nothing is freed (no memory saver); the control flow is what is exercised."""
+    """Regression (bug 2): release_memory right after generate_sequences killed the scheduler
+    ("release_memory_occupation should be called only when server is idle"); on this machine a one-row
+    batch hit it within a few cycles. On CPU nothing is freed (no memory saver); the control flow is
+    what is exercised."""
     _, tokenizer, model = tiny
-    data = _batch(tokenizer)
-    first = rollout.generate_sequences(data)
+    one = _batch(tokenizer, texts=TEXTS[:1], temperature=1.0, max_new_tokens=8)  # sampled, as in training
     weights = _hf_weights(model)
-    for cycle in range(12):
-        out = rollout.generate_sequences(data)
-        assert torch.equal(out.batch["responses"], first.batch["responses"]), f"cycle {cycle}"
-        rollout.release_memory(weights=cycle % 2 == 0)
-        rollout.resume_memory(kv_cache=False)  # colocated order: weights back, refill, then KV cache
-        rollout.update_weights(weights)
+    for cycle in range(40):
+        out = rollout.generate_sequences(one)
+        assert out.batch["response_mask"].sum() >= 1, f"cycle {cycle}"
+        with_weights = cycle % 8 == 7
+        rollout.release_memory(weights=with_weights)
+        if with_weights:  # colocated order: weights back, refill them, then the KV cache
+            rollout.resume_memory(kv_cache=False)
+            rollout.update_weights(weights)
         rollout.resume_memory()
         assert not rollout.released_tags
-    final = rollout.generate_sequences(data)
-    assert torch.equal(final.batch["responses"], first.batch["responses"])
+    greedy = _batch(tokenizer)
+    assert _responses(rollout.generate_sequences(greedy)) == _responses(rollout.generate_sequences(greedy))
 
 
 def test_async_generate_from_many_concurrent_callers(rollout, tiny):

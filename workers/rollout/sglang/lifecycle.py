@@ -164,7 +164,8 @@ class EngineLifecycle:
             return
         states = ", ".join(f"{self._names[p.pid]} (pid {p.pid}) {_state(p)}" for p in self.processes)
         self._death = (
-            f"SGLang engine {self.name} died: {states}; last request: {self.last_request}. "
+            f"SGLang engine {self.name} died: one of its processes exited or reported a fatal error "
+            f"(at that moment: {states}; all are killed now); last request: {self.last_request}. "
             "The engine's log above has the cause."
         )
         logger.error(self._death)
