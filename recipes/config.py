@@ -444,6 +444,20 @@ def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
         )
 
 
+def _check_rollout_engine(errors: list[str], cfg: RecipeConfig) -> None:
+    """``rollout.name``: a known engine, and for SGLang the package installed (checked before Ray starts)."""
+    import importlib.util
+
+    name = cfg.rollout.name
+    if name not in ("native", "sglang"):
+        errors.append(f"rollout.name must be 'native' or 'sglang', got {name!r}")
+    elif name == "sglang" and importlib.util.find_spec("sglang") is None:
+        errors.append(
+            "rollout.name=sglang needs the sglang package: `make sglang-cpu` (CPU engine, for tests and CI) "
+            "or `pip install hyflow[sglang]` on a CUDA machine"
+        )
+
+
 def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
     """Megatron's parallel state is per process: a colocated actor and critic (one process per device) that
     both use Megatron must use the same TP/PP sizes."""
@@ -503,6 +517,7 @@ def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
     # Megatron TP x PP ranks hold one replica: batch sizes divide among world / (tp * pp) replicas
     dp = _megatron_dp(errors, "actor", cfg.actor, dp)
     _check_rollout_tp(errors, cfg)
+    _check_rollout_engine(errors, cfg)
     if uses_critic(cfg):
         critic_dp = _megatron_dp(errors, "critic", cfg.critic, critic_dp)
         _check_megatron_colocation(errors, cfg)

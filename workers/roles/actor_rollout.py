@@ -58,6 +58,7 @@ from workers.roles.rollout import (
     build_rollout_engine,
     is_sglang,
     load_weights_into,
+    rollout_device,
     run_rollout,
 )
 from workers.weight_sync import (
@@ -326,12 +327,6 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
 
     # -- weight sync ------------------------------------------------------------------------------------------
 
-    def _rollout_device(self) -> torch.device:
-        engine = self.rollout_engine
-        if is_sglang(engine):
-            return torch.device("cuda", torch.cuda.current_device())
-        return engine.model.device
-
     @register(ONE_TO_ALL_RANK_ZERO)
     def sync_weights(self) -> dict:
         """Load the trainer's current weights into every rank's rollout replica, then offload the trainer.
@@ -350,7 +345,7 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
         if self.rollout_tp > 1:
             return self._sync_generation_shards(engine, trainer, t0)
         stats = {"tensors": 0, "bytes": 0}
-        stream = _counted(self.hf_weight_stream(device=self._rollout_device()), stats)
+        stream = _counted(self.hf_weight_stream(device=rollout_device(engine)), stats)
         try:
             load_weights_into(engine, stream)
         finally:

@@ -194,8 +194,15 @@ def build_rollout_engine(
         from workers.rollout.sampling import SamplingParams
         from workers.rollout.sglang import SGLangRollout, SGLangRolloutConfig
 
+        device = default_device().type  # "cuda", or "cpu": SGLang's CPU engine (tests, CI)
+        engine_kwargs = {"max_running_requests": rollout.max_num_seqs}
+        if device == "cpu":  # no GPU memory to size the KV cache from: room for max_num_seqs whole sequences
+            max_tokens = rollout.max_num_seqs * (rollout.prompt_length + rollout.response_length)
+            engine_kwargs |= {"max_total_tokens": max_tokens, "chunked_prefill_size": min(max_tokens, 2048)}
+            engine_kwargs["sleep_on_idle"] = True  # an idle scheduler otherwise busy-polls a core
         cfg = SGLangRolloutConfig(
             model_path=model.path,
+            device=device,
             tp_size=rollout.tensor_parallel_size,
             mem_fraction_static=rollout.gpu_memory_utilization,
             dtype=model.dtype,
@@ -210,6 +217,7 @@ def build_rollout_engine(
                 top_p=rollout.top_p,
                 top_k=rollout.top_k,
             ),
+            engine_kwargs=engine_kwargs,
         )
         return SGLangRollout(cfg)
     raise ValueError(f"rollout.name must be 'native' or 'sglang', got {rollout.name!r}")
@@ -304,13 +312,22 @@ def is_sglang(engine) -> bool:
     return type(engine).__name__ == "SGLangRollout"
 
 
+def rollout_device(engine):
+    """The torch device an engine's weights live on (SGLang: this process's current GPU, or the CPU)."""
+    import torch
+
+    if not is_sglang(engine):
+        return engine.model.device
+    if engine.config.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def load_weights_into(engine, named_tensors, flush_cache: bool = True) -> None:
-    """``engine.update_weights`` for either engine (SGLang: tensors moved to its GPU, prefix cache flushed
+    """``engine.update_weights`` for either engine (SGLang: tensors moved to its device, prefix cache flushed
     only when ``flush_cache``)."""
     if is_sglang(engine):
-        import torch
-
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = rollout_device(engine)
         engine.update_weights(((n, t.to(device)) for n, t in named_tensors), flush_cache=flush_cache)
     else:
         engine.update_weights(named_tensors)
@@ -589,6 +606,7 @@ __all__: list[str] = [
     "build_rollout_engine",
     "get_weight_sync_link",
     "load_weights_into",
+    "rollout_device",
     "rollout_sampling_meta",
     "run_rollout",
     "setup_weight_sync",

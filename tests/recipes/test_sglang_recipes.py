@@ -1,0 +1,148 @@
+"""The recipes with ``rollout.name=sglang``: GRPO colocated (FSDP2 actor + SGLang engine in one worker) and
+disaggregated (SGLang on its own pool, weights broadcast then loaded into it), each through the recipe's entry
+point, on the nano model.
+
+Without a GPU the engine is SGLang's CPU engine (``make sglang-cpu``); without SGLang these tests skip with
+that hint, except in CI (``CI=true``), which installs it and must run them.
+
+Witness that the synced weights reach SGLang's output: ``training/rollout_logprob_diff_max`` compares the
+log-probs SGLang reported for its sampled tokens with the trainer's ``old_log_probs`` of the same tokens.
+At step 2 SGLang samples after the sync that followed step 1's update, so a stale engine would show the
+update's size there; the test checks that the update is large (initial vs exported model) and the diff tiny.
+"""
+
+import importlib.util
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+from recipes import grpo
+from recipes.config import load_config
+from recipes.trainer.run import start_run
+
+pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.timeout(600)]
+
+LOGPROB_TOL = 1e-3  # float32 engines on both sides: observed differences are ~1e-5
+DIGIT_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The share of the response's characters that are digits (varied rewards: GRPO updates at once)."""
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+'''
+GRPO = [
+    "rollout.name=sglang",
+    "model.tiny_size=nano",
+    "task.name=arithmetic",
+    "task.n_train=64",
+    "task.n_val=8",
+    "data.val_max_samples=8",
+    "data.train_batch_size=4",
+    "data.max_prompt_length=32",
+    "data.max_response_length=16",
+    "rollout.n=4",
+    "actor.ppo_mini_batch_size=4",
+    "actor.optim.lr=3e-2",  # a large first step, so a stale engine could not hide
+    "trainer.total_training_steps=2",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.save_freq=-1",
+    "trainer.resume_mode=disable",
+    "trainer.export_hf=true",
+    "trainer.progress_bar=false",
+    "trainer.logger=[console]",
+    "trainer.plot=false",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_installed():
+    if importlib.util.find_spec("sglang") is None:
+        reason = "needs SGLang: run `make sglang-cpu` (CPU engine) or pip install hyflow[sglang] (CUDA)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the SGLang tests; {reason}")
+        pytest.skip(reason)
+
+
+def _sglang_processes() -> set[int]:
+    """pids of SGLang engine processes (scheduler, detokenizer: their titles start with ``sglang::``)."""
+    pids = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].startswith("sglang::"):
+            pids.add(p.pid)
+    return pids
+
+
+@pytest.fixture
+def no_leftover_engines():
+    """Fails the test if an SGLang process started during it is still alive after it (10 s grace)."""
+    before = _sglang_processes()
+    yield
+    deadline = time.monotonic() + 10
+    while (left := _sglang_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"SGLang processes left behind: {sorted(left)}"
+
+
+def _max_logprob_change(path_a: str, path_b: str) -> float:
+    """Largest change of a next-token log-prob between two HF checkpoints on fixed random token sequences."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 200, (4, 24), generator=torch.Generator().manual_seed(0))
+    logps = []
+    for path in (path_a, path_b):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+        logps.append(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]))
+    return float((logps[0] - logps[1]).abs().max())
+
+
+def _run_grpo(tmp_path, overrides):
+    reward_file = tmp_path / "digits.py"
+    reward_file.write_text(DIGIT_REWARD)
+    cfg = load_config(
+        "grpo",
+        [
+            *GRPO,
+            *overrides,
+            f"custom_reward_function.path={reward_file}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
+    run = start_run(cfg, "grpo", start_ray=False)
+    return run.model_path, grpo.train(cfg, run)
+
+
+def _check_grpo(initial_model: str, result: dict) -> None:
+    history = result["history"]
+    assert [r["step"] for r in history] == [1, 2]
+    for row in history:
+        for key in ("timing_s/gen", "timing_s/update_weights", "rollout/tokens_per_s", "actor/pg_loss"):
+            assert key in row, key
+        assert row["perf/weight_sync_bytes"] > 0
+        assert row["rollout/generated_tokens"] > 0
+        assert row["training/rollout_logprob_diff_max"] < LOGPROB_TOL, row[
+            "training/rollout_logprob_diff_max"
+        ]
+    # the updates moved the policy far more than the tolerance: a stale engine would fail the step-2 check
+    assert history[0]["critic/score/mean"] != history[0]["critic/score/max"]  # varied rewards: a real update
+    assert _max_logprob_change(initial_model, result["hf_model"]) > 50 * LOGPROB_TOL
+
+
+def test_grpo_colocated_on_sglang(ray_session, tmp_path, no_leftover_engines):
+    """FSDP2 actor + SGLang engine in one worker; weights streamed into SGLang after every update."""
+    initial, result = _run_grpo(tmp_path, ["trainer.placement=colocated", "trainer.n_gpus_per_node=1"])
+    _check_grpo(initial, result)
+
+
+def test_grpo_disaggregated_on_sglang(ray_session, tmp_path, no_leftover_engines):
+    """SGLang in a RolloutWorker on its own pool; the trainer's rank 0 broadcasts, SGLang loads."""
+    initial, result = _run_grpo(
+        tmp_path,
+        ["trainer.placement=disaggregated", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus_per_node=1"],
+    )
+    _check_grpo(initial, result)
+    assert all(r["weight_sync/receivers"] == 1 for r in result["history"])
