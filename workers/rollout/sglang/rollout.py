@@ -84,10 +84,10 @@ WEIGHT_LOAD_FORMATS = ("tensor", "flattened_bucket")
 _REBUILT_KEYS = ("prompts", "input_ids", "attention_mask", "position_ids")
 
 
-def import_sglang(device: str = "cuda"):
+def import_sglang(device: str = "cuda", tp_size: int = 1):
     """The ``sglang`` module, or an ImportError saying how to get it; ``device="cpu"`` prepares the CPU engine."""
     if device == "cpu":
-        prepare_cpu_engine()
+        prepare_cpu_engine(tp_size)
     try:
         import sglang
     except ImportError as err:
@@ -95,12 +95,14 @@ def import_sglang(device: str = "cuda"):
     return sglang
 
 
-def prepare_cpu_engine() -> None:
+def prepare_cpu_engine(tp_size: int = 1) -> None:
     """Set this process (and the engine processes it spawns) up for SGLang's CPU engine.
 
     Must run before sglang is first imported: SGLang reads ``SGLANG_USE_CPU_ENGINE`` into module
     constants. Puts ``cpu_shim/`` (stand-ins for ``sgl_kernel`` and ``torchvision``, which have no CPU
     build) first on ``sys.path`` and ``PYTHONPATH``; never on a machine with CUDA, which needs the real ones.
+    With ``tp_size > 1`` each TP rank gets its own cores (``SGLANG_CPU_OMP_THREADS_BIND``, unless set):
+    SGLang otherwise allows only one rank per NUMA node.
     """
     if torch.cuda.is_available():
         raise RuntimeError(
@@ -112,6 +114,16 @@ def prepare_cpu_engine() -> None:
             "sglang was imported before prepare_cpu_engine(): set SGLANG_USE_CPU_ENGINE=1 before importing it"
         )
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    if tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tp_size:
+            raise ValueError(
+                f"tp_size={tp_size} on CPU needs a core per rank; this process may use {len(cores)}"
+            )
+        per = len(cores) // tp_size
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{cores[r * per]}-{cores[r * per + per - 1]}" for r in range(tp_size)
+        )
     shim = str(CPU_SHIM_DIR)
     if shim not in sys.path:
         sys.path.insert(0, shim)
@@ -224,7 +236,7 @@ class SGLangRollout(RolloutEngine):
         self.config = config
         name = f"{config.model_path} (device {config.device}, tp_size {config.tp_size})"
         if engine is None:
-            sglang = import_sglang(config.device)
+            sglang = import_sglang(config.device, config.tp_size)
             kwargs = config.server_kwargs()
             self.life = EngineLifecycle.start(lambda: sglang.Engine(**kwargs), name)
         else:
