@@ -333,3 +333,20 @@ def test_dead_engine_raises_naming_engine_and_request(tiny):
             engine.generate_sequences(_batch(tokenizer))
     finally:
         engine.shutdown()
+
+
+def test_engine_that_fails_to_start_raises_and_leaves_no_processes(tiny, monkeypatch):
+    """SGLang's launch-phase handler would kill this process when its scheduler fails while starting; here
+    the constructor raises instead. The failure: two TP ranks bound to one core list, which SGLang refuses."""
+    from workers.rollout.sglang import SGLangRollout
+
+    if DEVICE != "cpu":
+        pytest.skip("the start failure used here (SGLANG_CPU_OMP_THREADS_BIND) is the CPU engine's")
+    path, tokenizer, _ = tiny
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0")  # one entry for two ranks
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RuntimeError, match="died during initialization"):  # SGLang's own start error
+        SGLangRollout(make_config(path, tokenizer, tp_size=2))
+    time.sleep(1)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert _alive([p.pid for p in left if "resource_tracker" not in " ".join(p.cmdline())]) == []

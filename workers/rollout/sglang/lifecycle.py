@@ -71,10 +71,16 @@ class EngineLifecycle:
             self._take_over_sigquit()
 
     @classmethod
-    def start(cls, make_engine: Callable[[], Any], name: str) -> EngineLifecycle:
-        """Build the engine with ``make_engine()`` and record the processes it started."""
+    def start(cls, make_engine: Callable[..., Any], name: str) -> EngineLifecycle:
+        """Build the engine with ``make_engine(custom_sigquit_handler=...)`` and record the processes it
+        started. The handler replaces SGLang's launch-phase one, which kills this process when an engine
+        process fails to start; then the engine's constructor raises instead, and its processes are killed."""
         before = set(_children())
-        engine = make_engine()
+        try:
+            engine = make_engine(custom_sigquit_handler=_launch_failed)
+        except BaseException:
+            cls._kill([p for pid, p in _children().items() if pid not in before], name)
+            raise
         started = [p for pid, p in _children().items() if pid not in before]
         return cls(engine, name, started)
 
@@ -183,15 +189,19 @@ class EngineLifecycle:
             watchdog.stop()
 
     def _kill_processes(self) -> None:
+        self._kill(self.processes, self.name)
+
+    @staticmethod
+    def _kill(processes: list[psutil.Process], name: str) -> None:
         """SIGKILL, as SGLang's own shutdown does: its scheduler does not exit on SIGTERM while serving."""
-        for p in self.processes:
+        for p in processes:
             try:
                 p.kill()
-            except psutil.NoSuchProcess:
+            except psutil.NoSuchProcess:  # gone, or a zombie that wait_procs reaps
                 pass
-        _, alive = psutil.wait_procs(self.processes, timeout=10.0)
+        _, alive = psutil.wait_procs(processes, timeout=10.0)
         if alive:
-            logger.error("SGLang engine %s: processes %s did not exit after SIGKILL", self.name, alive)
+            logger.error("SGLang engine %s: processes %s did not exit after SIGKILL", name, alive)
 
     def shutdown(self) -> None:
         """Stop the engine's processes (and only those); idempotent."""
@@ -204,6 +214,11 @@ class EngineLifecycle:
         loop = getattr(self.engine, "loop", None)
         if self.processes and loop is not None and threading.current_thread() is threading.main_thread():
             loop.remove_signal_handler(signal.SIGQUIT)
+
+
+def _launch_failed(*_signal_args) -> None:
+    """SIGQUIT while an engine starts (module level: SGLang pickles its server args to its processes)."""
+    logger.error("SGLang: an engine process failed while starting (its log is above)")
 
 
 def _set_done(future: asyncio.Future) -> None:

@@ -238,7 +238,7 @@ class SGLangRollout(RolloutEngine):
         if engine is None:
             sglang = import_sglang(config.device, config.tp_size)
             kwargs = config.server_kwargs()
-            self.life = EngineLifecycle.start(lambda: sglang.Engine(**kwargs), name)
+            self.life = EngineLifecycle.start(lambda **handlers: sglang.Engine(**kwargs, **handlers), name)
         else:
             self.life = EngineLifecycle(engine, name, processes=[])
         self.engine = self.life.engine
