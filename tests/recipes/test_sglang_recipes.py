@@ -1,6 +1,6 @@
 """The recipes with ``rollout.name=sglang``: GRPO colocated (FSDP2 actor + SGLang engine in one worker) and
-disaggregated (SGLang on its own pool, weights broadcast then loaded into it), each through the recipe's entry
-point, on the nano model.
+disaggregated (SGLang on its own pool, weights broadcast then loaded into it), and the RLM recipe with SGLang
+generating the policy's turns; each through the recipe's entry point, on the nano model.
 
 Without a GPU the engine is SGLang's CPU engine (``make sglang-cpu``); without SGLang these tests skip with
 that hint, except in CI (``CI=true``), which installs it and must run them.
@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from recipes import grpo
+from recipes import grpo, rlm
 from recipes.config import load_config
 from recipes.trainer.run import start_run
 
@@ -146,3 +146,39 @@ def test_grpo_disaggregated_on_sglang(ray_session, tmp_path, no_leftover_engines
     )
     _check_grpo(initial, result)
     assert all(r["weight_sync/receivers"] == 1 for r in result["history"])
+
+
+def test_rlm_on_sglang(ray_session, tmp_path, no_leftover_engines):
+    """RLM trajectories whose model turns SGLang generates (its llm_query sub-calls would go to the same engine:
+    env.sub_model_path is unset); log-probs agree with the trainer's, env metrics are reported."""
+    result = rlm.main(
+        [
+            "rollout.name=sglang",
+            "model.tiny_size=nano",
+            "task.n_train=8",
+            "task.n_val=2",
+            "task.knobs.lengths=2000",
+            "data.val_max_samples=2",
+            "data.val_batch_size=2",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=2",
+            "sft.total_steps=2",
+            "sft.batch_size=4",
+            "sft.log_every=1",
+            "env.agent.max_iterations=2",
+            "env.agent.max_new_tokens=24",
+            "eval.before_train=false",
+            "trainer.total_training_steps=1",
+            "trainer.progress_bar=false",
+            "trainer.logger=[console]",
+            "trainer.plot=false",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
+    assert result["step"] == 1 and [s for s, _ in result["val_history"]] == [1]
+    final = result["final"]
+    for key in ("env/turns/mean", "env/finished_frac", "critic/score/mean", "timing_s/gen", "val/accuracy"):
+        assert key in final, key
+    assert final["env/turns/mean"] >= 1
+    assert final["training/rollout_logprob_diff_max"] < LOGPROB_TOL

@@ -12,9 +12,25 @@ from typing import Any
 
 from controller import Dispatch, register
 from workers.rlm.agent import EngineLLM, LoopThread
+from workers.roles.rollout import is_sglang
 from workers.sandbox import ReplSandbox
 
-__all__ = ["AgentEnvBase"]
+__all__ = ["AgentEnvBase", "CallerLoop"]
+
+
+class CallerLoop:
+    """An event loop that the calling thread drives (``run`` = ``run_until_complete``), for an engine whose replies
+    are read on its own loop between calls: SGLang's adapter (its async calls must run on ``engine.loop``, where
+    SGLang's reply reader lives; a loop on another thread would send requests whose replies nobody reads)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def stop(self) -> None:  # the engine owns the loop
+        pass
 
 
 class AgentEnvBase:
@@ -26,7 +42,7 @@ class AgentEnvBase:
     def _env_base_init(self, env_config, policy_factory=None) -> None:
         self.env_config = env_config
         self._policy_factory = policy_factory
-        self._env_loop: LoopThread | None = None
+        self._env_loop: LoopThread | CallerLoop | None = None
         self._sandbox: ReplSandbox | None = None
         self._policy: EngineLLM | None = None
 
@@ -51,9 +67,13 @@ class AgentEnvBase:
             self._sandbox = ReplSandbox(self.env_config.sandbox)
         return self._sandbox
 
-    def _loop(self) -> LoopThread:
+    def _loop(self) -> LoopThread | CallerLoop:
         if self._env_loop is None:
-            self._env_loop = LoopThread(name=f"{self.loop_name}-{self.rank}")
+            engine = self._env_engine() if self._policy_factory is None else None
+            if engine is not None and is_sglang(engine):
+                self._env_loop = CallerLoop(engine.engine.loop)
+            else:
+                self._env_loop = LoopThread(name=f"{self.loop_name}-{self.rank}")
         return self._env_loop
 
     def _env_before_generate(self) -> None:
