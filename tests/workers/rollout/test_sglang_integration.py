@@ -7,13 +7,12 @@ The engine starts once for the module (10-70 s on the 2-core CI machine).
 
 Tolerances: the engine runs the tiny model in float32 (SGLang allows it on CPU), so greedy tokens must
 equal HF ``generate`` and the native engine exactly; log-probs differ from the training engine's only by
-float32 summation order (observed <= 1e-5), checked at ``LOGPROB_TOL``.
+float32 summation order (observed 9.5e-7), checked at ``LOGPROB_TOL``.
 On CPU there is no memory saver (torch_memory_saver has only CUDA hooks): release/resume run SGLang's
 whole control flow (idle check, tags, stashing the weights' static state) but free no memory.
 """
 
 import asyncio
-import importlib.util
 import os
 import subprocess
 import threading
@@ -35,12 +34,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def sglang_installed():
-    if importlib.util.find_spec("sglang") is None:
-        reason = "needs SGLang: run `make sglang-cpu` (CPU engine) or pip install hyflow[sglang] (CUDA)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the SGLang tests; {reason}")
-        pytest.skip(reason)
+def sglang_installed(sglang_module):
+    """See ``conftest.sglang_module``: skip or fail without SGLang, restore the process state after."""
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +160,7 @@ def test_log_probs_match_the_training_engine(rollout, tiny):
     ref = train.compute_log_prob(out, temperature=1.0)["log_probs"]
     mask = out.batch["response_mask"].bool()
     diff = (out.batch["rollout_log_probs"] - ref).abs()[mask]
+    print(f"SGLang vs training engine: max |log-prob difference| {diff.max().item():.2e}")
     assert diff.max().item() < LOGPROB_TOL, diff.max().item()
     assert (ref[mask] < 0).all()
 
