@@ -259,3 +259,16 @@ def test_switching_task_on_the_command_line_drops_the_files_knobs():
     assert kept["lengths"] == 4000 and kept["n_decoys"] == 1
     with pytest.raises(ConfigError, match="unknown knob"):
         load_config("rlm", ["task.name=oolong", "task.knobs.n_decoys=1"])
+
+
+def test_rollout_engine_is_checked_before_ray(monkeypatch):
+    assert "rollout.name must be 'native' or 'sglang', got 'vllm'" in _errors(["rollout.name=vllm"])
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "sglang" else real_find_spec(n, *a)
+    )
+    assert "rollout.name=sglang needs the sglang package: `make sglang-cpu`" in _errors(
+        ["rollout.name=sglang"]
+    )
