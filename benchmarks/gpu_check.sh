@@ -10,10 +10,12 @@
 #   bash benchmarks/gpu_check.sh --download DIR       # on a machine with PyPI: fill a wheelhouse for an offline one
 #   WHEELS=DIR bash benchmarks/gpu_check.sh           # offline: install only from that wheelhouse
 #
-# Setup never touches the machine's torch: a venv ($VENV, default /tmp/hyflow-gpu-venv) with --system-site-packages
-# gets the packages the machine lacks (ray, omegaconf, ...). SGLang with CUDA is installed only when SGLANG_SPEC is set (e.g.
-# SGLANG_SPEC="sglang==0.5.20"): SGLang pins its own torch (0.5.19-0.5.21: torch 2.13.0), which then replaces
-# the machine's inside the venv. Without it the SGLang tests skip with their reason and the summary says so.
+# Setup installs into the machine's own python3 environment (a GPU machine lent for a check is thrown away after)
+# only what it lacks (ray, omegaconf, ...; none of them depends on torch, so the machine's CUDA torch stays).
+# A venv is not used: an image whose python3 is itself a venv would hide its torch from a nested one. SGLang with
+# CUDA is installed only when SGLANG_SPEC is set (e.g. SGLANG_SPEC="sglang==0.5.20"): SGLang pins its own torch
+# (0.5.19-0.5.21: torch 2.13.0), which then replaces the machine's. Without it the SGLang tests skip with their
+# reason and the summary says so.
 # Status: written against the repository's benchmarks and pytest markers; not yet run on a GPU (none was lent to
 # the task that wrote it).
 set -uo pipefail
@@ -23,8 +25,11 @@ PKGS=("ray==2.60.0" "omegaconf>=2.3" "pytest-timeout>=2.3")
 if [ "${1:-}" = "--download" ]; then
   dir=${2:?usage: gpu_check.sh --download DIR}
   # CPython 3.12, manylinux x86_64: the GPU image's python3; add SGLANG_SPEC to fetch SGLang's CUDA wheels too
-  exec python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$dir" "${PKGS[@]}" ${SGLANG_SPEC:-}
+  python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$dir" "${PKGS[@]}" ${SGLANG_SPEC:-} \
+    || exit 1
+  # omegaconf's parser runtime exists only as an sdist (pure Python; built offline with the image's setuptools)
+  exec python3 -m pip download --no-deps --no-binary=:all: -d "$dir" "antlr4-python3-runtime==4.9.3"
 fi
 
 OUT=${OUT:-outputs/gpu_check}
@@ -55,12 +60,10 @@ step() {
 
 nvidia-smi >>"$LOG" 2>&1 || { echo "no nvidia-smi: this script is for a CUDA machine" | tee -a "$LOG"; exit 1; }
 
-# setup: a venv over the system site-packages (keeps the machine's CUDA torch), plus what it lacks
-VENV=${VENV:-/tmp/hyflow-gpu-venv}
-python3 -m venv --system-site-packages "$VENV" >>"$LOG" 2>&1
-PY=$VENV/bin/python
+# setup: what the machine's python3 lacks (its CUDA torch stays)
+PY=${PYTHON:-python3}
 PIP=("$PY" -m pip install -q --no-cache-dir)
-[ -n "${WHEELS:-}" ] && PIP+=(--no-index --find-links "$WHEELS")
+[ -n "${WHEELS:-}" ] && PIP+=(--no-index --find-links "$WHEELS" --no-build-isolation)
 step install-hyflow-deps "" "${PIP[@]}" "${PKGS[@]}"
 [ -n "${SGLANG_SPEC:-}" ] && step install-sglang "" "${PIP[@]}" "$SGLANG_SPEC"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
