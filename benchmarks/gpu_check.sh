@@ -25,10 +25,11 @@ PKGS=("ray==2.60.0" "omegaconf>=2.3" "pytest-timeout>=2.3")
 if [ "${1:-}" = "--download" ]; then
   dir=${2:?usage: gpu_check.sh --download DIR}
   # CPython 3.12, manylinux x86_64: the GPU image's python3; add SGLANG_SPEC to fetch SGLang's CUDA wheels too
-  python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$dir" "${PKGS[@]}" ${SGLANG_SPEC:-} \
-    || exit 1
+  bin=(python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$dir")
+  "${bin[@]}" "ray==2.60.0" "pytest-timeout>=2.3" ${SGLANG_SPEC:-} || exit 1
   # omegaconf's parser runtime exists only as an sdist (pure Python; built offline with the image's setuptools)
+  "${bin[@]}" --no-deps "omegaconf==2.3.0" || exit 1
   exec python3 -m pip download --no-deps --no-binary=:all: -d "$dir" "antlr4-python3-runtime==4.9.3"
 fi
 
