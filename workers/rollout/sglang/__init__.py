@@ -1,8 +1,11 @@
-"""SGLang rollout adapter (GPU clusters; CPU engine for tests and CI): ``SGLangRollout``, a ``RolloutEngine`` over ``sglang.Engine``.
+"""SGLang rollout adapter: ``SGLangRollout``, a ``RolloutEngine`` over ``sglang.Engine`` (CUDA, or SGLang's
+CPU engine for tests and CI: ``make sglang-cpu``, ``device="cpu"``).
 
-sglang is imported lazily (only when an engine is built), so this package imports on CPU-only
-machines; without sglang, ``SGLangRollout(config)`` raises ``ImportError`` with
-"pip install hyflow[sglang] on a CUDA machine".
+sglang is imported lazily (only when an engine is built), so this package imports without it; then
+``SGLangRollout(config)`` raises ``ImportError`` naming ``make sglang-cpu`` / ``pip install hyflow[sglang]``.
+Run for real against sglang 0.5.20 (``tests/workers/rollout/test_sglang_integration.py``); the
+weight-update session of >= 0.5.21 (``begin_weight_update`` / ``end_weight_update``) was read from the
+0.5.21 wheel. ``lifecycle.py``: the engine's processes, death, idle state and shutdown.
 
 SGLang API this adapter was written against (sglang >= 0.5; the snapshot of
 ``python/sglang/srt/entrypoints/engine.py`` read is the 0.5.7 line: it pins sgl-kernel 0.3.20 and
