@@ -29,6 +29,19 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def needs():
+    """``needs(reason)``: skip for a missing optional component (SGLang, Slurm), with the reason saying how to get
+    it -- except in CI (``CI=true``), whose .ci/run installs every such component: there the test fails."""
+
+    def missing(reason: str):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run this test (.ci/run installs what it needs), but: {reason}")
+        pytest.skip(reason)
+
+    return missing
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """``small_disk(size)``: a directory on a real tmpfs of ``size`` (e.g. "4m"), a disk that fills up. Needs

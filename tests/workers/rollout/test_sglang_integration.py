@@ -105,6 +105,20 @@ def _responses(out) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(out.batch["responses"], mask)]
 
 
+def _hf_greedy(model, ids: list[int], eos: set[int], pad_token_id: int) -> list[int]:
+    """HF ``generate``'s greedy continuation of ``ids``, cut after the first EOS (the reference tokens)."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=sorted(eos),
+            pad_token_id=pad_token_id,
+        )[0, len(ids) :].tolist()
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
+
+
 def _hf_weights(model, noise: float = 0.0, seed: int = 0):
     from workers.weight_sync import hf_named_tensors
 
@@ -131,17 +145,7 @@ def test_greedy_tokens_equal_hf_generate_and_native_engine(rollout, tiny):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in eos
 
     for row, ids in enumerate(_prompt_ids(tokenizer, TEXTS)):
-        with torch.inference_mode():
-            hf = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=sorted(eos),
-                pad_token_id=tokenizer.pad_token_id,
-            )[0, len(ids) :].tolist()
-        hf = hf[: next((i + 1 for i, t in enumerate(hf) if t in eos), len(hf))]
-        assert got[row] == hf, f"row {row}"
+        assert got[row] == _hf_greedy(model, ids, eos, tokenizer.pad_token_id), f"row {row}"
 
     native = NativeEngine(
         model, tokenizer, EngineConfig(response_length=MAX_NEW_TOKENS, sampling=rollout.config.sampling)

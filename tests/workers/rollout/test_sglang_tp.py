@@ -17,11 +17,19 @@ import os
 
 import pytest
 import torch
-from test_sglang_integration import DEVICE, TEXTS, _batch, _hf_weights, _prompt_ids, _responses, make_config
+from test_sglang_integration import (
+    DEVICE,
+    MAX_NEW_TOKENS,
+    TEXTS,
+    _batch,
+    _hf_greedy,
+    _hf_weights,
+    _prompt_ids,
+    _responses,
+    make_config,
+)
 
 from workers.rollout.sampling import SamplingParams
-
-MAX_NEW_TOKENS = 12
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
 if DEVICE == "cuda":
@@ -64,16 +72,7 @@ def test_tp2_greedy_equals_hf_and_follows_weight_updates(rollout_tp2, tiny):
     first = _responses(rollout_tp2.generate_sequences(data))
     eos = set(rollout_tp2.generate_sequences(data).meta_info["eos_token_id"])
     for row, ids in enumerate(_prompt_ids(tokenizer, TEXTS)):
-        with torch.inference_mode():
-            hf = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=sorted(eos),
-                pad_token_id=tokenizer.pad_token_id,
-            )[0, len(ids) :].tolist()
-        assert first[row] == hf[: next((i + 1 for i, t in enumerate(hf) if t in eos), len(hf))], f"row {row}"
+        assert first[row] == _hf_greedy(model, ids, eos, tokenizer.pad_token_id), f"row {row}"
 
     rollout_tp2.update_weights(_hf_weights(model, noise=0.05))
     assert _responses(rollout_tp2.generate_sequences(data)) != first
