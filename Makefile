@@ -1,12 +1,12 @@
 # Two entry points for a fresh machine with Python 3.11 and pip:
 #   make demo   - set up .venv and run the main job (small end-to-end training run on CPU)
-#   make test   - set up .venv and run lint + the test suite
+#   make test   - set up .venv and run lint + type check + the test suite
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean-venv sglang-cpu
+.PHONY: demo test lint typecheck bench clean-venv sglang-cpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# Packages listed under [tool.mypy] in pyproject.toml.
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

@@ -37,6 +37,6 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17"],
         "wandb": ["wandb"],
         # megatron-core in dev: installs in seconds without touching torch, so CI runs the Megatron tests.
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "megatron-core==0.16.0"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "mypy==2.4.1", "megatron-core==0.16.0"],
     },
 )

@@ -15,72 +15,16 @@ from typing import Any
 
 import torch
 
-from algorithms.advantages import (
-    compute_gae_advantage_return,
-    compute_grpo_outcome_advantage,
-    compute_reinforce_plus_plus_baseline_outcome_advantage,
-    compute_reinforce_plus_plus_outcome_advantage,
-    compute_remax_outcome_advantage,
-    compute_rloo_outcome_advantage,
-)
+# hyflow's names are verl's: re-export all of them; this module adds verl's two older call forms.
+from algorithms import *  # noqa: F403
+from algorithms import __all__ as _hyflow_names
 from algorithms.aggregation import agg_loss as _agg_loss
-from algorithms.entropy import compute_entropy_loss, entropy_from_logits
-from algorithms.kl import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-    compute_rewards,
-    get_kl_controller,
-    kl_penalty,
-)
-from algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from algorithms.policy_loss import compute_policy_loss_gspo, compute_policy_loss_vanilla
-from algorithms.registry import (
-    ADV_ESTIMATOR_REGISTRY,
-    POLICY_LOSS_REGISTRY,
-    AdvantageEstimator,
-    get_adv_estimator_fn,
-    get_policy_loss_fn,
-    register_adv_est,
-    register_policy_loss,
-)
-from algorithms.value_loss import compute_value_loss
+from algorithms.policy_loss import compute_policy_loss_vanilla
 
-__all__ = [
-    "ADV_ESTIMATOR_REGISTRY",
-    "POLICY_LOSS_REGISTRY",
-    "AdvantageEstimator",
-    "AdaptiveKLController",
-    "FixedKLController",
-    "agg_loss",
-    "apply_kl_penalty",
-    "compute_entropy_loss",
-    "compute_gae_advantage_return",
-    "compute_grpo_outcome_advantage",
-    "compute_policy_loss",
-    "compute_policy_loss_gspo",
-    "compute_policy_loss_vanilla",
-    "compute_reinforce_plus_plus_baseline_outcome_advantage",
-    "compute_reinforce_plus_plus_outcome_advantage",
-    "compute_remax_outcome_advantage",
-    "compute_rewards",
-    "compute_rloo_outcome_advantage",
-    "compute_value_loss",
-    "entropy_from_logits",
-    "get_adv_estimator_fn",
-    "get_kl_controller",
-    "get_policy_loss_fn",
-    "kl_penalty",
-    "masked_mean",
-    "masked_sum",
-    "masked_var",
-    "masked_whiten",
-    "register_adv_est",
-    "register_policy_loss",
-]
+__all__ = [*_hyflow_names, "compute_policy_loss"]
 
 
-def agg_loss(
+def agg_loss(  # type: ignore[no-redef]  # replaces the star-imported one with verl's keyword form
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",

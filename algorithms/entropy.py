@@ -33,7 +33,8 @@ def compute_entropy_loss(
     with the same ``loss_agg_mode`` / ``global_batch_info`` as ``pg_loss`` so the bonus obeys the
     same micro-batch convention.
     """
-    if (logits is None) == (entropy is None):
+    if logits is not None and entropy is None:
+        entropy = entropy_from_logits(logits)
+    elif logits is not None or entropy is None:
         raise ValueError("compute_entropy_loss needs exactly one of logits [B, R, V] or entropy [B, R]")
-    token_entropy = entropy_from_logits(logits) if logits is not None else entropy
-    return agg_loss(token_entropy, response_mask, loss_agg_mode, global_batch_info=global_batch_info)
+    return agg_loss(entropy, response_mask, loss_agg_mode, global_batch_info=global_batch_info)

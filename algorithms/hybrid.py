@@ -147,10 +147,7 @@ def hybrid_advantage_terms(
         normed = normalize_step_rewards(step_rewards, step_mask, index, epsilon, norm_adv_by_std_in_grpo)
         prm = step_rewards_per_token(normed.to(torch.float32), response_mask) * mask
     opd = torch.zeros_like(mask)
-    given = [x is not None for x in (teacher_log_prob, old_log_probs, hint_mask)]
-    if any(given) and not all(given):
-        raise ValueError("the OPD term needs teacher_log_prob, old_log_probs and hint_mask together")
-    if all(given):
+    if teacher_log_prob is not None and old_log_probs is not None and hint_mask is not None:
         for name, t in (("teacher_log_prob", teacher_log_prob), ("old_log_probs", old_log_probs)):
             if t.shape != mask.shape:
                 raise ValueError(f"{name} must be [B, R]={tuple(mask.shape)}, got {tuple(t.shape)}")
@@ -159,6 +156,8 @@ def hybrid_advantage_terms(
             diff = diff.clamp(-opd_clip, opd_clip)
         hint = hint_mask.to(torch.float32).reshape(-1, 1)
         opd = diff * hint * mask
+    elif teacher_log_prob is not None or old_log_probs is not None or hint_mask is not None:
+        raise ValueError("the OPD term needs teacher_log_prob, old_log_probs and hint_mask together")
     return HybridTerms(grpo=grpo * mask, prm=prm, opd=opd)
 
 

@@ -75,7 +75,7 @@ def compute_policy_loss_vanilla(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     *,
-    clip_ratio: float = 0.2,
+    clip_ratio: float | None = 0.2,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
     clip_ratio_c: float = 3.0,

@@ -104,7 +104,7 @@ def check_fits(
     still does the placing.
     """
     live = nodes is None
-    nodes = list(alive_nodes() if live else nodes)
+    nodes = list(alive_nodes() if nodes is None else nodes)
     failed = _first_unplaceable(requests, [n.total for n in nodes])
     if failed is not None:
         raise InsufficientResourcesError(
