@@ -29,8 +29,10 @@ import asyncio
 import time
 
 from benchmarks.common import print_table, write_json
-from workers.rlm.agent import AgentConfig, EngineLLM, ReplayScript, RLMAgent, scripted_generate
-from workers.rlm.trajectory_batch import trajectories_to_dataproto
+from workers.agents.batch import trajectories_to_dataproto
+from workers.agents.llm import EngineLLM
+from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.rlm.agent import AgentConfig, RLMAgent
 from workers.sandbox import ReplSandbox, SandboxConfig
 
 F = "```"

@@ -25,7 +25,7 @@ from workers.reward.long_context import (
     score_oolong_pairs,
     score_sniah,
 )
-from workers.rlm import parse_turn
+from workers.rlm.protocol import parse_turn
 
 LC = sorted(LONG_CONTEXT_TASKS)
 SMALL = {"lengths": "2000,3000"}

@@ -1,4 +1,4 @@
-"""RLM trajectories -> a training batch (``DataProto``, dataproto/BATCH_LAYOUT.md).
+"""Agent trajectories -> a training batch (``DataProto``, dataproto/BATCH_LAYOUT.md).
 
 One row per trajectory (roots; children too with ``train_children=True``):
 
@@ -42,9 +42,10 @@ import numpy as np
 import torch
 
 from dataproto import DataProto
-from workers.rlm.protocol import RLMTrajectory
+from workers.agents.trajectory import Trajectory
 
 __all__ = [
+    "OWN_COLUMNS",
     "advantage_index",
     "inherit_root_advantages",
     "is_root",
@@ -63,8 +64,14 @@ TENSOR_KEYS = (
     "rollout_log_probs",
 )
 
+# The non-tensor columns trajectories_to_dataproto writes (an input column of the same name is not copied).
+OWN_COLUMNS = frozenset(
+    ("uid", "traj_id", "root_id", "depth", "parent_id", "answer", "root_answer", "status", "num_turns")
+    + ("truncated", "trajectory")
+)
 
-def trajectory_json(traj: RLMTrajectory, tokens: bool = False) -> str:
+
+def trajectory_json(traj: Trajectory, tokens: bool = False) -> str:
     """The trajectory as one JSON line; without token ids and log-probs unless ``tokens``."""
     d = traj.to_dict()
     if not tokens:
@@ -74,17 +81,17 @@ def trajectory_json(traj: RLMTrajectory, tokens: bool = False) -> str:
     return json.dumps(d, ensure_ascii=False, default=str)
 
 
-def select_rows(trajectories: Sequence[RLMTrajectory], train_children: bool) -> list[int]:
+def select_rows(trajectories: Sequence[Trajectory], train_children: bool) -> list[int]:
     """Indices of the trajectories that become rows: all with ``train_children``, else the roots."""
     return [i for i, t in enumerate(trajectories) if train_children or t.depth == 0]
 
 
-def _root_of(traj: RLMTrajectory) -> str:
+def _root_of(traj: Trajectory) -> str:
     return traj.id.split("/", 1)[0]
 
 
 def trajectories_to_dataproto(
-    trajectories: Sequence[RLMTrajectory],
+    trajectories: Sequence[Trajectory],
     *,
     max_prompt_length: int,
     max_response_length: int,

@@ -9,9 +9,9 @@
         malformed   -> a format-correction observation (the trajectory goes on)
         sequence   += end of turn + user observation + generation prompt          (mask 0)
 
-The conversation, token bookkeeping and scripted test policies come from ``workers.rlm.agent``
-(``EngineLLM``: the model's tokens are never re-tokenised), and the records are ``RLMTrajectory`` /
-``RLMTurn`` so ``workers.rlm.trajectory_batch.trajectories_to_dataproto`` makes the training batch.
+The conversation and token bookkeeping come from ``workers.agents.llm`` (``EngineLLM``: the model's tokens
+are never re-tokenised), and the records are ``workers.agents.trajectory.Trajectory`` so
+``workers.agents.batch.trajectories_to_dataproto`` makes the training batch.
 ``trajectory.metadata["steps"]`` holds one record per turn -- ``kind`` (tool / answer / malformed),
 ``action`` (the turn's text), ``observation`` (what the environment answered; "" after the answer) -- the
 PRM judges these. ``final_answer`` is ``\\boxed{<answer>}``, so rule scorers that read ``\\boxed{}`` score it.
@@ -23,6 +23,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from workers.agents.llm import ContextFull, EngineLLM
+from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
 from workers.math_env.protocol import (
     TOOL_CLOSE,
     TOOL_OPEN,
@@ -30,8 +32,6 @@ from workers.math_env.protocol import (
     format_tool_observation,
     parse_action,
 )
-from workers.rlm.agent import ContextFull, EngineLLM
-from workers.rlm.protocol import CodeResult, RLMTrajectory, RLMTurn
 from workers.rollout.sampling import SamplingParams
 
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "MathToolAgent", "ToolAgentConfig"]
@@ -75,7 +75,7 @@ class _Stats:
 
 
 class MathToolAgent:
-    """``await agent.run(problem, uid=..., traj_id=..., seed=...)`` -> an ``RLMTrajectory`` (module docstring).
+    """``await agent.run(problem, uid=..., traj_id=..., seed=...)`` -> an ``Trajectory`` (module docstring).
 
     ``policy``: an ``EngineLLM`` (engine or scripted ``GenerateFn`` + tokenizer); ``sandbox``: a
     ``workers.sandbox.ReplSandbox`` (one REPL per trajectory, closed when it ends)."""
@@ -104,10 +104,10 @@ class MathToolAgent:
 
     async def run(
         self, problem: str, *, uid: str = "", traj_id: str = "t0", seed: int | None = None, metadata=None
-    ) -> RLMTrajectory:
+    ) -> Trajectory:
         """One trajectory to its end; never raises for anything the model or its code does."""
         c = self.config
-        traj = RLMTrajectory(id=traj_id, query=str(problem), root_uid=str(uid or traj_id))
+        traj = Trajectory(id=traj_id, query=str(problem), root_uid=str(uid or traj_id))
         traj.metadata.update(dict(metadata or {}))
         steps: list[dict] = []
         traj.metadata["steps"] = steps
@@ -124,7 +124,7 @@ class MathToolAgent:
                     traj.status, traj.error = "budget", str(exc)
                     break
                 stats.timings["gen_s"] += time.perf_counter() - tg
-                turn = RLMTurn(
+                turn = TrajectoryTurn(
                     index=k,
                     prompt_text=resp.prompt_text,
                     response_text=resp.text,

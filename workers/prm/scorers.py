@@ -17,16 +17,16 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from workers.agents.chat_format import ChatFormat
+from workers.engine.distributed import default_device
+from workers.models import load_tokenizer
+from workers.rollout.native import EngineConfig, NativeEngine
+
 __all__ = ["EngineScorer", "HTTPScorer"]
 
 
 class EngineScorer:
     def __init__(self, model_path: str, *, device: str | None = None, max_num_seqs: int = 64, seed: int = 0):
-        from workers.engine.distributed import default_device
-        from workers.models import load_tokenizer
-        from workers.rlm.agent import ChatFormat
-        from workers.rollout.native import EngineConfig, NativeEngine
-
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
         self.format = ChatFormat(self.tokenizer)

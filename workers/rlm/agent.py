@@ -1,5 +1,8 @@
 """The RLM agent loop: multi-turn generation, sandboxed code, recursive sub-calls, token-exact records.
 
+The conversation (``workers.agents.llm``), the records (``workers.agents.trajectory``) and the budget
+(``workers.agents.limits``) are the agent layer's; this module holds what is RLM's own.
+
 One :class:`RLMAgent` drives any number of concurrent trajectories on one asyncio loop (their turns and
 sub-calls batch together in the engine). A root trajectory runs like this::
 
@@ -16,7 +19,7 @@ sub-calls batch together in the engine). A root trajectory runs like this::
 Token-exact trajectories: the model's tokens are exactly the engine's ``token_ids`` (never decoded and
 re-encoded); the template/observation segment between two turns is tokenised once, by itself, and
 appended; the prompt of turn k+1 is therefore *literally* the prompt of turn k + its response + that
-segment, and :meth:`RLMTrajectory.token_sequence` rebuilds the whole sequence with its loss mask (1 on
+segment, and :meth:`Trajectory.token_sequence` rebuilds the whole sequence with its loss mask (1 on
 the engine's tokens, 0 on everything else) and the engine's log-probs.
 
 Sub-calls from REPL code (``workers.sandbox`` hands them to :meth:`RLMAgent._subcall`):
@@ -29,7 +32,7 @@ Sub-calls from REPL code (``workers.sandbox`` hands them to :meth:`RLMAgent._sub
   to the prompt. The child's final answer (a string) is what the parent's code gets.
 * A failing or refused sub-call returns an ``"Error: ..."`` string to the code; it never raises.
 
-Budgets (``AgentConfig``) are per root and shared by its whole tree: iterations (per trajectory),
+Budgets (``AgentConfig``, enforced by ``workers.agents.limits.Budget``) are per root and shared by its whole tree: iterations (per trajectory),
 sub-calls, generated tokens, wall-clock seconds, and the length of one trajectory's token sequence.
 Reaching one ends the trajectory with status ``"budget"`` (``"max_iterations"`` for the turn cap);
 a sandbox that cannot run at all (creation fails, or a REPL dies and cannot be restarted) ends that
@@ -43,46 +46,22 @@ first, children in start order.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
-import threading
 import time
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from workers.agents.limits import Budget, BudgetLimits
+from workers.agents.llm import ContextFull
+from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
 from workers.rlm.prompts import ContextInfo, PromptConfig, build_messages, describe_context
-from workers.rlm.protocol import (
-    DEFAULT_LANGUAGES,
-    CodeResult,
-    RLMTrajectory,
-    RLMTurn,
-    format_observation,
-    parse_turn,
-    truncate,
-)
-from workers.rollout.sampling import GenerationOutput, SamplingParams
+from workers.rlm.protocol import DEFAULT_LANGUAGES, format_observation, parse_turn, truncate
+from workers.rollout.sampling import SamplingParams
 
-__all__ = [
-    "AgentConfig",
-    "AgentResult",
-    "ChatFormat",
-    "ChatLLM",
-    "EngineLLM",
-    "GenerateFn",
-    "LoopThread",
-    "RLMAgent",
-    "ReplayScript",
-    "as_llm",
-    "normalize_context",
-    "scripted_generate",
-]
-
-GenerateFn = Callable[[list[int], SamplingParams], Awaitable[GenerationOutput | list[GenerationOutput]]]
-"""``async gen(prompt_ids, SamplingParams) -> GenerationOutput``: NativeEngine.generate, SGLangRollout.generate,
-or any function with that contract (a scripted policy in tests)."""
+__all__ = ["AgentConfig", "AgentResult", "RLMAgent", "normalize_context"]
 
 SUBCALL_RECORD_CHARS = 2000  # prompt/response characters kept per sub-call in a trajectory's metadata
 
@@ -133,316 +112,15 @@ class AgentConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# Chat formatting (template pieces tokenised once per segment, never the whole conversation)
-
-_S1, _S2, _SA = "HYFLOWSENTINELONE", "HYFLOWSENTINELTWO", "HYFLOWSENTINELSYS"
-
-
-class ChatFormat:
-    """The tokenizer's chat template split into the pieces an incremental conversation needs.
-
-    ``prompt_ids(messages)``: the initial prompt (template + generation prompt). ``continuation(text,
-    last_token)``: the tokens that close the model's turn (unless its last token already did), open a
-    user turn holding ``text``, close it and open the next assistant turn -- tokenised by itself, so
-    the model's own tokens before it are never touched. Tokenizers without a chat template get a
-    plain ``User:/Assistant:`` format.
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
-        if self.has_template:
-            text = self._render(
-                [
-                    {"role": "system", "content": _SA},
-                    {"role": "user", "content": "A"},
-                    {"role": "assistant", "content": _S1},
-                    {"role": "user", "content": _S2},
-                ],
-                add_generation_prompt=True,
-            )
-            i1, i2 = text.find(_S1), text.find(_S2)
-            if i1 < 0 or i2 < i1:
-                raise ValueError("the chat template drops message contents; ChatFormat cannot split it")
-            self.between = text[i1 + len(_S1) : i2]  # end of assistant turn + start of user turn
-            self.tail = text[i2 + len(_S2) :]  # end of user turn + generation prompt
-        else:
-            self.between, self.tail = "\n\nUser: ", "\n\nAssistant: "
-        self.eos_ids = set()
-        for name in ("eos_token_id",):
-            v = getattr(tokenizer, name, None)
-            if isinstance(v, int):
-                self.eos_ids.add(v)
-        # The text of each special token, so a turn that ended with one does not get it twice.
-        self._special_text: dict[int, str] = {}
-
-    def _render(self, messages, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-
-    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt text of ``messages`` with the generation prompt."""
-        if self.has_template:
-            return self._render(messages, add_generation_prompt=True)
-        parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-        return "\n\n".join(parts) + self.tail
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        return self.encode(self.render(messages))
-
-    def _token_text(self, token: int) -> str:
-        if token not in self._special_text:
-            self._special_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-        return self._special_text[token]
-
-    def continuation_text(self, text: str, last_token: int | None) -> str:
-        between = self.between
-        if last_token is not None:
-            closing = self._token_text(last_token)
-            if closing and between.startswith(closing):
-                between = between[len(closing) :]
-        return between + text + self.tail
-
-    def continuation(self, text: str, last_token: int | None) -> list[int]:
-        return self.encode(self.continuation_text(text, last_token))
-
-
-# --------------------------------------------------------------------------------------------------
-# LLM backends
-
-
-class ContextFull(Exception):
-    """The next request would not fit under the trajectory's (or the engine's) token limit."""
-
-
-@dataclass
-class _Response:
-    text: str
-    token_ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
-    prompt_ids: list[int]  # tokens appended since the previous response (the whole prompt for turn 0)
-    prompt_text: str
-    num_tokens: int  # generated tokens (for budgets)
-
-
-class EngineLLM:
-    """A token-level LLM: ``generate`` (an engine object with ``async generate`` or a `GenerateFn`) and
-    the tokenizer whose ids it speaks. ``max_model_len``: prompt + response limit (default: the engine's
-    ``max_model_len`` attribute, if any)."""
-
-    token_exact = True
-
-    def __init__(self, generate, tokenizer, *, max_model_len: int | None = None, name: str = "policy"):
-        fn = getattr(generate, "generate", None)
-        self.generate_fn: GenerateFn = fn if fn is not None and inspect.iscoroutinefunction(fn) else generate
-        if not callable(self.generate_fn):
-            raise TypeError(f"EngineLLM needs an async generate function or an engine, got {generate!r}")
-        self.engine = generate if fn is not None else None
-        self.tokenizer = tokenizer
-        self.format = ChatFormat(tokenizer)
-        self.max_model_len = max_model_len or getattr(generate, "max_model_len", None)
-        self.name = name
-
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        out = await self.generate_fn(list(prompt_ids), params)
-        if isinstance(out, list):
-            out = out[0]
-        return out
-
-    def conversation(self, messages, limit: int | None) -> _TokenConversation:
-        return _TokenConversation(self, messages, limit)
-
-    async def complete(self, prompt: str, params: SamplingParams) -> tuple[str, int]:
-        """One plain completion of ``[user: prompt]``: (text, generated tokens)."""
-        ids = self.format.prompt_ids([{"role": "user", "content": prompt}])
-        if self.max_model_len is not None:
-            room = self.max_model_len - len(ids)
-            if room < 1:
-                raise ContextFull(
-                    f"the prompt is {len(ids)} tokens; the model {self.name!r} takes at most "
-                    f"{self.max_model_len - 1} (split it into smaller pieces)"
-                )
-            if params.max_new_tokens > room:
-                params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
-        out = await self._generate(ids, params)
-        return self.format.decode(out.token_ids), len(out.token_ids)
-
-
-class _TokenConversation:
-    def __init__(self, llm: EngineLLM, messages, limit: int | None):
-        self.llm = llm
-        fmt = llm.format
-        text = fmt.render(messages)
-        self.ids: list[int] = fmt.encode(text)
-        self.pending_ids: list[int] = list(self.ids)
-        self.pending_text = text
-        limits = [x for x in (limit, llm.max_model_len) if x is not None]
-        self.limit = min(limits) if limits else None
-        self.last_token: int | None = None
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    async def respond(self, params: SamplingParams) -> _Response:
-        if self.limit is not None:
-            room = self.limit - len(self.ids)
-            if room < 1:
-                raise ContextFull(f"the trajectory reached its limit of {self.limit} tokens")
-            if params.max_new_tokens > room:
-                params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
-        out = await self.llm._generate(self.ids, params)
-        ids = [int(t) for t in out.token_ids]
-        lps = [float(x) for x in out.log_probs] if out.log_probs is not None else [0.0] * len(ids)
-        resp = _Response(
-            text=self.llm.format.decode(ids),
-            token_ids=ids,
-            log_probs=lps,
-            finish_reason=out.finish_reason,
-            prompt_ids=self.pending_ids,
-            prompt_text=self.pending_text,
-            num_tokens=len(ids),
-        )
-        self.ids = self.ids + ids
-        self.pending_ids, self.pending_text = [], ""
-        self.last_token = ids[-1] if ids else None
-        return resp
-
-    def add_user(self, text: str) -> bool:
-        """Append the segment holding ``text``; False (nothing appended) when the sequence would leave no
-        room for one more generated token."""
-        fmt = self.llm.format
-        last = self.last_token if self.last_token in fmt.eos_ids else None
-        seg_text = fmt.continuation_text(text, last)
-        seg = fmt.encode(seg_text)
-        if self.limit is not None and len(self.ids) + len(seg) >= self.limit:
-            return False
-        self.ids = self.ids + seg
-        self.pending_ids, self.pending_text = seg, seg_text
-        return True
-
-
-ChatFn = Callable[..., Awaitable[tuple[str, int]]]
-"""``async chat(messages, max_tokens=, temperature=, top_p=, seed=, stop=) -> (text, completion tokens)``."""
-
-
-class ChatLLM:
-    """A message-level LLM (e.g. an OpenAI-compatible HTTP endpoint): no token ids, so its trajectories
-    carry text only and cannot be trained on. Used by the inference API."""
-
-    token_exact = False
-
-    def __init__(self, chat: ChatFn, *, name: str = "chat"):
-        self.chat = chat
-        self.name = name
-
-    def conversation(self, messages, limit: int | None) -> _ChatConversation:
-        return _ChatConversation(self, messages)
-
-    async def complete(self, prompt: str, params: SamplingParams) -> tuple[str, int]:
-        return await self.chat([{"role": "user", "content": prompt}], **_chat_kwargs(params))
-
-
-def _chat_kwargs(params: SamplingParams) -> dict:
-    return {
-        "max_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "seed": params.seed,
-        "stop": list(params.stop) or None,
-    }
-
-
-class _ChatConversation:
-    def __init__(self, llm: ChatLLM, messages):
-        self.llm = llm
-        self.messages = [dict(m) for m in messages]
-        self.pending_text = "\n\n".join(f"[{m['role']}]\n{m['content']}" for m in self.messages)
-
-    def __len__(self) -> int:
-        return 0
-
-    async def respond(self, params: SamplingParams) -> _Response:
-        text, n = await self.llm.chat(list(self.messages), **_chat_kwargs(params))
-        self.messages.append({"role": "assistant", "content": text})
-        resp = _Response(text, [], [], "stop", [], self.pending_text, int(n))
-        self.pending_text = ""
-        return resp
-
-    def add_user(self, text: str) -> bool:
-        self.messages.append({"role": "user", "content": text})
-        self.pending_text = text
-        return True
-
-
-def as_llm(backend, tokenizer=None, *, name: str = "policy", max_model_len: int | None = None):
-    """An `EngineLLM`/`ChatLLM` as is; an engine or a `GenerateFn` (needs ``tokenizer``) -> `EngineLLM`."""
-    if isinstance(backend, (EngineLLM, ChatLLM)):
-        return backend
-    if tokenizer is None:
-        raise ValueError(f"{name}: a tokenizer is needed to drive {type(backend).__name__} token by token")
-    return EngineLLM(backend, tokenizer, max_model_len=max_model_len, name=name)
-
-
-# --------------------------------------------------------------------------------------------------
-# Budgets and run state
-
-
-class _Budget:
-    """Per-root budget, shared by the whole tree."""
-
-    def __init__(self, cfg: AgentConfig):
-        self.cfg = cfg
-        self.t0 = time.monotonic()
-        self.deadline = None if cfg.max_wall_s is None else self.t0 + cfg.max_wall_s
-        self.subcalls = 0
-        self.tokens = 0
-
-    def remaining_s(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-    def exhausted(self) -> str | None:
-        cfg = self.cfg
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            return f"wall-clock budget of {cfg.max_wall_s:g} s per root is spent"
-        if cfg.max_tokens is not None and self.tokens >= cfg.max_tokens:
-            return f"token budget of {cfg.max_tokens} generated tokens per root is spent"
-        return None
-
-    def take_subcall(self) -> str | None:
-        reason = self.exhausted()
-        if reason:
-            return reason
-        if self.cfg.max_subcalls is not None and self.subcalls >= self.cfg.max_subcalls:
-            return f"sub-call budget of {self.cfg.max_subcalls} calls per root is spent"
-        self.subcalls += 1
-        return None
-
-    def left(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.cfg.max_subcalls is not None:
-            out["sub-calls"] = max(0, self.cfg.max_subcalls - self.subcalls)
-        if self.cfg.max_tokens is not None:
-            out["tokens"] = max(0, self.cfg.max_tokens - self.tokens)
-        rem = self.remaining_s()
-        if rem is not None:
-            out["seconds"] = max(0, int(rem))
-        return out
+# Run state
 
 
 class _Run:
     """One root and its tree."""
 
     def __init__(self, cfg: AgentConfig, seed: int | None):
-        self.budget = _Budget(cfg)
-        self.trajectories: list[RLMTrajectory] = []
+        self.budget = Budget(BudgetLimits(cfg.max_subcalls, cfg.max_tokens, cfg.max_wall_s))
+        self.trajectories: list[Trajectory] = []
         self.rng = random.Random(seed) if seed is not None else None
         self.t0 = time.perf_counter()
 
@@ -452,7 +130,7 @@ class _Run:
 
 @dataclass
 class _State:
-    turn: RLMTurn | None = None
+    turn: TrajectoryTurn | None = None
 
 
 class _SandboxFailed(Exception):
@@ -463,8 +141,8 @@ class _SandboxFailed(Exception):
 class AgentResult:
     """A root trajectory and its whole tree (root first, children in start order)."""
 
-    root: RLMTrajectory
-    trajectories: list[RLMTrajectory]
+    root: Trajectory
+    trajectories: list[Trajectory]
     elapsed_s: float = 0.0
 
     @property
@@ -472,7 +150,7 @@ class AgentResult:
         return self.root.final_answer
 
     @property
-    def children(self) -> list[RLMTrajectory]:
+    def children(self) -> list[Trajectory]:
         return [t for t in self.trajectories if t is not self.root]
 
 
@@ -543,7 +221,7 @@ class RLMAgent:
         tid = traj_id or uuid.uuid4().hex[:12]
         if "/" in tid:
             raise ValueError(f"a root trajectory id may not contain '/' (children use it), got {tid!r}")
-        root = RLMTrajectory(
+        root = Trajectory(
             id=tid, query=str(query), root_uid=str(uid if uid is not None else tid), depth=0, parent_id=None
         )
         root.metadata.update(dict(metadata or {}))
@@ -572,7 +250,7 @@ class RLMAgent:
             return await aw
         return await asyncio.wait_for(aw, max(rem, 0.0))
 
-    async def _run_trajectory(self, run: _Run, traj: RLMTrajectory, context, context_info=None) -> None:
+    async def _run_trajectory(self, run: _Run, traj: Trajectory, context, context_info=None) -> None:
         cfg = self.config
         t0 = time.perf_counter()
         timings = {"gen_s": 0.0, "exec_s": 0.0}
@@ -618,7 +296,7 @@ class RLMAgent:
                 gen_s = time.perf_counter() - tg
                 timings["gen_s"] += gen_s
                 run.budget.tokens += resp.num_tokens
-                turn = RLMTurn(
+                turn = TrajectoryTurn(
                     index=it,
                     prompt_text=resp.prompt_text,
                     response_text=resp.text,
@@ -723,7 +401,7 @@ class RLMAgent:
 
     # -- sub-calls -----------------------------------------------------------------------------------
 
-    async def _subcall(self, run: _Run, traj: RLMTrajectory, state: _State, kind: str, payload: dict) -> str:
+    async def _subcall(self, run: _Run, traj: Trajectory, state: _State, kind: str, payload: dict) -> str:
         cfg = self.config
         t0 = time.perf_counter()
         prompt = payload.get("prompt")
@@ -770,8 +448,8 @@ class RLMAgent:
         traj.metadata.setdefault("subcalls", []).append(record)
         return result
 
-    async def _child(self, run: _Run, parent: RLMTrajectory, state: _State, prompt, context, record) -> str:
-        child = RLMTrajectory(
+    async def _child(self, run: _Run, parent: Trajectory, state: _State, prompt, context, record) -> str:
+        child = Trajectory(
             id=f"{parent.id}/{len(parent.children)}",
             query=prompt,
             root_uid=parent.root_uid,
@@ -788,111 +466,3 @@ class RLMAgent:
             return child.final_answer
         why = child.status + (f": {child.error}" if child.error else "")
         return f"Error: the helper agent ended without a final answer ({why})"
-
-
-class LoopThread:
-    """A private event loop on a daemon thread: ``run(coro)`` from any thread (also one whose own loop is
-    running, as in a Ray actor or a notebook) waits for the result. The env worker and the inference API
-    keep one for their lifetime, so engines and sandboxes stay bound to the same loop across calls."""
-
-    def __init__(self, name: str = "rlm-loop"):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro):
-        if not self._thread.is_alive():
-            raise RuntimeError("the loop thread is stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-        if not self.loop.is_running() and not self.loop.is_closed():
-            self.loop.close()
-
-
-# --------------------------------------------------------------------------------------------------
-# A scripted policy (tests, benchmarks, demos)
-
-
-def scripted_generate(
-    tokenizer,
-    respond: Callable[[str], str],
-    *,
-    log_prob: float = -0.5,
-    tokenization: str = "bpe",
-    add_eos: bool = True,
-    delay_s: float = 0.0,
-) -> GenerateFn:
-    """A `GenerateFn` that answers ``respond(prompt text)`` instead of sampling a model.
-
-    The prompt ids are decoded (special tokens kept, so the chat structure is visible to ``respond``);
-    the reply is tokenised (``tokenization="bpe"``: the tokenizer's own encoding; ``"chars"``: each
-    character encoded alone -- a valid but non-canonical token sequence that re-tokenising the text
-    would *not* reproduce) and ended with the EOS token, unless ``max_new_tokens`` cuts it first
-    (finish_reason "length"). Every token gets ``log_prob``. ``delay_s`` simulates generation time.
-    """
-    if tokenization not in ("bpe", "chars"):
-        raise ValueError(f"tokenization must be 'bpe' or 'chars', got {tokenization!r}")
-    eos = tokenizer.eos_token_id
-
-    async def generate(prompt_ids, params: SamplingParams) -> GenerationOutput:
-        text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
-        reply = respond(text)
-        if inspect.isawaitable(reply):
-            reply = await reply
-        if tokenization == "bpe":
-            ids = list(tokenizer.encode(reply, add_special_tokens=False))
-        else:
-            ids = [t for ch in reply for t in tokenizer.encode(ch, add_special_tokens=False)]
-        if add_eos and eos is not None:
-            ids.append(int(eos))
-        finish = "stop"
-        if len(ids) > params.max_new_tokens:
-            ids, finish = ids[: params.max_new_tokens], "length"
-        if delay_s:
-            await asyncio.sleep(delay_s)
-        else:
-            await asyncio.sleep(0)
-        return GenerationOutput(
-            token_ids=ids,
-            log_probs=[log_prob] * len(ids) if params.logprobs else None,
-            finish_reason=finish,
-            text=tokenizer.decode(ids, skip_special_tokens=True),
-        )
-
-    return generate
-
-
-class ReplayScript:
-    """A ``respond(prompt_text) -> str`` for `scripted_generate` that replays fixed turns (tests, benchmarks,
-    demos such as replaying a task's ``extra_info["reference_turns"]``).
-
-    ``by_query``: ``{query: [turn 1 text, turn 2 text, ...]}``; a prompt containing a query is that
-    agent's conversation (the query that occurs first wins, the longest among equals: the agent's own
-    query precedes its history, which may quote other queries) -- roots and ``rlm_query`` children alike (a child's query
-    is the ``rlm_query`` prompt) -- and its turn number is the count of ``turn_marker`` (the template's
-    assistant header) in the prompt minus one; past the last text the last one repeats. Any other prompt
-    is a plain ``llm_query`` completion and gets ``sub(prompt_text)`` (default: ``"ok"``).
-    """
-
-    def __init__(
-        self,
-        by_query: Mapping[str, Sequence[str]],
-        sub: Callable[[str], str] | None = None,
-        turn_marker: str = "<|im_start|>assistant",
-    ):
-        self.by_query = {str(k): list(v) for k, v in by_query.items()}
-        self.order = sorted(self.by_query, key=len, reverse=True)
-        self.sub = sub
-        self.turn_marker = turn_marker
-
-    def __call__(self, prompt_text: str) -> str:
-        found = [(prompt_text.find(q), -len(q), q) for q in self.order if q in prompt_text]
-        if not found:
-            return self.sub(prompt_text) if self.sub is not None else "ok"
-        turns = self.by_query[min(found)[2]]
-        k = max(prompt_text.count(self.turn_marker) - 1, 0)
-        return turns[min(k, len(turns) - 1)]

@@ -17,7 +17,7 @@ The same agent loop as training (`workers.rlm.agent`), over
     rlm.close()
 
 ``sub_engine`` (same kinds) answers ``llm_query``; default: the main engine. Every completion appends its
-trajectories (root first, then children) to ``log_path`` as JSONL (`workers.rlm.protocol.load_jsonl` reads
+trajectories (root first, then children) to ``log_path`` as JSONL (`workers.agents.trajectory.load_jsonl` reads
 it; ``python -m workers.rlm.viewer`` renders it as HTML).
 """
 
@@ -33,19 +33,22 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from workers.rlm.agent import AgentConfig, ChatLLM, EngineLLM, LoopThread, RLMAgent
-from workers.rlm.protocol import RLMTrajectory
-from workers.rlm.trajectory_batch import trajectory_json
+from workers.agents.batch import trajectory_json
+from workers.agents.llm import ChatLLM, EngineLLM
+from workers.agents.trajectory import Trajectory
+from workers.event_loop import LoopThread
+from workers.rlm.agent import AgentConfig, RLMAgent
+from workers.sandbox import ReplSandbox
 
 __all__ = ["RLM", "OpenAIChatLLM", "RLMResult", "trajectory_tree"]
 
 
-def trajectory_tree(trajectories: list[RLMTrajectory], root_id: str | None = None) -> dict:
+def trajectory_tree(trajectories: list[Trajectory], root_id: str | None = None) -> dict:
     """Nested summary of a run: ``{id, depth, status, answer, query, turns, elapsed_s, children: [...]}``."""
     by_id = {t.id: t for t in trajectories}
     root = by_id[root_id] if root_id is not None else next(t for t in trajectories if t.parent_id is None)
 
-    def node(t: RLMTrajectory) -> dict:
+    def node(t: Trajectory) -> dict:
         return {
             "id": t.id,
             "depth": t.depth,
@@ -64,8 +67,8 @@ def trajectory_tree(trajectories: list[RLMTrajectory], root_id: str | None = Non
 class RLMResult:
     answer: str | None
     status: str
-    root: RLMTrajectory
-    trajectories: list[RLMTrajectory] = field(default_factory=list)  # root first, children in start order
+    root: Trajectory
+    trajectories: list[Trajectory] = field(default_factory=list)  # root first, children in start order
     elapsed_s: float = 0.0
 
     @property
@@ -215,8 +218,6 @@ class RLM:
     @property
     def sandbox(self):
         if self._sandbox is None:
-            from workers.sandbox import ReplSandbox
-
             self._sandbox = ReplSandbox(self._sandbox_config)
         return self._sandbox
 
@@ -247,7 +248,7 @@ class RLM:
             self._loop = LoopThread(name="rlm-inference")
         return self._loop.run(self.acompletion(prompt, context, **kwargs))
 
-    def _log(self, trajectories: list[RLMTrajectory]) -> None:
+    def _log(self, trajectories: list[Trajectory]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         with self._log_lock, open(self.log_path, "a", encoding="utf-8") as f:
             for t in trajectories:

@@ -1,9 +1,9 @@
-"""The RLM turn protocol: parse a model turn, format the REPL observation, record trajectories.
+"""The RLM turn protocol: parse a model turn, format the REPL observation.
 
-Pure functions and plain dataclasses; no sandbox, engine or Ray. The env worker parses each model
+Pure functions and plain dataclasses; no sandbox, engine or Ray. The RLM agent parses each model
 response with :func:`parse_turn`, runs the returned code blocks in the trajectory's sandbox, shows
-the model :func:`format_observation` of the results, and records everything in an
-:class:`RLMTrajectory`.
+the model :func:`format_observation` of the results, and records everything in a
+``workers.agents.trajectory.Trajectory``.
 
 Code blocks
 -----------
@@ -56,58 +56,33 @@ saw it before the outside line could apply.
 from __future__ import annotations
 
 import ast
-import json
 import keyword
-import os
 import re
 import textwrap
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from workers.agents.trajectory import CodeResult, FinalCall
 
 __all__ = [
     "DEFAULT_LANGUAGES",
     "FINAL_NAMES",
-    "STATUSES",
     "TRUNCATION_MARKER",
-    "CodeResult",
-    "FinalCall",
-    "RLMTrajectory",
-    "RLMTurn",
     "Turn",
     "code_calls_final",
-    "dump_jsonl",
     "format_observation",
-    "load_jsonl",
     "parse_turn",
     "truncate",
 ]
 
 DEFAULT_LANGUAGES: tuple[str, ...] = ("repl",)
 FINAL_NAMES = ("FINAL", "FINAL_VAR")
-STATUSES = ("running", "finished", "max_iterations", "budget", "error")
 TRUNCATION_MARKER = "\n[... {n} characters truncated ...]\n"
 
 
 # --------------------------------------------------------------------------------------------------
 # Parsing a turn
-
-
-@dataclass(frozen=True)
-class FinalCall:
-    """A FINAL/FINAL_VAR line found outside code (rule (b) above)."""
-
-    kind: str  # "FINAL" or "FINAL_VAR"
-    argument: str  # the raw text between the parentheses
-    answer: str | None = None  # FINAL: the answer text
-    var_name: str | None = None  # FINAL_VAR: the REPL variable to answer with
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping | None) -> FinalCall | None:
-        return None if d is None else cls(**dict(d))
 
 
 @dataclass
@@ -291,36 +266,6 @@ def parse_turn(text: str, languages: Sequence[str] = DEFAULT_LANGUAGES) -> Turn:
 # Observations
 
 
-@dataclass
-class CodeResult:
-    """What running one code block produced (the sandbox fills it; a mapping with these keys works too).
-
-    ``variables`` maps each user variable's name to a short description of its type (``"str"``,
-    ``"str, 8000 chars"``; a list of ``[name, type]`` pairs is accepted by ``from_dict``);
-    ``final_answer`` is set when the block called FINAL/FINAL_VAR successfully.
-    """
-
-    code: str = ""
-    stdout: str = ""
-    stderr: str = ""
-    error: str | None = None
-    variables: dict[str, str] = field(default_factory=dict)
-    final_answer: str | None = None
-    elapsed_s: float = 0.0
-    timed_out: bool = False
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> CodeResult:
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        variables = known.get("variables")
-        if variables is not None and not isinstance(variables, Mapping):
-            known["variables"] = {str(v[0]): str(v[1]) for v in variables}
-        return cls(**known)
-
-
 def _as_result(r: CodeResult | Mapping) -> CodeResult:
     return r if isinstance(r, CodeResult) else CodeResult.from_dict(r)
 
@@ -414,121 +359,3 @@ def format_observation(
     if notices:
         parts.append("\n".join(f"[{m}]" for m in notices))
     return "\n\n".join(parts) if parts else "(no code was run)"
-
-
-# --------------------------------------------------------------------------------------------------
-# Trajectory records
-
-
-@dataclass
-class RLMTurn:
-    """One model turn: the text shown before it, the engine's response, what its code did.
-
-    ``prompt_text`` is what the model saw since its previous response (the initial chat prompt for
-    turn 0, the observation plus chat-template text after that) and ``prompt_token_ids`` its
-    tokens; ``response_token_ids`` / ``response_logprobs`` are exactly what the engine produced.
-    """
-
-    index: int
-    prompt_text: str = ""
-    response_text: str = ""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    response_token_ids: list[int] = field(default_factory=list)
-    response_logprobs: list[float] = field(default_factory=list)
-    code_results: list[CodeResult] = field(default_factory=list)
-    final: FinalCall | None = None  # the outside FINAL line, if any
-    child_ids: list[str] = field(default_factory=list)  # rlm_query children started by this turn
-    timings: dict[str, float] = field(default_factory=dict)  # e.g. gen_s, exec_s
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["response_token_ids"] = [int(t) for t in self.response_token_ids]
-        d["prompt_token_ids"] = [int(t) for t in self.prompt_token_ids]
-        d["response_logprobs"] = [float(x) for x in self.response_logprobs]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> RLMTurn:
-        d = dict(d)
-        d["code_results"] = [CodeResult.from_dict(r) for r in d.get("code_results", [])]
-        d["final"] = FinalCall.from_dict(d.get("final"))
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-
-@dataclass
-class RLMTrajectory:
-    """One RLM agent's run: the root (depth 0) or a child started by ``rlm_query``.
-
-    ``root_uid`` is the uid of the root prompt in the RL batch (children inherit it); ``children``
-    lists child trajectory ids in start order; ``status`` is one of ``STATUSES``.
-    """
-
-    id: str
-    query: str
-    root_uid: str = ""
-    depth: int = 0
-    parent_id: str | None = None
-    turns: list[RLMTurn] = field(default_factory=list)
-    final_answer: str | None = None
-    status: str = "running"
-    children: list[str] = field(default_factory=list)
-    error: str | None = None
-    context_info: dict[str, Any] = field(default_factory=dict)  # e.g. {"type": "str", "length": 8000}
-    metadata: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["turns"] = [t.to_dict() for t in self.turns]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> RLMTrajectory:
-        d = dict(d)
-        d["turns"] = [RLMTurn.from_dict(t) for t in d.get("turns", [])]
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), ensure_ascii=False)
-
-    @classmethod
-    def from_json(cls, line: str) -> RLMTrajectory:
-        return cls.from_dict(json.loads(line))
-
-    def token_sequence(self) -> tuple[list[int], list[int], list[float]]:
-        """(token ids, loss mask, log-probs) of the whole multi-turn sequence.
-
-        Each turn contributes its prompt tokens (mask 0, log-prob 0.0) then its response tokens
-        (mask 1, the engine's log-probs; 0.0 where none were recorded).
-        """
-        ids: list[int] = []
-        mask: list[int] = []
-        logprobs: list[float] = []
-        for t in self.turns:
-            ids += t.prompt_token_ids
-            mask += [0] * len(t.prompt_token_ids)
-            logprobs += [0.0] * len(t.prompt_token_ids)
-            ids += t.response_token_ids
-            mask += [1] * len(t.response_token_ids)
-            lp = list(t.response_logprobs)
-            logprobs += lp + [0.0] * (len(t.response_token_ids) - len(lp))
-        return ids, mask, logprobs
-
-
-def dump_jsonl(trajectories: Iterable[RLMTrajectory], path: str | os.PathLike, append: bool = False) -> str:
-    """Write one trajectory per line; returns the path."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a" if append else "w", encoding="utf-8") as f:
-        for t in trajectories:
-            f.write(t.to_json() + "\n")
-    return path
-
-
-def load_jsonl(path: str | os.PathLike) -> list[RLMTrajectory]:
-    with open(os.fspath(path), encoding="utf-8") as f:
-        return [RLMTrajectory.from_json(line) for line in f if line.strip()]

@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 
-from workers.rlm.protocol import RLMTrajectory, RLMTurn, load_jsonl
+from workers.agents.trajectory import Trajectory, TrajectoryTurn, load_jsonl
 
 __all__ = ["load_trajectories", "main", "render_html", "write_html"]
 
@@ -91,25 +91,25 @@ def _secs(x) -> str:
     return "" if x is None else f"{float(x):.2f}s"
 
 
-def load_trajectories(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[RLMTrajectory]:
+def load_trajectories(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Trajectory]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    out: list[RLMTrajectory] = []
+    out: list[Trajectory] = []
     for p in paths:
         out.extend(load_jsonl(p))
     return out
 
 
 class _Page:
-    def __init__(self, trajectories: Sequence[RLMTrajectory]):
-        self.by_id: dict[str, RLMTrajectory] = {}
+    def __init__(self, trajectories: Sequence[Trajectory]):
+        self.by_id: dict[str, Trajectory] = {}
         for t in trajectories:
             self.by_id.setdefault(t.id, t)
         self.roots = [t for t in self.by_id.values() if t.parent_id is None or t.parent_id not in self.by_id]
         self.rendered: set[str] = set()
 
     # -- outline ------------------------------------------------------------------------------------
-    def outline(self, t: RLMTrajectory) -> str:
+    def outline(self, t: Trajectory) -> str:
         kids = "".join(self.outline(self.by_id[c]) for c in t.children if c in self.by_id)
         answer = f" &rarr; <span class='answer'>{_e(_short(t.final_answer))}</span>" if t.final_answer else ""
         return (
@@ -120,7 +120,7 @@ class _Page:
         )
 
     # -- trajectories -------------------------------------------------------------------------------
-    def trajectory(self, t: RLMTrajectory, open_: bool) -> str:
+    def trajectory(self, t: Trajectory, open_: bool) -> str:
         self.rendered.add(t.id)
         subcalls = t.metadata.get("subcalls", []) if isinstance(t.metadata, dict) else []
         head = (
@@ -159,7 +159,7 @@ class _Page:
             f"{' open' if open_ else ''}>{head}{''.join(parts)}</details>"
         )
 
-    def turn(self, turn: RLMTurn, calls: list[dict], open_: bool = False) -> str:
+    def turn(self, turn: TrajectoryTurn, calls: list[dict], open_: bool = False) -> str:
         tm = turn.timings or {}
         head = (
             f"<summary>Turn {turn.index + 1}<span class='badge'>gen {_secs(tm.get('gen_s'))}</span>"
@@ -215,7 +215,7 @@ def _short(text, n: int = 60) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
-def render_html(trajectories: Iterable[RLMTrajectory], title: str = "RLM trajectories") -> str:
+def render_html(trajectories: Iterable[Trajectory], title: str = "RLM trajectories") -> str:
     """The page for ``trajectories`` (roots and children in any order)."""
     page = _Page(list(trajectories))
     roots = page.roots
@@ -243,7 +243,7 @@ def render_html(trajectories: Iterable[RLMTrajectory], title: str = "RLM traject
 
 
 def write_html(
-    trajectories: Iterable[RLMTrajectory] | str | os.PathLike | Sequence[str | os.PathLike],
+    trajectories: Iterable[Trajectory] | str | os.PathLike | Sequence[str | os.PathLike],
     out_path: str | os.PathLike,
     title: str = "RLM trajectories",
 ) -> str:

@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from workers.event_loop import LoopThread
 from workers.sandbox import _child, _seccomp
 from workers.sandbox.config import ExecResult, SandboxConfig
 
@@ -201,27 +202,6 @@ class _FrameBuffer:
         if not isinstance(msg, dict):
             raise _ProtocolError("the REPL sent a message that is not an object")
         return msg
-
-
-class _LoopThread:
-    """A private event loop on a daemon thread: runs the coroutines of the synchronous API."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="repl-sandbox-loop", daemon=True)
-        self.thread.start()
-
-    def run(self, coro):
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise SandboxError("synchronous sandbox call from a sub-call handler; use the async API")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        if not self.thread.is_alive():
-            self.loop.close()
 
 
 FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS)
@@ -451,7 +431,7 @@ class ReplSandbox:
         self._host_scratch: str | None = None
         self._free = list(range(self.config.max_repls - 1, -1, -1))
         self._repls: weakref.WeakValueDictionary[int, Repl] = weakref.WeakValueDictionary()
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._zygote_starts = 0
         self._closed = False
         try:
@@ -706,8 +686,11 @@ class ReplSandbox:
     def _sync(self, coro):
         with self._lock:
             if self._loop is None:
-                self._loop = _LoopThread()
+                self._loop = LoopThread(name="repl-sandbox-loop")
             loop = self._loop
+        if loop.in_loop_thread():
+            coro.close()
+            raise SandboxError("synchronous sandbox call from a sub-call handler; use the async API")
         return loop.run(coro)
 
     @staticmethod

@@ -16,12 +16,14 @@ import torch
 from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from resource_pools import ResourcePool
+from workers.agents.batch import trajectories_to_dataproto
+from workers.agents.env_worker import EnvWorker
+from workers.agents.llm import EngineLLM
+from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.config import ModelConfig, RolloutConfig
-from workers.math_env import parse_action, verify_boxed
 from workers.math_env.agent import MathToolAgent, ToolAgentConfig
-from workers.math_env.env_worker import MathToolEnvConfig, MathToolEnvWorker
-from workers.rlm.agent import EngineLLM, ReplayScript, scripted_generate
-from workers.rlm.trajectory_batch import trajectories_to_dataproto
+from workers.math_env.env_loop import MathToolEnvConfig
+from workers.math_env.protocol import parse_action, verify_boxed
 from workers.sandbox import ReplSandbox, SandboxConfig
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -140,7 +142,7 @@ def test_env_group_group_sampling(ray_session):
     wg = RayWorkerGroup(
         pool,
         RayClassWithInitArgs(
-            MathToolEnvWorker,
+            EnvWorker,
             model=ModelConfig(path=ensure_tiny_model("nano")),
             rollout=RolloutConfig(n=1, prompt_length=96, response_length=128),
             env=env,

@@ -14,22 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from workers.rlm.agent import (
-    AgentConfig,
-    ChatLLM,
-    EngineLLM,
-    ReplayScript,
-    RLMAgent,
-    scripted_generate,
-)
+from workers.agents.batch import advantage_index, inherit_root_advantages, is_root, trajectories_to_dataproto
+from workers.agents.llm import ChatLLM, EngineLLM
+from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.agents.trajectory import load_jsonl
+from workers.rlm.agent import AgentConfig, RLMAgent
 from workers.rlm.inference import RLM
-from workers.rlm.protocol import load_jsonl
-from workers.rlm.trajectory_batch import (
-    advantage_index,
-    inherit_root_advantages,
-    is_root,
-    trajectories_to_dataproto,
-)
 from workers.sandbox import ExecResult, ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)

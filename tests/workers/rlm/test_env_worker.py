@@ -17,11 +17,13 @@ from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from recipes.tasks import generate_splits
 from resource_pools import ResourcePool
+from workers.agents.env_worker import ActorRolloutEnvWorker, EnvWorker
+from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import OptimConfig
 from workers.reward.long_context import score_oolong, score_sniah
-from workers.rlm.agent import AgentConfig, ReplayScript, scripted_generate
-from workers.rlm.env_worker import RLMActorRolloutWorker, RLMEnvConfig, RLMEnvWorker
+from workers.rlm.agent import AgentConfig
+from workers.rlm.env_loop import RLMEnvConfig
 from workers.rlm.prompts import PromptConfig
 from workers.sandbox import SandboxConfig
 
@@ -105,7 +107,7 @@ def env_group(ray_session, model_path, tasks):
     wg = RayWorkerGroup(
         pool,
         RayClassWithInitArgs(
-            RLMEnvWorker,
+            EnvWorker,
             model=ModelConfig(path=model_path),
             rollout=rollout,
             env=env,
@@ -169,7 +171,7 @@ def test_children_as_rows_and_uneven_chunks(env_group, tasks):
 
 
 def test_colocated_actor_rollout_rlm_with_real_engine(ray_session, model_path):
-    """generate_rlm with the real tiny engine; the trainer re-scores the multi-turn batch with the same
+    """generate_sequences with the real tiny engine; the trainer re-scores the multi-turn batch with the same
     log-probs on model tokens; after an SFT step and ``sync_weights`` the rollout's log-probs move and
     match the trainer again."""
     rollout = RolloutConfig(n=1, prompt_length=1536, response_length=512, temperature=1.0, max_num_seqs=8)
@@ -181,7 +183,7 @@ def test_colocated_actor_rollout_rlm_with_real_engine(ray_session, model_path):
     wg = RayWorkerGroup(
         pool,
         RayClassWithInitArgs(
-            RLMActorRolloutWorker, model=ModelConfig(path=model_path), actor=actor, rollout=rollout, env=env
+            ActorRolloutEnvWorker, model=ModelConfig(path=model_path), actor=actor, rollout=rollout, env=env
         ),
         name_prefix="rlm_actor_rollout",
     )
@@ -198,7 +200,7 @@ def test_colocated_actor_rollout_rlm_with_real_engine(ray_session, model_path):
         ]
         data = rows_to_proto(rows, ["a", "b"])
         data.meta_info.update(n=2, seed=11)
-        out = wg.generate_rlm(data)
+        out = wg.generate_sequences(data)
         assert len(out) == 4 and set(out.non_tensor_batch["status"]) <= {
             "finished",
             "max_iterations",
@@ -211,7 +213,7 @@ def test_colocated_actor_rollout_rlm_with_real_engine(ray_session, model_path):
 
         wg.sft_step(out)
         wg.sync_weights()
-        again = wg.generate_rlm(data)
+        again = wg.generate_sequences(data)
         new_old = wg.compute_log_prob(again).batch["old_log_probs"]
         mask2 = again.batch["response_mask"]
         assert float(((new_old - again.batch["rollout_log_probs"]).abs() * mask2).max()) < 1e-4
@@ -246,7 +248,7 @@ def test_llm_query_goes_to_the_configured_frozen_sub_model(ray_session, model_pa
     wg = RayWorkerGroup(
         pool,
         RayClassWithInitArgs(
-            RLMEnvWorker,
+            EnvWorker,
             model=ModelConfig(path=model_path),
             rollout=rollout,
             env=env,
@@ -266,7 +268,7 @@ def test_llm_query_goes_to_the_configured_frozen_sub_model(ray_session, model_pa
         for _ in range(2):
             data = rows_to_proto([row], ["u"])
             data.meta_info.update(n=1, do_sample=False, seed=3)
-            out = wg.generate_rlm(data)
+            out = wg.generate_sequences(data)
             assert list(out.non_tensor_batch["status"]) == ["finished"]
             assert out.meta_info["metrics"]["env/subcalls/mean"] == 1.0
             answers.append(out.non_tensor_batch["answer"][0])

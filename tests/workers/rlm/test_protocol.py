@@ -4,21 +4,16 @@ import json
 
 import pytest
 
-from workers.rlm import (
+from workers.agents.trajectory import (
     CodeResult,
     FinalCall,
-    RLMTrajectory,
-    RLMTurn,
-    build_messages,
-    code_calls_final,
-    describe_context,
+    Trajectory,
+    TrajectoryTurn,
     dump_jsonl,
-    format_observation,
     load_jsonl,
-    parse_turn,
-    truncate,
 )
-from workers.rlm.protocol import TRUNCATION_MARKER
+from workers.rlm.prompts import build_messages, describe_context
+from workers.rlm.protocol import TRUNCATION_MARKER, code_calls_final, format_observation, parse_turn, truncate
 
 F = "```"
 
@@ -229,8 +224,8 @@ def test_format_observation_turn_notices_and_last_turn():
 # ---------------------------------------------------------------------------------------- trajectories
 
 
-def _trajectory() -> RLMTrajectory:
-    turn0 = RLMTurn(
+def _trajectory() -> Trajectory:
+    turn0 = TrajectoryTurn(
         index=0,
         prompt_text="<system>...<user>q",
         response_text=block("print(len(context))"),
@@ -241,7 +236,7 @@ def _trajectory() -> RLMTrajectory:
         child_ids=["t1"],
         timings={"gen_s": 0.2, "exec_s": 0.01},
     )
-    turn1 = RLMTurn(
+    turn1 = TrajectoryTurn(
         index=1,
         prompt_text="[REPL block 1/1]\n8000",
         response_text="FINAL(8000)",
@@ -250,7 +245,7 @@ def _trajectory() -> RLMTrajectory:
         response_logprobs=[-0.1, -0.2, -float("inf")],
         final=FinalCall("FINAL", "8000", answer="8000"),
     )
-    return RLMTrajectory(
+    return Trajectory(
         id="t0",
         query="How long is the context?",
         root_uid="uid-7",
@@ -266,20 +261,20 @@ def _trajectory() -> RLMTrajectory:
 
 def test_trajectory_round_trip_and_jsonl(tmp_path):
     root = _trajectory()
-    child = RLMTrajectory(id="t1", query="sub", root_uid="uid-7", depth=1, parent_id="t0", status="budget")
+    child = Trajectory(id="t1", query="sub", root_uid="uid-7", depth=1, parent_id="t0", status="budget")
     d = root.to_dict()
     json.dumps(d)  # plain JSON types
-    again = RLMTrajectory.from_dict(json.loads(json.dumps(d)))
+    again = Trajectory.from_dict(json.loads(json.dumps(d)))
     assert again == root
     assert isinstance(again.turns[0].code_results[0], CodeResult) and again.turns[1].final.answer == "8000"
-    assert RLMTrajectory.from_json(root.to_json()) == root
+    assert Trajectory.from_json(root.to_json()) == root
     path = dump_jsonl([root, child], tmp_path / "traj" / "run.jsonl")
     dump_jsonl([child], path, append=True)
     loaded = load_jsonl(path)
     assert loaded == [root, child, child]
     assert loaded[1].parent_id == "t0" and loaded[1].depth == 1 and loaded[1].root_uid == "uid-7"
     with pytest.raises(ValueError, match="status"):
-        RLMTrajectory(id="x", query="q", status="done")
+        Trajectory(id="x", query="q", status="done")
 
 
 def test_token_sequence_masks_prompts():

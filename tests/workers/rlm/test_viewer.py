@@ -10,8 +10,10 @@ from html.parser import HTMLParser
 
 import pytest
 
-from workers.rlm.agent import AgentConfig, EngineLLM, ReplayScript, RLMAgent, scripted_generate
-from workers.rlm.protocol import dump_jsonl, load_jsonl
+from workers.agents.llm import EngineLLM
+from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.agents.trajectory import dump_jsonl, load_jsonl
+from workers.rlm.agent import AgentConfig, RLMAgent
 from workers.rlm.viewer import main, render_html, write_html
 from workers.sandbox import ReplSandbox, SandboxConfig
 

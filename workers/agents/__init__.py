@@ -1,0 +1,15 @@
+"""What every multi-turn agent environment shares; an environment (RLM REPL, math tool, yours) is a plugin.
+
+* ``trajectory``: the run record (``Trajectory``, ``TrajectoryTurn``, ``CodeResult``), JSONL in and out;
+* ``batch``: trajectories -> the training ``DataProto`` (token-exact loss masks, children as rows);
+* ``chat_format`` / ``llm``: the chat template in segments, the engine-backed token-exact LLM and the
+  message-level chat LLM;
+* ``limits``: the shared run ``Budget`` and bounded concurrency (``gather_bounded``);
+* ``scripted``: a scripted policy (tests, demos, the reference replay);
+* ``loop``: the plugin API (``AgentLoop``, ``AgentEnvConfig``, ``env.loop`` names a plugin);
+* ``env_worker``: ``EnvWorker`` / ``ActorRolloutEnvWorker``, whose ``generate_sequences`` runs the env's loop;
+* ``replay``: reference turns replayed through a loop into an SFT batch (``reference_batch``);
+* ``examples/word_count``: a complete tool environment in one file (``docs/agent_env.md``).
+
+Import from the modules: the worker modules pull in engines, the sandbox and Ray.
+"""

@@ -1,0 +1,344 @@
+"""The agent environment as a role: ``generate_sequences(data)`` runs the env config's agent loop on every prompt.
+
+One pair of workers serves every environment (``env.loop``: ``rlm``, ``math_tool``, yours); they differ only in
+where the policy engine lives and therefore how its weights arrive:
+
+* ``EnvWorker(model, rollout, env)`` -- the rollout role on its own resource pool (disaggregated placement). It
+  *is* a `workers.roles.rollout.RolloutWorker`: one rollout replica per rank (native engine or SGLang); new
+  weights arrive over the weight-sync process group like any rollout group's.
+* ``ActorRolloutEnvWorker(model, actor, rollout, env)`` -- colocated placement: the hybrid actor-rollout worker
+  (trainer + rollout replica in one process; weights reach the replica in process, ``sync_weights``); its
+  trainer is offloaded while the agents run.
+
+So ``Roles.generate(batch, meta)`` runs the environment in both placements. ``generate_sequences(data)``
+(``ROLLOUT_DP_DISPATCH``: one contiguous chunk of prompts per rank, outputs concatenated in rank order; ranks may
+return different row counts, e.g. with children as rows):
+
+* input, per row: ``non_tensor_batch["raw_prompt"]`` (chat messages; the query is the last user message -- or
+  ``extra_info["question"]``), ``["extra_info"]`` (the loop may read more from it, e.g. the RLM ``context``),
+  ``["uid"]`` (generated when absent) and any other columns (copied to every output row of that prompt). Tensors
+  of the input are not used (the loop builds its own prompts from the chat template).
+* ``meta_info``: ``n`` samples per prompt (group sampling; rows come back a,a,b,b), ``temperature``, ``top_p``,
+  ``top_k``, ``do_sample``, ``validate``, ``response_length`` (defaults from the RolloutConfig as in
+  `workers.roles.rollout.rollout_sampling_meta`), ``seed`` (sample j of the chunk draws from ``seed + j``),
+  ``train_children`` (overrides ``env.train_children`` for this call).
+* all trajectories of the chunk run concurrently on the worker's event loop (at most ``env.max_concurrent``
+  at once), so their model turns batch in the engine; each trajectory has its own REPL in the worker's sandbox.
+* output: `workers.agents.batch.trajectories_to_dataproto` rows with the BATCH_LAYOUT tensors, the trajectory
+  columns and the loop's own ones; ``meta_info`` gains the sampling settings, ``eos_token_id``,
+  ``pad_token_id``, ``timing_s/gen`` and ``metrics`` (the loop's, e.g. ``env/*`` or ``tool/*``; rank 0's chunk
+  for a group call, as for rollouts).
+
+Tests and benchmarks may pass ``policy_factory(tokenizer) -> GenerateFn`` (a scripted policy) instead of
+building an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+
+from controller import Dispatch, register
+from dataproto import DataProto
+from workers.agents.batch import OWN_COLUMNS, trajectories_to_dataproto, trajectory_json
+from workers.agents.limits import gather_bounded
+from workers.agents.llm import EngineLLM
+from workers.agents.loop import AgentEnvConfig, AgentJob, AgentLoop, LoopContext, agent_loop_class
+from workers.agents.trajectory import Trajectory
+from workers.config import ActorConfig, ModelConfig, RolloutConfig
+from workers.event_loop import LoopThread
+from workers.models import load_tokenizer
+from workers.roles.actor_rollout import ActorRolloutWorker
+from workers.roles.rollout import (
+    PAD_ROWS_KEY,
+    ROLLOUT_DP_DISPATCH,
+    RolloutWorker,
+    is_sglang,
+    rollout_sampling_meta,
+)
+from workers.sandbox import ReplSandbox
+
+__all__ = ["ActorRolloutEnvWorker", "CallerLoop", "EnvWorker", "EnvWorkerMixin", "env_role_classes", "query_of"]
+
+T = TypeVar("T")
+
+
+class CallerLoop:
+    """An event loop that the calling thread drives (``run`` = ``run_until_complete``), for an engine whose replies
+    are read on its own loop between calls: SGLang's adapter (its async calls must run on ``engine.loop``, where
+    SGLang's reply reader lives; a loop on another thread would send requests whose replies nobody reads)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def stop(self) -> None:  # the engine owns the loop
+        pass
+
+
+def query_of(raw_prompt, extra_info) -> str:
+    """The query of a dataset row: the last user message of ``raw_prompt`` (chat messages), else
+    ``extra_info["question"]``, else ``str(raw_prompt)``."""
+    msgs = raw_prompt.tolist() if isinstance(raw_prompt, np.ndarray) else raw_prompt
+    if isinstance(msgs, (list, tuple)):
+        for m in reversed(list(msgs)):
+            if isinstance(m, dict) and m.get("role") == "user":
+                return str(m.get("content", ""))
+    if isinstance(extra_info, dict) and extra_info.get("question"):
+        return str(extra_info["question"])
+    if isinstance(msgs, str):
+        return msgs
+    raise ValueError(f"cannot find a query in raw_prompt={raw_prompt!r}")
+
+
+class EnvWorkerMixin:
+    """Agent rollouts for a worker with ``tokenizer``, ``rollout_engine`` (or a policy factory),
+    ``rollout_config``, ``model_config``, ``rank`` and ``tag``; ``env`` is an ``AgentEnvConfig`` subclass whose
+    ``loop`` names the agent-loop plugin. Policy, sandbox, event loop and plugin are built on first use."""
+
+    tokenizer: Any
+    rollout_config: RolloutConfig
+    model_config: ModelConfig
+    rank: int
+
+    def _env_init(self, env: AgentEnvConfig, policy_factory=None) -> None:
+        if not isinstance(env, AgentEnvConfig):
+            raise TypeError(f"env must be an AgentEnvConfig (e.g. RLMEnvConfig), got {type(env).__name__}")
+        self.env_config = env
+        self._loop_cls = agent_loop_class(env.loop)
+        self._policy_factory = policy_factory
+        self._env_loop: LoopThread | CallerLoop | None = None
+        self._sandbox: ReplSandbox | None = None
+        self._agent_loop: AgentLoop | None = None
+        self.env_calls = 0
+
+    # -- pieces, built on first use ---------------------------------------------------------------------------
+
+    def _env_engine(self):
+        return getattr(self, "rollout_engine", None) if self._policy_factory is None else None
+
+    def _env_policy(self) -> EngineLLM:
+        if self.tokenizer is None:
+            raise RuntimeError(f"{self.tag}: agent rollout before init_model()")
+        if self._policy_factory is not None:
+            return EngineLLM(self._policy_factory(self.tokenizer), self.tokenizer)
+        engine = self._env_engine()
+        if engine is None:
+            raise RuntimeError(f"{self.tag}: agent rollout before init_model()")
+        return EngineLLM(engine, self.tokenizer, name="policy")
+
+    def _env_sandbox(self) -> ReplSandbox:
+        if self._sandbox is None:
+            self._sandbox = ReplSandbox(self.env_config.sandbox)
+        return self._sandbox
+
+    def _loop_plugin(self) -> AgentLoop:
+        if self._agent_loop is None:
+            ctx = LoopContext(
+                self._env_policy(), self._env_sandbox(), self.tokenizer, self.rank, self.rollout_config.seed
+            )
+            self._agent_loop = self._loop_cls(self.env_config, ctx)
+        return self._agent_loop
+
+    def _event_loop(self) -> LoopThread | CallerLoop:
+        if self._env_loop is None:
+            engine = self._env_engine()
+            if engine is not None and is_sglang(engine):
+                self._env_loop = CallerLoop(engine.engine.loop)
+            else:
+                self._env_loop = LoopThread(name=f"{self.env_config.loop}-env-{self.rank}")
+        return self._env_loop
+
+    def _env_before_generate(self) -> None:
+        """Hook: the colocated worker offloads its trainer here."""
+
+    def _load_tokenizer_only(self) -> None:
+        """``init_model`` with a policy factory: no engine, only the tokenizer."""
+        m = self.model_config
+        self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+
+    # -- the rollout ------------------------------------------------------------------------------------------
+
+    def _jobs(self, data: DataProto, num_rows: int, n: int, seed) -> list[AgentJob]:
+        nt = data.non_tensor_batch
+        if num_rows and "raw_prompt" not in nt and "extra_info" not in nt:
+            raise KeyError(
+                f"{self.tag}: an agent rollout needs non_tensor_batch 'raw_prompt' (chat messages) or "
+                f"'extra_info' with 'question'; the batch has {sorted(nt)}"
+            )
+        for key in self._loop_cls.required_columns:
+            if key not in nt and num_rows:
+                raise KeyError(
+                    f"{self.tag}: the {self.env_config.loop!r} env needs non_tensor_batch[{key!r}]; "
+                    f"the batch has {sorted(nt)}"
+                )
+        uids = list(nt["uid"]) if "uid" in nt else [uuid.uuid4().hex for _ in range(len(data))]
+        jobs: list[AgentJob] = []
+        for i in range(num_rows):
+            extra = nt["extra_info"][i] if "extra_info" in nt else {}
+            extra = extra if isinstance(extra, dict) else {}
+            query = query_of(nt["raw_prompt"][i] if "raw_prompt" in nt else None, extra)
+            uid = str(uids[i])
+            for k in range(n):
+                j = len(jobs)
+                traj_id = f"{uid.replace('/', '_')}.{k}"
+                jobs.append(
+                    AgentJob(i, k, query, extra, uid, traj_id, None if seed is None else int(seed) + j)
+                )
+        return jobs
+
+    def _run_jobs(self, loop: AgentLoop, jobs: list[AgentJob], config) -> list[list[Trajectory]]:
+        """Every job on this worker's event loop, at most ``env.max_concurrent`` at once, with the rollout
+        engine's memory resumed meanwhile; results in job order."""
+        engine = self._env_engine()
+        self._env_before_generate()
+        if engine is not None:
+            engine.resume_memory()
+        try:
+            if not jobs:
+                return []
+            coro = gather_bounded(lambda job: loop.run(job, config), jobs, self.env_config.max_concurrent)
+            return self._event_loop().run(coro)
+        finally:
+            if engine is not None and self.rollout_config.free_cache_engine:
+                engine.release_memory()
+
+    def _env_generate(self, data: DataProto) -> DataProto:
+        t0 = time.perf_counter()
+        if not isinstance(data, DataProto):
+            raise TypeError(f"{self.tag}: an agent rollout takes a DataProto, got {type(data).__name__}")
+        env = self.env_config
+        meta = dict(data.meta_info)
+        pad_rows = int(meta.pop(PAD_ROWS_KEY, 0))
+        settings = rollout_sampling_meta(self.rollout_config, meta)
+        n = settings["n"]
+        seed = meta.get("seed", self.rollout_config.seed * 2**32 + self.rank)
+        num_rows = len(data) - pad_rows
+        jobs = self._jobs(data, num_rows, n, seed)
+        P = env.max_prompt_length or self.rollout_config.prompt_length
+        R = env.max_response_length or settings["response_length"]
+        loop = self._loop_plugin()
+        config = loop.agent_config(settings, P + R)
+        runs = self._run_jobs(loop, jobs, config)
+        elapsed = time.perf_counter() - t0
+        self.env_calls += 1
+
+        trajectories = [t for run in runs for t in run]
+        sources = [job.row for job, run in zip(jobs, runs) for _ in run]
+        own = OWN_COLUMNS | set(loop.output_columns)
+        nt = data.non_tensor_batch
+        extra_cols = {k: [v[r] for r in sources] for k, v in nt.items() if k not in own}
+        extra_cols |= loop.columns(trajectories)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        eos = list(getattr(self._env_engine(), "eos_token_ids", None) or [self.tokenizer.eos_token_id])
+        greedy = not settings["do_sample"] or settings["temperature"] <= 0
+        out = trajectories_to_dataproto(
+            trajectories,
+            max_prompt_length=P,
+            max_response_length=R,
+            pad_token_id=pad,
+            train_children=bool(meta.get("train_children", env.train_children)),
+            mask_truncated=env.mask_truncated,
+            extra=extra_cols,
+            include_json=env.include_json,
+            meta_info={
+                **meta,
+                **settings,
+                "temperature": 1.0 if greedy else settings["temperature"],  # of the reported log-probs
+                "eos_token_id": eos,
+                "pad_token_id": pad,
+                "timing_s/gen": elapsed,
+            },
+        )
+        if not len(out):  # a placeholder chunk: the same columns as the other ranks, no rows
+            for k in list(out.non_tensor_batch):
+                out.non_tensor_batch[k] = np.empty(0, dtype=object)
+        out.meta_info["metrics"] = {**loop.metrics(runs, elapsed, out), "timing_s/gen": elapsed}
+        if env.jsonl_dir and trajectories:
+            os.makedirs(env.jsonl_dir, exist_ok=True)
+            path = os.path.join(env.jsonl_dir, f"env_rank{self.rank}.jsonl")
+            with open(path, "a", encoding="utf-8") as f:
+                for t in trajectories:
+                    f.write(trajectory_json(t) + "\n")
+        return out
+
+    # -- group methods ----------------------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def env_info(self) -> dict:
+        """This rank's sandbox isolation report and counters (``workers.sandbox`` README terms)."""
+        sb = self._env_sandbox()
+        return {
+            "rank": self.rank,
+            "isolation": sb.isolation_report(),
+            "calls": self.env_calls,
+            "repls_open": sb.num_repls,
+        }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close_env(self) -> None:
+        """Stop this rank's sandbox (every REPL process), agent loop and event loop; they restart on the next
+        rollout."""
+        if self._agent_loop is not None:
+            self._agent_loop.close()
+            self._agent_loop = None
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
+        if self._env_loop is not None:
+            self._env_loop.stop()
+            self._env_loop = None
+
+
+class EnvWorker(EnvWorkerMixin, RolloutWorker):
+    """The rollout role on its own pool running the agent env: a rollout replica per rank + a sandbox; weights
+    arrive over the weight-sync group."""
+
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig, env: AgentEnvConfig, policy_factory=None):
+        super().__init__(model, rollout)
+        self._env_init(env, policy_factory)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Tokenizer + this rank's rollout engine (only the tokenizer with a ``policy_factory``) + sandbox."""
+        if self._policy_factory is not None:
+            self._load_tokenizer_only()
+        else:
+            super().init_model()
+        self._env_sandbox()
+
+    @register(ROLLOUT_DP_DISPATCH)
+    def generate_sequences(self, data: DataProto) -> DataProto:
+        """Agent trajectories for this rank's chunk of prompts (module docstring)."""
+        return self._env_generate(data)
+
+
+class ActorRolloutEnvWorker(EnvWorkerMixin, ActorRolloutWorker):
+    """Colocated placement: the hybrid actor-rollout worker whose ``generate_sequences`` runs the agent env with
+    the current rollout weights (the trainer is offloaded meanwhile)."""
+
+    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, env: AgentEnvConfig):
+        super().__init__(model, actor, rollout)
+        self._env_init(env)
+
+    def _env_before_generate(self) -> None:
+        self._offload_trainer()
+
+    @register(ROLLOUT_DP_DISPATCH)
+    def generate_sequences(self, data: DataProto) -> DataProto:
+        """Agent trajectories for this rank's chunk of prompts (module docstring)."""
+        self._require_rollout("generate_sequences")
+        return self._env_generate(data)
+
+
+def env_role_classes(env: AgentEnvConfig) -> dict:
+    """``build_roles``' hook arguments that make the rollout role run ``env`` in either placement."""
+    return {"hybrid_cls": ActorRolloutEnvWorker, "rollout_cls": EnvWorker, "rollout_kwargs": {"env": env}}

@@ -1,0 +1,59 @@
+"""Reference replay: a task's reference turns run through an environment's own agent loop, as SFT data.
+
+Every row's ``extra_info["reference_turns"]`` (the assistant turns of an ideal solution, keyed by
+``extra_info["question"]``) is replayed by a scripted policy through the env's plugin (``env.loop``) with a real
+sandbox, so the observations are what running the reference code actually printed. The loop decides which
+replays are worth training on (``AgentLoop.keep_reference``: finished; for RLM also scored correct), and
+``reference_batch`` returns them in the rollout layout (loss mask 1 on the assistant turns, 0 on system prompt,
+query and observations), tensors as wide as the longest one, for ``ActorWorker.sft_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from dataproto import DataProto
+from workers.agents.batch import trajectories_to_dataproto
+from workers.agents.limits import gather_bounded
+from workers.agents.llm import EngineLLM
+from workers.agents.loop import AgentEnvConfig, AgentJob, LoopContext, agent_loop_class
+from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.agents.trajectory import Trajectory
+from workers.event_loop import LoopThread
+from workers.sandbox import ReplSandbox
+
+__all__ = ["reference_batch", "reference_trajectories"]
+
+
+def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: AgentEnvConfig) -> list[Trajectory]:
+    """The kept replayed root trajectories, in row order (module docstring)."""
+    if not rows:
+        return []
+    extras = [dict(r["extra_info"]) for r in rows]
+    script = ReplayScript({str(e["question"]): list(e["reference_turns"]) for e in extras})
+    policy = EngineLLM(scripted_generate(tokenizer, script, log_prob=0.0), tokenizer, name="reference")
+    sandbox, thread = ReplSandbox(env.sandbox), LoopThread(name=f"{env.loop}-reference")
+    loop = agent_loop_class(env.loop)(env, LoopContext(policy, sandbox, tokenizer, replay=True))
+    config = loop.reference_config(env.agent, max(len(e["reference_turns"]) for e in extras))
+    jobs = [AgentJob(i, 0, str(e["question"]), e, f"ref{i}", f"ref{i}") for i, e in enumerate(extras)]
+    try:
+        runs = thread.run(gather_bounded(lambda job: loop.run(job, config), jobs, env.max_concurrent))
+    finally:
+        loop.close()
+        sandbox.close()
+        thread.stop()
+    return [run[0] for run, row in zip(runs, rows) if loop.keep_reference(run[0], row)]
+
+
+def reference_batch(rows: Sequence[Mapping], tokenizer, env: AgentEnvConfig) -> DataProto:
+    """The kept replays in the rollout layout, tensors as wide as the longest one."""
+    trajs = reference_trajectories(rows, tokenizer, env)
+    if not trajs:
+        raise RuntimeError(f"no {env.loop} reference replay was kept; check the task's reference_turns")
+    prompt_lengths = [len(t.turns[0].prompt_token_ids) for t in trajs]
+    R = max(len(t.token_sequence()[0]) - p for t, p in zip(trajs, prompt_lengths))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return trajectories_to_dataproto(
+        trajs, max_prompt_length=max(prompt_lengths), max_response_length=max(R, 1), pad_token_id=pad,
+        include_json=False,
+    )  # fmt: skip

@@ -1,0 +1,194 @@
+"""The record of a multi-turn agent run, shared by every environment (RLM REPL, math tool, your own).
+
+A :class:`Trajectory` is one agent's run: its turns (:class:`TrajectoryTurn`: the text the model saw since its
+previous response, the engine's exact response tokens and log-probs, what the environment ran for it), how it
+ended (``status``, one of ``STATUSES``), its final answer, and free-form ``metadata`` an environment fills
+(sub-calls, tool statistics, PRM steps). Recursive environments add children: ``depth``, ``parent_id``,
+``children``; every trajectory of a tree carries the root prompt's ``root_uid``.
+``Trajectory.token_sequence()`` rebuilds the whole token sequence with its loss mask, which
+``workers.agents.batch`` turns into training rows. JSONL in and out: ``dump_jsonl`` / ``load_jsonl``.
+
+Pure dataclasses: no sandbox, engine or Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "STATUSES",
+    "CodeResult",
+    "FinalCall",
+    "Trajectory",
+    "TrajectoryTurn",
+    "dump_jsonl",
+    "load_jsonl",
+]
+
+STATUSES = ("running", "finished", "max_iterations", "budget", "error")
+
+
+@dataclass(frozen=True)
+class FinalCall:
+    """An answer line outside code: the RLM protocol's ``FINAL(answer)`` / ``FINAL_VAR(name)``
+    (``workers.rlm.protocol`` parses it; recorded on the turn that wrote it)."""
+
+    kind: str  # "FINAL" or "FINAL_VAR"
+    argument: str  # the raw text between the parentheses
+    answer: str | None = None  # FINAL: the answer text
+    var_name: str | None = None  # FINAL_VAR: the REPL variable to answer with
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping | None) -> FinalCall | None:
+        return None if d is None else cls(**dict(d))
+
+
+@dataclass
+class CodeResult:
+    """What running one code block produced (the sandbox fills it; a mapping with these keys works too).
+
+    ``variables`` maps each user variable's name to a short description of its type (``"str"``,
+    ``"str, 8000 chars"``; a list of ``[name, type]`` pairs is accepted by ``from_dict``);
+    ``final_answer`` is set when the block called FINAL/FINAL_VAR successfully.
+    """
+
+    code: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+    variables: dict[str, str] = field(default_factory=dict)
+    final_answer: str | None = None
+    elapsed_s: float = 0.0
+    timed_out: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> CodeResult:
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        variables = known.get("variables")
+        if variables is not None and not isinstance(variables, Mapping):
+            known["variables"] = {str(v[0]): str(v[1]) for v in variables}
+        return cls(**known)
+
+
+@dataclass
+class TrajectoryTurn:
+    """One model turn: the text shown before it, the engine's response, what its code did.
+
+    ``prompt_text`` is what the model saw since its previous response (the initial chat prompt for
+    turn 0, the observation plus chat-template text after that) and ``prompt_token_ids`` its
+    tokens; ``response_token_ids`` / ``response_logprobs`` are exactly what the engine produced.
+    """
+
+    index: int
+    prompt_text: str = ""
+    response_text: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    response_token_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    code_results: list[CodeResult] = field(default_factory=list)
+    final: FinalCall | None = None  # the answer line outside code, if any (RLM)
+    child_ids: list[str] = field(default_factory=list)  # child agents started by this turn (RLM)
+    timings: dict[str, float] = field(default_factory=dict)  # e.g. gen_s, exec_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["response_token_ids"] = [int(t) for t in self.response_token_ids]
+        d["prompt_token_ids"] = [int(t) for t in self.prompt_token_ids]
+        d["response_logprobs"] = [float(x) for x in self.response_logprobs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> TrajectoryTurn:
+        d = dict(d)
+        d["code_results"] = [CodeResult.from_dict(r) for r in d.get("code_results", [])]
+        d["final"] = FinalCall.from_dict(d.get("final"))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class Trajectory:
+    """One agent's run: a root (depth 0) or, in a recursive environment (RLM's ``rlm_query``), a child.
+
+    ``root_uid`` is the uid of the root prompt in the RL batch (children inherit it); ``children``
+    lists child trajectory ids in start order; ``status`` is one of ``STATUSES``.
+    """
+
+    id: str
+    query: str
+    root_uid: str = ""
+    depth: int = 0
+    parent_id: str | None = None
+    turns: list[TrajectoryTurn] = field(default_factory=list)
+    final_answer: str | None = None
+    status: str = "running"
+    children: list[str] = field(default_factory=list)
+    error: str | None = None
+    context_info: dict[str, Any] = field(default_factory=dict)  # e.g. {"type": "str", "length": 8000}
+    metadata: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["turns"] = [t.to_dict() for t in self.turns]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Trajectory:
+        d = dict(d)
+        d["turns"] = [TrajectoryTurn.from_dict(t) for t in d.get("turns", [])]
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Trajectory:
+        return cls.from_dict(json.loads(line))
+
+    def token_sequence(self) -> tuple[list[int], list[int], list[float]]:
+        """(token ids, loss mask, log-probs) of the whole multi-turn sequence.
+
+        Each turn contributes its prompt tokens (mask 0, log-prob 0.0) then its response tokens
+        (mask 1, the engine's log-probs; 0.0 where none were recorded).
+        """
+        ids: list[int] = []
+        mask: list[int] = []
+        logprobs: list[float] = []
+        for t in self.turns:
+            ids += t.prompt_token_ids
+            mask += [0] * len(t.prompt_token_ids)
+            logprobs += [0.0] * len(t.prompt_token_ids)
+            ids += t.response_token_ids
+            mask += [1] * len(t.response_token_ids)
+            lp = list(t.response_logprobs)
+            logprobs += lp + [0.0] * (len(t.response_token_ids) - len(lp))
+        return ids, mask, logprobs
+
+
+def dump_jsonl(trajectories: Iterable[Trajectory], path: str | os.PathLike, append: bool = False) -> str:
+    """Write one trajectory per line; returns the path."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        for t in trajectories:
+            f.write(t.to_json() + "\n")
+    return path
+
+
+def load_jsonl(path: str | os.PathLike) -> list[Trajectory]:
+    with open(os.fspath(path), encoding="utf-8") as f:
+        return [Trajectory.from_json(line) for line in f if line.strip()]

@@ -1,0 +1,48 @@
+"""``LoopThread``: a private asyncio event loop on a daemon thread, for synchronous code that drives async code.
+
+Shared by the REPL sandbox (its synchronous API) and the agent environments (engines and sandboxes stay bound
+to one loop across calls); it lives here, beside both, so neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["LoopThread"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """``run(coro)`` from any thread (also one whose own loop is running, as in a Ray actor or a notebook)
+    waits for the result on this object's loop. ``run`` from the loop's own thread would wait for itself
+    forever, so it raises ``RuntimeError`` instead."""
+
+    def __init__(self, name: str = "event-loop"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.in_loop_thread():
+            coro.close()
+            raise RuntimeError(
+                f"LoopThread.run called from its own thread ({self.thread.name}) would deadlock"
+            )
+        if not self.thread.is_alive():
+            coro.close()
+            raise RuntimeError("the loop thread is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+        if not self.thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()
