@@ -20,17 +20,21 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from algorithms import list_adv_estimators
+from recipes.tasks import ALL_TASKS, task_config
 from resource_pools.plans import PLACEMENTS
 from workers.config import ActorConfig, CriticConfig, ModelConfig, RewardConfig, RolloutConfig
 from workers.engine.checkpoint import write_atomic
 from workers.engine.fsdp_engine import OptimConfig
+from workers.models.tiny import TINY_MODEL_SIZES
 
 RECIPES_DIR = Path(__file__).resolve().parent
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -61,6 +65,40 @@ class DataConfig:
     # rows whose data_source no reward scorer covers: "error" (name file and row at load time) or "skip" (count)
     unknown_data_source: str = "error"
 
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        """The batch against the data-parallel sizes, the lengths, and where the data comes from."""
+        bs, n, dp = self.train_batch_size, samples_per_prompt(cfg), data_parallel_sizes(cfg)
+        if bs < 1:
+            errors.append(f"data.train_batch_size must be >= 1, got {bs}")
+        else:
+            if dp.rollout > 0 and bs % dp.rollout:
+                errors.append(
+                    f"data.train_batch_size={bs} prompts must be divisible by the rollout data-parallel size "
+                    f"{dp.rollout} (each rollout rank generates for an equal share)"
+                )
+            if dp.train > 0 and (bs * n) % dp.train:
+                errors.append(
+                    f"data.train_batch_size * rollout.n = {bs} * {n} = {bs * n} rows is not divisible by the "
+                    f"training data-parallel size {dp.train}"
+                )
+        if self.val_batch_size is not None and self.val_batch_size < 1:
+            errors.append(f"data.val_batch_size must be >= 1 or null, got {self.val_batch_size}")
+        for key in ("max_prompt_length", "max_response_length"):  # rollout.* must agree (its check)
+            if getattr(self, key) < 1:
+                errors.append(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.train_files and not cfg.task.name:
+            errors.append(
+                "no training data: set data.train_files (parquet) or task.name (generate a dataset)"
+            )
+        if self.train_files and not self.val_files and not cfg.task.name:
+            errors.append("data.val_files is empty (validation needs held-out prompts)")
+        for key in ("train_files", "val_files"):
+            missing = [f for f in getattr(self, key) if not os.path.isfile(os.path.expanduser(f))]
+            if missing:
+                errors.append(f"data.{key}: no such file(s) {missing}")
+        if self.unknown_data_source not in ("error", "skip"):
+            errors.append(f"data.unknown_data_source must be error or skip, got {self.unknown_data_source!r}")
+
 
 @dataclass
 class TaskConfig:
@@ -73,6 +111,24 @@ class TaskConfig:
     seed: int = 0
     knobs: dict[str, Any] = field(default_factory=dict)  # the task config's difficulty knobs
 
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if not self.name:
+            return
+        if self.name not in ALL_TASKS:
+            errors.append(f"task.name={self.name!r} is not a task; choose one of {sorted(ALL_TASKS)}")
+        else:
+            try:
+                task_config(self.name, **self.knobs)
+            except (ValueError, TypeError) as err:
+                errors.append(f"task.knobs: {err}")
+        bs = cfg.data.train_batch_size
+        if self.n_train < bs:
+            errors.append(
+                f"task.n_train={self.n_train} is smaller than one batch (data.train_batch_size={bs})"
+            )
+        if self.n_val < 1:
+            errors.append(f"task.n_val must be >= 1, got {self.n_val}")
+
 
 @dataclass
 class RecipeModelConfig(ModelConfig):
@@ -80,10 +136,37 @@ class RecipeModelConfig(ModelConfig):
     tiny_size: str = "tiny"  # nano | tiny | small, when path is None
     tiny_seed: int = 0
 
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if self.path is not None and not os.path.exists(os.path.expanduser(self.path)):
+            errors.append(f"model.path={self.path!r} does not exist")
+        if self.path is None and self.tiny_size not in TINY_MODEL_SIZES:
+            errors.append(f"model.tiny_size={self.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
+
 
 @dataclass
 class RecipeCriticConfig(CriticConfig):
     model_path: str | None = None  # None: the policy's model.path (a fresh value head on top)
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        """Checked only when the estimator trains a critic (``gae``), but for ``model_path``."""
+        if self.model_path is not None and not os.path.exists(os.path.expanduser(self.model_path)):
+            errors.append(f"critic.model_path={self.model_path!r} does not exist")
+        if not uses_critic(cfg):
+            return
+        worlds = _device_worlds(cfg)
+        _, error = _megatron_replicas("critic", self, worlds.get("critic", worlds["train"]))
+        if error:
+            errors.append(error)
+        _check_megatron_colocation(errors, cfg)
+        if cfg.data.train_batch_size >= 1:
+            _check_ppo_batches(
+                errors,
+                "critic",
+                self,
+                cfg.data.train_batch_size,
+                samples_per_prompt(cfg),
+                data_parallel_sizes(cfg).critic,
+            )
 
 
 @dataclass
@@ -93,6 +176,10 @@ class CustomRewardConfig:
 
     path: str | None = None
     name: str = "compute_score"
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if self.path is not None and not os.path.isfile(self.path):
+            errors.append(f"custom_reward_function.path={self.path!r} is not a file")
 
 
 @dataclass
@@ -112,6 +199,28 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # token_level_rewards = scores - beta * KL(actor || ref)
     kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        """The estimator against the samples per prompt, the KL controller, gamma and lambda (which estimator a
+        recipe allows is the recipe schema's ``check_recipe``)."""
+        est, n, kl = self.adv_estimator, samples_per_prompt(cfg), self.kl_ctrl
+        if est not in list_adv_estimators():
+            errors.append(f"algorithm.adv_estimator={est!r}; registered: {list_adv_estimators()}")
+        if est in ("grpo", "rloo") and n < 2:
+            errors.append(
+                f"algorithm.adv_estimator={est} compares samples of one prompt: rollout.n must be >= 2, got {n}"
+            )
+        if kl.type not in ("fixed", "adaptive"):
+            errors.append(f"algorithm.kl_ctrl.type must be fixed or adaptive, got {kl.type!r}")
+        if kl.type == "adaptive" and (kl.target_kl <= 0 or kl.horizon <= 0):
+            errors.append(
+                f"algorithm.kl_ctrl (adaptive) needs target_kl > 0 and horizon > 0, got target_kl="
+                f"{kl.target_kl}, horizon={kl.horizon}"
+            )
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            errors.append(
+                f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}"
+            )
 
 
 @dataclass
@@ -152,9 +261,86 @@ class TrainerConfig:
     max_consecutive_skipped_updates: int = 5  # abort after this many steps in a row with a non-finite update
     wandb_mode: str | None = None  # e.g. offline
 
+    def device_errors(self, cfg: RecipeConfig) -> list[str]:
+        """What is wrong with the devices and the placement (no worker group sizes without them right)."""
+        errors = []
+        if self.nnodes < 1:
+            errors.append(f"trainer.nnodes must be >= 1, got {self.nnodes}")
+        if self.n_gpus_per_node < 1:
+            errors.append(f"trainer.n_gpus_per_node must be >= 1, got {self.n_gpus_per_node}")
+        if self.placement not in PLACEMENTS:
+            errors.append(f"trainer.placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        elif self.placement == "disaggregated" and not 0 < self.rollout_gpus_per_node < self.n_gpus_per_node:
+            errors.append(
+                f"trainer.placement=disaggregated needs 0 < trainer.rollout_gpus_per_node < "
+                f"trainer.n_gpus_per_node (a rollout pool and a training pool), got rollout_gpus_per_node="
+                f"{self.rollout_gpus_per_node}, n_gpus_per_node={self.n_gpus_per_node}"
+            )
+        elif self.placement == "split_critic":
+            if not 0 < self.critic_gpus_per_node < self.n_gpus_per_node:
+                errors.append(
+                    f"trainer.placement=split_critic needs 0 < trainer.critic_gpus_per_node < "
+                    f"trainer.n_gpus_per_node (a critic pool and an actor pool), got critic_gpus_per_node="
+                    f"{self.critic_gpus_per_node}, n_gpus_per_node={self.n_gpus_per_node}"
+                )
+            if not uses_critic(cfg):
+                errors.append(
+                    f"trainer.placement=split_critic puts the critic on its own pool, but algorithm.adv_estimator="
+                    f"{cfg.algorithm.adv_estimator} trains no critic (use recipes.ppo with adv_estimator=gae)"
+                )
+        if self.placement != "split_critic" and self.critic_gpus_per_node != 0:
+            errors.append(
+                f"trainer.critic_gpus_per_node={self.critic_gpus_per_node} is only used with "
+                f"trainer.placement=split_critic (got placement={self.placement!r})"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            errors.append(f"trainer.device must be auto, cpu or cuda, got {self.device!r}")
+        return errors
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        errors.extend(self.device_errors(cfg))
+        steps = self.total_training_steps
+        if steps is not None and steps < 1:
+            errors.append(f"trainer.total_training_steps must be >= 1 or null, got {steps}")
+        if steps is None and self.total_epochs < 1:
+            errors.append(f"trainer.total_epochs must be >= 1, got {self.total_epochs}")
+        unknown = [lg for lg in self.logger if lg not in LOGGERS]
+        if unknown:
+            errors.append(f"trainer.logger has unknown logger(s) {unknown}; known: {list(LOGGERS)}")
+        if "wandb" in self.logger and importlib.util.find_spec("wandb") is None:
+            errors.append(
+                "trainer.logger includes wandb, but the wandb package is not installed (pip install wandb)"
+            )
+        if self.resume_mode not in ("auto", "disable") and not os.path.isdir(self.resume_mode):
+            errors.append(
+                "trainer.resume_mode must be auto, disable or an existing checkpoint directory, got "
+                f"{self.resume_mode!r}"
+            )
+        if self.resume_fallback and self.resume_mode != "auto":
+            errors.append(
+                f"trainer.resume_fallback=true applies to trainer.resume_mode=auto only, got {self.resume_mode!r}"
+            )
+        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
+            errors.append(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {self.max_ckpt_to_keep}")
+        if self.critic_warmup < 0:
+            errors.append(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
+        if self.call_timeout_s is not None and not self.call_timeout_s > 0:
+            errors.append(f"trainer.call_timeout_s must be > 0 or null (no limit), got {self.call_timeout_s}")
+        if not self.call_timeout_per_row_s >= 0:
+            errors.append(f"trainer.call_timeout_per_row_s must be >= 0, got {self.call_timeout_per_row_s}")
+        if self.max_consecutive_skipped_updates < 1:
+            errors.append(
+                "trainer.max_consecutive_skipped_updates must be >= 1, got "
+                f"{self.max_consecutive_skipped_updates}"
+            )
+
 
 @dataclass
 class RecipeConfig:
+    """The sections every recipe has. A section with a ``check(errors, cfg)`` method (or an entry in
+    ``WORKER_SECTION_CHECKS`` for the workers' own dataclasses) checks itself in ``validate``; the recipe's
+    schema adds its rules in ``check_recipe``."""
+
     data: DataConfig = field(default_factory=DataConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     model: RecipeModelConfig = field(default_factory=RecipeModelConfig)
@@ -165,6 +351,30 @@ class RecipeConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def check_recipe(self, errors: list[str]) -> None:
+        """Rules of one recipe across sections (subclasses); none for the base."""
+
+
+@dataclass
+class GRPOConfig(RecipeConfig):
+    """``recipes/grpo.py``: critic-free estimators."""
+
+    def check_recipe(self, errors: list[str]) -> None:
+        if self.algorithm.adv_estimator == "gae":
+            errors.append("algorithm.adv_estimator=gae needs a critic; use recipes.ppo")
+
+
+@dataclass
+class PPOConfig(RecipeConfig):
+    """``recipes/ppo.py``: actor and critic, GAE."""
+
+    def check_recipe(self, errors: list[str]) -> None:
+        if self.algorithm.adv_estimator != "gae":
+            errors.append(
+                "recipes.ppo trains a critic: algorithm.adv_estimator must be gae, got "
+                f"{self.algorithm.adv_estimator!r}"
+            )
 
 
 @dataclass
@@ -182,13 +392,32 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     log_every: int = 25
 
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if not self.enable:
+            return
+        dp = data_parallel_sizes(cfg).train
+        if self.batch_size < 1 or self.total_steps < 1:
+            errors.append(
+                f"sft.batch_size and sft.total_steps must be >= 1, got {self.batch_size}, {self.total_steps}"
+            )
+        elif dp > 0 and self.batch_size % dp:
+            errors.append(
+                f"sft.batch_size={self.batch_size} is not divisible by the training data-parallel size {dp}"
+            )
+
 
 @dataclass
-class QuickstartConfig(RecipeConfig):
+class QuickstartConfig(GRPOConfig):
+    """``recipes/quickstart.py``: GRPO after a supervised warm start (``sft``)."""
+
     sft: SFTConfig = field(default_factory=SFTConfig)
 
 
-SCHEMAS: dict[str, type] = {"grpo": RecipeConfig, "ppo": RecipeConfig, "quickstart": QuickstartConfig}
+SCHEMAS: dict[str, type[RecipeConfig]] = {
+    "grpo": GRPOConfig,
+    "ppo": PPOConfig,
+    "quickstart": QuickstartConfig,
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,7 +491,7 @@ def load_config(
         merged = OmegaConf.merge(merged, cli)
     except OmegaConfBaseException as err:
         raise _explain(err, "command-line override", schema_cls) from None
-    return to_dataclass(merged, check=check, recipe=recipe)
+    return to_dataclass(merged, check=check)
 
 
 def _switches_task(file_cfg: DictConfig, cli: DictConfig) -> bool:
@@ -273,7 +502,7 @@ def _switches_task(file_cfg: DictConfig, cli: DictConfig) -> bool:
     return new is not None and new != old and "task" in file_cfg
 
 
-def to_dataclass(cfg: DictConfig, check: bool = True, recipe: str = "grpo") -> RecipeConfig:
+def to_dataclass(cfg: DictConfig, check: bool = True) -> RecipeConfig:
     """A merged DictConfig -> the dataclass tree (interpolations resolved; dataclass checks run)."""
     try:
         obj = OmegaConf.to_object(cfg)
@@ -286,7 +515,7 @@ def to_dataclass(cfg: DictConfig, check: bool = True, recipe: str = "grpo") -> R
             raise ConfigError(f"invalid config: {section}.{msg}") from None  # the message starts with the key
         raise ConfigError(f"invalid config at {section!r}: {msg}") from None
     if check:
-        validate(obj, recipe)
+        validate(obj)
     return obj
 
 
@@ -360,6 +589,58 @@ def uses_critic(cfg: RecipeConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
 
+def samples_per_prompt(cfg: RecipeConfig) -> int:
+    """``rollout.n`` for the checks of other sections: 1 when it is below 1 (the rollout check says so)."""
+    return max(cfg.rollout.n, 1)
+
+
+class DataParallelSizes(NamedTuple):
+    """Model replicas per worker group, among which batches divide; 0 where the sizes are invalid (the
+    section that holds them reports it, and the batch checks that need them are skipped)."""
+
+    train: int  # actor, ref, reward (Megatron: devices / (tp * pp))
+    rollout: int
+    critic: int
+
+
+def _device_worlds(cfg: RecipeConfig) -> dict[str, int]:
+    """``device_counts`` once the devices and placement are valid, else zeros."""
+    if cfg.trainer.device_errors(cfg):
+        return {"train": 0, "rollout": 0}
+    return device_counts(cfg)
+
+
+def data_parallel_sizes(cfg: RecipeConfig) -> DataParallelSizes:
+    worlds = _device_worlds(cfg)
+    critic = worlds.get("critic", worlds["train"])
+    if uses_critic(cfg):
+        critic = _megatron_replicas("critic", cfg.critic, critic)[0]
+    return DataParallelSizes(
+        _megatron_replicas("actor", cfg.actor, worlds["train"])[0], worlds["rollout"], critic
+    )
+
+
+def _model_parallel(role_cfg) -> tuple[int, int]:
+    m = role_cfg.megatron
+    return m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+
+
+def _megatron_replicas(sec: str, role_cfg, world: int) -> tuple[int, str | None]:
+    """(data-parallel size of a role on ``world`` devices: ``world / (tp * pp)`` under strategy=megatron, and
+    None), or (0, the error) when the strategy is unknown or the world is not a multiple of tp * pp."""
+    if role_cfg.strategy not in ("fsdp", "megatron"):
+        return 0, f"{sec}.strategy must be fsdp or megatron, got {role_cfg.strategy!r}"
+    if role_cfg.strategy != "megatron" or world <= 0:
+        return world, None
+    tp, pp = _model_parallel(role_cfg)
+    if world % (tp * pp):
+        return 0, (
+            f"{sec}.megatron.tensor_model_parallel_size * {sec}.megatron.pipeline_model_parallel_size = "
+            f"{tp} * {pp} = {tp * pp} must divide the {world} device(s) of the {sec}'s worker group"
+        )
+    return world // (tp * pp), None
+
+
 def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: int, dp: int) -> None:
     mini = role_cfg.ppo_mini_batch_size
     if mini < 1:
@@ -388,29 +669,6 @@ def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: 
             )
     if role_cfg.ppo_epochs < 1:
         errors.append(f"{sec}.ppo_epochs must be >= 1, got {role_cfg.ppo_epochs}")
-
-
-def _model_parallel(role_cfg) -> tuple[int, int]:
-    m = role_cfg.megatron
-    return m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-
-
-def _megatron_dp(errors: list[str], sec: str, role_cfg, world: int) -> int:
-    """Data-parallel size of a role on ``world`` devices (``world / (tp * pp)`` under strategy=megatron);
-    0 (skip the batch checks) after adding an error when the world is not a multiple of tp * pp."""
-    if role_cfg.strategy not in ("fsdp", "megatron"):
-        errors.append(f"{sec}.strategy must be fsdp or megatron, got {role_cfg.strategy!r}")
-        return 0
-    if role_cfg.strategy != "megatron" or world <= 0:
-        return world
-    tp, pp = _model_parallel(role_cfg)
-    if world % (tp * pp):
-        errors.append(
-            f"{sec}.megatron.tensor_model_parallel_size * {sec}.megatron.pipeline_model_parallel_size = "
-            f"{tp} * {pp} = {tp * pp} must divide the {world} device(s) of the {sec}'s worker group"
-        )
-        return 0
-    return world // (tp * pp)
 
 
 def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
@@ -446,8 +704,6 @@ def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
 
 def _check_rollout_engine(errors: list[str], cfg: RecipeConfig) -> None:
     """``rollout.name``: a known engine, and for SGLang the package installed (checked before Ray starts)."""
-    import importlib.util
-
     name = cfg.rollout.name
     if name not in ("native", "sglang"):
         errors.append(f"rollout.name must be 'native' or 'sglang', got {name!r}")
@@ -472,203 +728,56 @@ def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
         )
 
 
-def validate(cfg: RecipeConfig, recipe: str = "grpo") -> None:
-    """Raise ConfigError listing every inconsistency (keys and numbers named)."""
-    from algorithms import list_adv_estimators
-
-    errors: list[str] = []
-    d, t, r, a = cfg.data, cfg.trainer, cfg.rollout, cfg.algorithm
-
-    # devices and placement
-    if t.nnodes < 1:
-        errors.append(f"trainer.nnodes must be >= 1, got {t.nnodes}")
-    if t.n_gpus_per_node < 1:
-        errors.append(f"trainer.n_gpus_per_node must be >= 1, got {t.n_gpus_per_node}")
-    if t.placement not in PLACEMENTS:
-        errors.append(f"trainer.placement must be one of {list(PLACEMENTS)}, got {t.placement!r}")
-    elif t.placement == "disaggregated" and not 0 < t.rollout_gpus_per_node < t.n_gpus_per_node:
-        errors.append(
-            f"trainer.placement=disaggregated needs 0 < trainer.rollout_gpus_per_node < trainer.n_gpus_per_node "
-            f"(a rollout pool and a training pool), got rollout_gpus_per_node={t.rollout_gpus_per_node}, "
-            f"n_gpus_per_node={t.n_gpus_per_node}"
+def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
+    """``actor``: its strategy and Megatron sizes against its devices, and its PPO batches."""
+    _, error = _megatron_replicas("actor", cfg.actor, _device_worlds(cfg)["train"])
+    if error:
+        errors.append(error)
+    if cfg.data.train_batch_size >= 1:
+        _check_ppo_batches(
+            errors,
+            "actor",
+            cfg.actor,
+            cfg.data.train_batch_size,
+            samples_per_prompt(cfg),
+            data_parallel_sizes(cfg).train,
         )
-    elif t.placement == "split_critic":
-        if not 0 < t.critic_gpus_per_node < t.n_gpus_per_node:
-            errors.append(
-                f"trainer.placement=split_critic needs 0 < trainer.critic_gpus_per_node < trainer.n_gpus_per_node "
-                f"(a critic pool and an actor pool), got critic_gpus_per_node={t.critic_gpus_per_node}, "
-                f"n_gpus_per_node={t.n_gpus_per_node}"
-            )
-        if not uses_critic(cfg):
-            errors.append(
-                f"trainer.placement=split_critic puts the critic on its own pool, but algorithm.adv_estimator="
-                f"{a.adv_estimator} trains no critic (use recipes.ppo with adv_estimator=gae)"
-            )
-    if t.placement != "split_critic" and t.critic_gpus_per_node != 0:
-        errors.append(
-            f"trainer.critic_gpus_per_node={t.critic_gpus_per_node} is only used with "
-            f"trainer.placement=split_critic (got placement={t.placement!r})"
-        )
-    if t.device not in ("auto", "cpu", "cuda"):
-        errors.append(f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
-    counts = device_counts(cfg) if not errors else {"train": 0, "rollout": 0}
-    dp, rollout_dp = counts["train"], counts["rollout"]
-    critic_dp = counts.get("critic", dp)
-    # Megatron TP x PP ranks hold one replica: batch sizes divide among world / (tp * pp) replicas
-    dp = _megatron_dp(errors, "actor", cfg.actor, dp)
-    _check_rollout_tp(errors, cfg)
-    _check_rollout_engine(errors, cfg)
-    if uses_critic(cfg):
-        critic_dp = _megatron_dp(errors, "critic", cfg.critic, critic_dp)
-        _check_megatron_colocation(errors, cfg)
 
-    # batch sizes
-    n = r.n
-    if n < 1:
-        errors.append(f"rollout.n must be >= 1, got {n}")
-        n = 1
-    bs = d.train_batch_size
-    if bs < 1:
-        errors.append(f"data.train_batch_size must be >= 1, got {bs}")
-    else:
-        if rollout_dp > 0 and bs % rollout_dp:
-            errors.append(
-                f"data.train_batch_size={bs} prompts must be divisible by the rollout data-parallel size "
-                f"{rollout_dp} (each rollout rank generates for an equal share)"
-            )
-        if dp > 0 and (bs * n) % dp:
-            errors.append(
-                f"data.train_batch_size * rollout.n = {bs} * {n} = {bs * n} rows is not divisible by the training "
-                f"data-parallel size {dp}"
-            )
-        _check_ppo_batches(errors, "actor", cfg.actor, bs, n, dp)
-        if uses_critic(cfg):
-            _check_ppo_batches(errors, "critic", cfg.critic, bs, n, critic_dp)
-    if d.val_batch_size is not None and d.val_batch_size < 1:
-        errors.append(f"data.val_batch_size must be >= 1 or null, got {d.val_batch_size}")
 
-    # lengths: data.* is the source, rollout.* must agree
+def check_rollout(errors: list[str], cfg: RecipeConfig) -> None:
+    """``rollout``: samples per prompt, lengths that follow ``data.*``, the engine and its tensor parallelism."""
+    r, d = cfg.rollout, cfg.data
+    if r.n < 1:
+        errors.append(f"rollout.n must be >= 1, got {r.n}")
     for data_key, roll_key in (
         ("max_prompt_length", "prompt_length"),
         ("max_response_length", "response_length"),
     ):
         dv, rv = getattr(d, data_key), getattr(r, roll_key)
-        if dv < 1:
-            errors.append(f"data.{data_key} must be >= 1, got {dv}")
-        elif dv != rv:
+        if dv >= 1 and dv != rv:  # dv < 1: the data check reports it
             errors.append(
                 f"rollout.{roll_key}={rv} differs from data.{data_key}={dv}; set data.{data_key} "
                 f"(the YAML makes rollout.{roll_key} follow it)"
             )
+    _check_rollout_tp(errors, cfg)
+    _check_rollout_engine(errors, cfg)
 
-    # data source
-    if not d.train_files and not cfg.task.name:
-        errors.append("no training data: set data.train_files (parquet) or task.name (generate a dataset)")
-    if d.train_files and not d.val_files and not cfg.task.name:
-        errors.append("data.val_files is empty (validation needs held-out prompts)")
-    for key in ("train_files", "val_files"):
-        missing = [f for f in getattr(d, key) if not os.path.isfile(os.path.expanduser(f))]
-        if missing:
-            errors.append(f"data.{key}: no such file(s) {missing}")
-    if d.unknown_data_source not in ("error", "skip"):
-        errors.append(f"data.unknown_data_source must be error or skip, got {d.unknown_data_source!r}")
-    if cfg.task.name:
-        from recipes.tasks import ALL_TASKS, task_config
 
-        if cfg.task.name not in ALL_TASKS:
-            errors.append(f"task.name={cfg.task.name!r} is not a task; choose one of {sorted(ALL_TASKS)}")
-        else:
-            try:
-                task_config(cfg.task.name, **cfg.task.knobs)
-            except (ValueError, TypeError) as err:
-                errors.append(f"task.knobs: {err}")
-        if cfg.task.n_train < bs:
-            errors.append(
-                f"task.n_train={cfg.task.n_train} is smaller than one batch (data.train_batch_size={bs})"
-            )
-        if cfg.task.n_val < 1:
-            errors.append(f"task.n_val must be >= 1, got {cfg.task.n_val}")
-    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path)):
-        if path is not None and not os.path.exists(os.path.expanduser(path)):
-            errors.append(f"{key}={path!r} does not exist")
-    if cfg.model.path is None:
-        from workers.models.tiny import TINY_MODEL_SIZES
+# The checks of the sections whose dataclasses are the workers' own (workers/config.py).
+WORKER_SECTION_CHECKS: dict[str, Callable[[list[str], RecipeConfig], None]] = {
+    "actor": check_actor,
+    "rollout": check_rollout,
+}
 
-        if cfg.model.tiny_size not in TINY_MODEL_SIZES:
-            errors.append(
-                f"model.tiny_size={cfg.model.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}"
-            )
 
-    crf = cfg.custom_reward_function
-    if crf.path is not None and not os.path.isfile(crf.path):
-        errors.append(f"custom_reward_function.path={crf.path!r} is not a file")
-
-    # algorithm
-    if a.adv_estimator not in list_adv_estimators():
-        errors.append(f"algorithm.adv_estimator={a.adv_estimator!r}; registered: {list_adv_estimators()}")
-    if a.adv_estimator in ("grpo", "rloo") and n < 2:
-        errors.append(
-            f"algorithm.adv_estimator={a.adv_estimator} compares samples of one prompt: rollout.n must be >= 2, got {n}"
-        )
-    if recipe == "ppo" and a.adv_estimator != "gae":
-        errors.append(
-            f"recipes.ppo trains a critic: algorithm.adv_estimator must be gae, got {a.adv_estimator!r}"
-        )
-    if recipe in ("grpo", "quickstart") and a.adv_estimator == "gae":
-        errors.append("algorithm.adv_estimator=gae needs a critic; use recipes.ppo")
-    if a.kl_ctrl.type not in ("fixed", "adaptive"):
-        errors.append(f"algorithm.kl_ctrl.type must be fixed or adaptive, got {a.kl_ctrl.type!r}")
-    if a.kl_ctrl.type == "adaptive" and (a.kl_ctrl.target_kl <= 0 or a.kl_ctrl.horizon <= 0):
-        errors.append(
-            f"algorithm.kl_ctrl (adaptive) needs target_kl > 0 and horizon > 0, got target_kl="
-            f"{a.kl_ctrl.target_kl}, horizon={a.kl_ctrl.horizon}"
-        )
-    if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
-        errors.append(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {a.gamma}, {a.lam}")
-
-    # trainer
-    if t.total_training_steps is not None and t.total_training_steps < 1:
-        errors.append(f"trainer.total_training_steps must be >= 1 or null, got {t.total_training_steps}")
-    if t.total_training_steps is None and t.total_epochs < 1:
-        errors.append(f"trainer.total_epochs must be >= 1, got {t.total_epochs}")
-    unknown = [lg for lg in t.logger if lg not in LOGGERS]
-    if unknown:
-        errors.append(f"trainer.logger has unknown logger(s) {unknown}; known: {list(LOGGERS)}")
-    if "wandb" in t.logger and importlib.util.find_spec("wandb") is None:
-        errors.append(
-            "trainer.logger includes wandb, but the wandb package is not installed (pip install wandb)"
-        )
-    if t.resume_mode not in ("auto", "disable") and not os.path.isdir(t.resume_mode):
-        errors.append(
-            f"trainer.resume_mode must be auto, disable or an existing checkpoint directory, got {t.resume_mode!r}"
-        )
-    if t.resume_fallback and t.resume_mode != "auto":
-        errors.append(
-            f"trainer.resume_fallback=true applies to trainer.resume_mode=auto only, got {t.resume_mode!r}"
-        )
-    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
-        errors.append(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {t.max_ckpt_to_keep}")
-    if t.critic_warmup < 0:
-        errors.append(f"trainer.critic_warmup must be >= 0, got {t.critic_warmup}")
-    if t.call_timeout_s is not None and not t.call_timeout_s > 0:
-        errors.append(f"trainer.call_timeout_s must be > 0 or null (no limit), got {t.call_timeout_s}")
-    if not t.call_timeout_per_row_s >= 0:
-        errors.append(f"trainer.call_timeout_per_row_s must be >= 0, got {t.call_timeout_per_row_s}")
-    if t.max_consecutive_skipped_updates < 1:
-        errors.append(
-            f"trainer.max_consecutive_skipped_updates must be >= 1, got {t.max_consecutive_skipped_updates}"
-        )
-
-    sft = getattr(cfg, "sft", None)
-    if sft is not None and sft.enable:
-        if sft.batch_size < 1 or sft.total_steps < 1:
-            errors.append(
-                f"sft.batch_size and sft.total_steps must be >= 1, got {sft.batch_size}, {sft.total_steps}"
-            )
-        elif dp > 0 and sft.batch_size % dp:
-            errors.append(
-                f"sft.batch_size={sft.batch_size} is not divisible by the training data-parallel size {dp}"
-            )
-
+def validate(cfg: RecipeConfig) -> None:
+    """Raise ConfigError listing every inconsistency (keys and numbers named): each section's check, then the
+    recipe schema's ``check_recipe``."""
+    errors: list[str] = []
+    for f in dataclasses.fields(cfg):
+        check = WORKER_SECTION_CHECKS.get(f.name) or getattr(getattr(cfg, f.name), "check", None)
+        if check is not None:
+            check(errors, cfg)
+    cfg.check_recipe(errors)
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))

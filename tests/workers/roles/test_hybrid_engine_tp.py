@@ -220,7 +220,7 @@ def test_rollout_tp_config_errors():
     ok = load_config(
         "grpo", [*base, "actor.megatron.tensor_model_parallel_size=2", "rollout.tensor_model_parallel_size=2"]
     )
-    validate(ok, "grpo")
+    validate(ok)
     for overrides, message in [
         (["rollout.tensor_model_parallel_size=2", "actor.strategy=fsdp"], "needs actor.strategy=megatron"),
         (
@@ -229,4 +229,4 @@ def test_rollout_tp_config_errors():
         ),
     ]:
         with pytest.raises(ConfigError, match=message):
-            validate(load_config("grpo", [*base, *overrides]), "grpo")
+            validate(load_config("grpo", [*base, *overrides]))
