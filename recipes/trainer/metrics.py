@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -51,10 +50,6 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 def _masked_values(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return t[mask.bool()]
-
-
-def response_lengths(batch: DataProto) -> torch.Tensor:
-    return batch.batch["response_mask"].sum(-1)
 
 
 def compute_data_metrics(batch: DataProto) -> dict[str, float]:
@@ -116,16 +111,3 @@ def validation_metrics(
     out["val/response_length/mean"] = float(np.mean(list(lengths))) if len(scores) else float("nan")
     out["val/num_samples"] = float(len(scores))
     return out
-
-
-def nonfinite(metrics: dict) -> list[str]:
-    return sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not math.isfinite(v))
-
-
-def reduce_metrics(metric_dicts: list[dict]) -> dict[str, float]:
-    """Mean of each metric over several dicts (e.g. per-call metrics of one step)."""
-    acc: dict[str, list[float]] = defaultdict(list)
-    for m in metric_dicts:
-        for k, v in m.items():
-            acc[k].append(float(v))
-    return {k: float(np.mean(v)) for k, v in acc.items()}
