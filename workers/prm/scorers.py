@@ -1,4 +1,4 @@
-"""The language models a PRM worker can ask: ``complete(prompts, n, ...) -> [[text] * n per prompt]``.
+"""The language models a PRM worker can ask, each a ``Scorer``: ``complete(prompts, n, ...) -> [[text] * n]``.
 
 * `EngineScorer`: a frozen Hugging Face checkpoint on the native rollout engine (the policy's reference --
   its initial weights -- or any other checkpoint), each prompt rendered as one user chat turn with the
@@ -10,29 +10,24 @@
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from workers.agents.chat_format import ChatFormat
+from workers.agents.http_chat import post_json
 from workers.engine.distributed import default_device
 from workers.models import load_tokenizer
 from workers.rollout.native import EngineConfig, NativeEngine
+from workers.rollout.sampling import SamplingParams
 
-__all__ = ["EngineScorer", "HTTPScorer"]
+__all__ = ["EngineScorer", "HTTPScorer", "Scorer"]
 
 
-class EngineScorer:
-    def __init__(self, model_path: str, *, device: str | None = None, max_num_seqs: int = 64, seed: int = 0):
-        self.model_path = model_path
-        self.tokenizer = load_tokenizer(model_path)
-        self.format = ChatFormat(self.tokenizer)
-        cfg = EngineConfig(max_num_seqs=max_num_seqs, device=device or str(default_device()), seed=seed)
-        self.engine = NativeEngine.from_pretrained(model_path, tokenizer=self.tokenizer, config=cfg)
-        self.max_model_len = self.engine.max_model_len
+class Scorer(ABC):
+    """``complete(prompts, n, ...)``: ``n`` samples for every prompt; prompt i's are drawn with seeds
+    ``seed + n * i, ...`` (no seed: unseeded)."""
 
     def complete(
         self,
@@ -43,10 +38,30 @@ class EngineScorer:
         temperature: float,
         seed: int | None = None,
     ) -> list[list[str]]:
-        from workers.rollout.sampling import SamplingParams
-
         if not prompts:
             return []
+        seeds = [None if seed is None else seed + n * i for i in range(len(prompts))]
+        return self._complete(prompts, n, max_new_tokens, temperature, seeds)
+
+    @abstractmethod
+    def _complete(
+        self, prompts: Sequence[str], n: int, max_new_tokens: int, temperature: float, seeds: list[int | None]
+    ) -> list[list[str]]:
+        """``complete`` for a non-empty ``prompts`` with each prompt's first seed."""
+
+
+class EngineScorer(Scorer):
+    def __init__(self, model_path: str, *, device: str | None = None, max_num_seqs: int = 64, seed: int = 0):
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path)
+        self.format = ChatFormat(self.tokenizer)
+        cfg = EngineConfig(max_num_seqs=max_num_seqs, device=device or str(default_device()), seed=seed)
+        self.engine = NativeEngine.from_pretrained(model_path, tokenizer=self.tokenizer, config=cfg)
+        self.max_model_len = self.engine.max_model_len
+
+    def _complete(
+        self, prompts: Sequence[str], n: int, max_new_tokens: int, temperature: float, seeds: list[int | None]
+    ) -> list[list[str]]:
         ids = []
         for p in prompts:
             x = self.format.prompt_ids([{"role": "user", "content": p}])
@@ -54,13 +69,9 @@ class EngineScorer:
             ids.append(x[-keep:])  # a prompt too long for the model keeps its end (the question)
         params = [
             SamplingParams(
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                n=n,
-                seed=None if seed is None else seed + n * i,
-                logprobs=False,
+                max_new_tokens=max_new_tokens, temperature=temperature, n=n, seed=s, logprobs=False
             )
-            for i in range(len(ids))
+            for s in seeds
         ]
         self.engine.resume_memory()
         try:
@@ -70,7 +81,7 @@ class EngineScorer:
         return [[self.format.decode(o.token_ids) for o in group] for group in outs]
 
 
-class HTTPScorer:
+class HTTPScorer(Scorer):
     def __init__(
         self,
         base_url: str,
@@ -91,18 +102,7 @@ class HTTPScorer:
         self.max_workers = max_workers
 
     def _post(self, body: dict) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read().decode())
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:300]
-            raise RuntimeError(f"PRM endpoint {self.url} answered HTTP {err.code}: {detail}") from None
-        except urllib.error.URLError as err:
-            raise RuntimeError(f"PRM endpoint {self.url} unreachable: {err.reason}") from None
+        return post_json(self.url, body, api_key=self.api_key, timeout_s=self.timeout_s, label="PRM endpoint")
 
     def _one(
         self, prompt: str, n: int, max_new_tokens: int, temperature: float, seed: int | None
@@ -131,22 +131,11 @@ class HTTPScorer:
                 ) from None
         return texts[:n]
 
-    def complete(
-        self,
-        prompts: Sequence[str],
-        n: int,
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        seed: int | None = None,
+    def _complete(
+        self, prompts: Sequence[str], n: int, max_new_tokens: int, temperature: float, seeds: list[int | None]
     ) -> list[list[str]]:
-        if not prompts:
-            return []
         with ThreadPoolExecutor(max_workers=min(self.max_workers, len(prompts))) as pool:
             futs = [
-                pool.submit(
-                    self._one, p, n, max_new_tokens, temperature, None if seed is None else seed + n * i
-                )
-                for i, p in enumerate(prompts)
+                pool.submit(self._one, p, n, max_new_tokens, temperature, s) for p, s in zip(prompts, seeds)
             ]
             return [f.result() for f in futs]
