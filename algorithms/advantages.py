@@ -32,6 +32,7 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_remax_outcome_advantage",
     "group_ids",
+    "group_normalize",
     "run_adv_estimator",
 ]
 
@@ -80,6 +81,31 @@ def _group_stats(scores: torch.Tensor, ids: torch.Tensor, n_groups: int):
     sq_dev = zeros.index_add(0, ids, (scores - mean[ids]) ** 2)
     std = torch.sqrt(sq_dev / (count - 1).clamp_min(1))
     return count[ids], mean[ids], std[ids]
+
+
+def group_normalize(
+    values: torch.Tensor, ids: torch.Tensor, n_groups: int, epsilon: float = 1e-6, norm_by_std: bool = True
+) -> torch.Tensor:
+    """1-D ``values`` as (value - group mean) / (group std + epsilon) (unbiased std; without ``norm_by_std``
+    only centred), with 0 in a group of one, which has no baseline; ``ids`` are dense group ids."""
+    count, mean, std = _group_stats(values, ids, n_groups)
+    centred = values - mean
+    normed = centred / (std + epsilon) if norm_by_std else centred
+    return torch.where(count > 1, normed, torch.zeros_like(normed))
+
+
+def _outcome_group_stats(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any):
+    """Per row: (sequence score, its group's size, its group's mean) for the leave-one-out style estimators."""
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    scores = token_level_rewards.sum(dim=-1)
+    ids, n_groups = group_ids(index, scores.shape[0])
+    count, mean, _ = _group_stats(scores, ids, n_groups)
+    return scores, count, mean
+
+
+def _per_token(adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One advantage per row [B] broadcast over its response tokens [B, R]."""
+    return adv.unsqueeze(-1) * response_mask.to(adv.dtype)
 
 
 @register_adv_est(AdvantageEstimator.GAE)
@@ -139,11 +165,7 @@ def compute_grpo_outcome_advantage(
     _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
     scores = token_level_rewards.sum(dim=-1)
     ids, n_groups = group_ids(index, scores.shape[0])
-    count, mean, std = _group_stats(scores, ids, n_groups)
-    centred = scores - mean
-    adv = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
-    adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    adv = _per_token(group_normalize(scores, ids, n_groups, epsilon, norm_adv_by_std_in_grpo), response_mask)
     return adv, adv
 
 
@@ -163,13 +185,9 @@ def compute_rloo_outcome_advantage(
     ``config`` are accepted for verl call compatibility and not used. Returns (advantages, advantages).
     """
     del epsilon, config
-    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    scores = token_level_rewards.sum(dim=-1)
-    ids, n_groups = group_ids(index, scores.shape[0])
-    count, mean, _ = _group_stats(scores, ids, n_groups)
+    scores, count, mean = _outcome_group_stats(token_level_rewards, response_mask, index)
     loo = (scores - mean) * count / (count - 1).clamp_min(1)
-    adv = torch.where(count > 1, loo, scores)
-    adv = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    adv = _per_token(torch.where(count > 1, loo, scores), response_mask)
     return adv, adv
 
 
@@ -218,13 +236,9 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     compatibility and not used. Returns (advantages, advantages).
     """
     del epsilon, config
-    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    scores = token_level_rewards.sum(dim=-1)
-    ids, n_groups = group_ids(index, scores.shape[0])
-    count, mean, _ = _group_stats(scores, ids, n_groups)
-    centred = torch.where(count > 1, scores - mean, scores)
+    scores, count, mean = _outcome_group_stats(token_level_rewards, response_mask, index)
     mask = response_mask.to(scores.dtype)
-    adv = centred.unsqueeze(-1) * mask
+    adv = _per_token(torch.where(count > 1, scores - mean, scores), response_mask)
     adv = masked_whiten(adv, mask) * mask
     return adv, adv
 

@@ -23,12 +23,13 @@ Pure torch; no Ray, no model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from algorithms.advantages import _cfg_get, compute_grpo_outcome_advantage, group_ids
+from algorithms.advantages import _cfg_get, compute_grpo_outcome_advantage, group_ids, group_normalize
 from algorithms.registry import register_adv_est
 
 __all__ = [
@@ -75,18 +76,8 @@ def normalize_step_rewards(
     valid = step_mask != 0
     r = step_rewards.to(torch.float64)
     bucket = (ids.to(r.device)[:, None] * S + torch.arange(S, device=r.device)[None, :])[valid]
-    vals = r[valid]
-    n_buckets = n_groups * S
-    zeros = torch.zeros(n_buckets, dtype=r.dtype, device=r.device)
-    count = zeros.index_add(0, bucket, torch.ones_like(vals))
-    mean = zeros.index_add(0, bucket, vals) / count.clamp_min(1)
-    sq = zeros.index_add(0, bucket, (vals - mean[bucket]) ** 2)
-    std = torch.sqrt(sq / (count - 1).clamp_min(1))
-    centred = vals - mean[bucket]
-    normed = centred / (std[bucket] + epsilon) if norm_by_std else centred
-    normed = torch.where(count[bucket] > 1, normed, torch.zeros_like(normed))
     out = torch.zeros_like(r)
-    out[valid] = normed
+    out[valid] = group_normalize(r[valid], bucket, n_groups * S, epsilon, norm_by_std)
     return out.to(step_rewards.dtype)
 
 
@@ -106,11 +97,18 @@ def step_rewards_per_token(per_step: torch.Tensor, response_mask: torch.Tensor) 
 
 @dataclass
 class HybridTerms:
-    """The three [B, R] parts of the hybrid advantage (each 0 off the response mask), before weighting."""
+    """The three [B, R] parts of the hybrid advantage (each 0 off the response mask) and their weights."""
 
     grpo: torch.Tensor
     prm: torch.Tensor
     opd: torch.Tensor
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        """``w_rl * (grpo + prm) + w_opd * opd`` (module docstring)."""
+        return self.w_rl * (self.grpo + self.prm) + self.w_opd * self.opd
 
 
 @torch.no_grad()
@@ -123,12 +121,20 @@ def hybrid_advantage_terms(
     teacher_log_prob: torch.Tensor | None = None,
     old_log_probs: torch.Tensor | None = None,
     hint_mask: torch.Tensor | None = None,
+    w_rl: float | None = None,
+    w_opd: float | None = None,
     opd_clip: float | None = None,
     epsilon: float = 1e-6,
     norm_adv_by_std_in_grpo: bool = True,
+    config: Any = None,
 ) -> HybridTerms:
-    """GRPO, PRM and OPD terms. Without ``step_rewards`` the PRM term is 0; without ``teacher_log_prob`` /
-    ``old_log_probs`` / ``hint_mask`` the OPD term is 0. ``opd_clip`` bounds |log-ratio| per token."""
+    """GRPO, PRM and OPD terms and their weights. Without ``step_rewards`` the PRM term is 0; without
+    ``teacher_log_prob`` / ``old_log_probs`` / ``hint_mask`` the OPD term is 0 (so the advantage is ``w_rl``
+    times GRPO's). ``opd_clip`` bounds |log-ratio| per token. ``w_rl`` / ``w_opd`` / ``opd_clip``: the
+    arguments, else the same-named fields of ``config``, else 1, 1, None."""
+    w_rl = float(w_rl if w_rl is not None else _cfg_get(config, "w_rl", 1.0))
+    w_opd = float(w_opd if w_opd is not None else _cfg_get(config, "w_opd", 1.0))
+    opd_clip = opd_clip if opd_clip is not None else _cfg_get(config, "opd_clip", None)
     mask = response_mask.to(torch.float32)
     grpo, _ = compute_grpo_outcome_advantage(
         token_level_rewards,
@@ -158,46 +164,13 @@ def hybrid_advantage_terms(
         opd = diff * hint * mask
     elif teacher_log_prob is not None or old_log_probs is not None or hint_mask is not None:
         raise ValueError("the OPD term needs teacher_log_prob, old_log_probs and hint_mask together")
-    return HybridTerms(grpo=grpo * mask, prm=prm, opd=opd)
+    return HybridTerms(grpo=grpo * mask, prm=prm, opd=opd, w_rl=w_rl, w_opd=w_opd)
 
 
 @register_adv_est("hybrid")
-@torch.no_grad()
-def compute_hybrid_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: Any,
-    step_rewards: torch.Tensor | None = None,
-    step_mask: torch.Tensor | None = None,
-    teacher_log_prob: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    hint_mask: torch.Tensor | None = None,
-    w_rl: float | None = None,
-    w_opd: float | None = None,
-    opd_clip: float | None = None,
-    epsilon: float = 1e-6,
-    norm_adv_by_std_in_grpo: bool = True,
-    config: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w_rl * (A_grpo + A_prm) + w_opd * OPD`` (module docstring); returns (advantages, advantages).
-
-    ``w_rl`` / ``w_opd`` / ``opd_clip``: the arguments, else the same-named fields of ``config``, else 1, 1,
-    None. With neither PRM nor teacher inputs this is ``w_rl`` times the GRPO advantage."""
-    w_rl = float(w_rl if w_rl is not None else _cfg_get(config, "w_rl", 1.0))
-    w_opd = float(w_opd if w_opd is not None else _cfg_get(config, "w_opd", 1.0))
-    opd_clip = opd_clip if opd_clip is not None else _cfg_get(config, "opd_clip", None)
-    t = hybrid_advantage_terms(
-        token_level_rewards,
-        response_mask,
-        index,
-        step_rewards=step_rewards,
-        step_mask=step_mask,
-        teacher_log_prob=teacher_log_prob,
-        old_log_probs=old_log_probs,
-        hint_mask=hint_mask,
-        opd_clip=opd_clip,
-        epsilon=epsilon,
-        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
-    )
-    adv = w_rl * (t.grpo + t.prm) + w_opd * t.opd
+@functools.wraps(hybrid_advantage_terms, assigned=())  # its parameters are what run_adv_estimator passes
+def compute_hybrid_advantage(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w_rl * (A_grpo + A_prm) + w_opd * OPD`` (module docstring) from the arguments of
+    ``hybrid_advantage_terms``; returns (advantages, advantages)."""
+    adv = hybrid_advantage_terms(*args, **kwargs).advantages
     return adv, adv

@@ -38,12 +38,18 @@ class PlacementPlan:
         return sum(sum(nodes) for nodes in self.pool_spec.values())
 
 
-def _split(name: str, what: str, apart: int, devices_per_node: int) -> None:
+def _two_pools(
+    name: str, what: str, apart: int, devices_per_node: int, nnodes: int, shared: str, role: str
+) -> PlacementPlan:
+    """``role`` on a pool of its own (``apart`` devices per node, named after it); every other role shares
+    the rest of each node (pool ``shared``)."""
     if not 0 < apart < devices_per_node:
         raise ValueError(
             f"placement {name!r} needs 0 < {what} < devices per node (a pool on each side), "
             f"got {what}={apart}, devices per node={devices_per_node}"
         )
+    spec = {shared: [devices_per_node - apart] * nnodes, f"{role}_pool": [apart] * nnodes}
+    return PlacementPlan(name, spec, dict.fromkeys(PLAN_ROLES, shared) | {role: f"{role}_pool"})
 
 
 def placement_plan(
@@ -65,17 +71,9 @@ def placement_plan(
             placement, {"global_pool": [devices_per_node] * nnodes}, dict.fromkeys(PLAN_ROLES, "global_pool")
         )
     if placement == "disaggregated":
-        _split(placement, "rollout_per_node", rollout_per_node, devices_per_node)
-        roles = dict.fromkeys(PLAN_ROLES, "train_pool") | {"rollout": "rollout_pool"}
-        spec = {
-            "train_pool": [devices_per_node - rollout_per_node] * nnodes,
-            "rollout_pool": [rollout_per_node] * nnodes,
-        }
-        return PlacementPlan(placement, spec, roles)
-    _split(placement, "critic_per_node", critic_per_node, devices_per_node)
-    roles = dict.fromkeys(PLAN_ROLES, "actor_pool") | {"critic": "critic_pool"}
-    spec = {
-        "actor_pool": [devices_per_node - critic_per_node] * nnodes,
-        "critic_pool": [critic_per_node] * nnodes,
-    }
-    return PlacementPlan(placement, spec, roles)
+        return _two_pools(
+            placement, "rollout_per_node", rollout_per_node, devices_per_node, nnodes, "train_pool", "rollout"
+        )
+    return _two_pools(
+        placement, "critic_per_node", critic_per_node, devices_per_node, nnodes, "actor_pool", "critic"
+    )
