@@ -1,4 +1,5 @@
-"""Single controller: Worker base, @register dispatch/collect modes, RayWorkerGroup, colocation, futures."""
+"""Single controller: Worker base, @register dispatch/collect modes and declared inputs, RayWorkerGroup,
+colocation, futures."""
 
 from controller.colocate import create_colocated_worker_cls
 from controller.decorator import MethodSpec, register, registered_methods
@@ -13,13 +14,12 @@ from controller.dispatch import (
 )
 from controller.errors import DispatchError, WorkerGroupError, WorkerGroupTimeoutError
 from controller.future import DataProtoFuture
+from controller.inputs import Inputs
 from controller.ray_class import RayClassWithInitArgs
-from controller.timing import CallTimings
 from controller.worker import Worker
 from controller.worker_group import GroupMethod, RayWorkerGroup
 
 __all__ = [
-    "CallTimings",
     "DataProtoFuture",
     "Dispatch",
     "DispatchError",
@@ -27,6 +27,7 @@ __all__ = [
     "Dispatched",
     "Execute",
     "GroupMethod",
+    "Inputs",
     "MethodSpec",
     "RayClassWithInitArgs",
     "RayWorkerGroup",

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from controller.timing import CallTimings
 from controller.wait import wait_for_results
 from dataproto import DataProto, unpad_dataproto
 
@@ -29,7 +28,6 @@ class DataProtoFuture:
         pad_size: int = 0,
         chunk_positions: Sequence[int] | None = None,
         timeout_s: float | None = None,
-        timings: CallTimings | None = None,
         started: float | None = None,
     ):
         self.role, self.method = role, method
@@ -38,7 +36,6 @@ class DataProtoFuture:
         self._collect = collect
         self._chunk_positions = None if chunk_positions is None else list(chunk_positions)
         self._timeout_s = timeout_s
-        self._timings = timings
         self._started = time.perf_counter() if started is None else started
         self._result = None
         self.resolved = False  # True once the controller fetched and collected the outputs
@@ -69,8 +66,6 @@ class DataProtoFuture:
                     )
                 result = unpad_dataproto(result, self.pad_size)
             self._result, self.resolved = result, True
-            if self._timings is not None:
-                self._timings.record(self.method, time.perf_counter() - self._started)
         return self._result
 
     def __repr__(self) -> str:

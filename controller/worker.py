@@ -11,6 +11,7 @@ need not call ``super().__init__()``.
 from __future__ import annotations
 
 import datetime
+import functools
 import operator
 import os
 import socket
@@ -98,6 +99,11 @@ class Worker:
     @property
     def master_port(self) -> int | None:
         return self._master_port
+
+    @functools.cached_property  # not a property: a worker class may assign its own tag
+    def tag(self) -> str:
+        """``<Worker class> rank <r>/<world>``: the prefix of the errors this worker raises."""
+        return f"{type(self).__name__} rank {self.rank}/{self.world_size}"
 
     # ------------------------------------------------------------------ torch.distributed
     def init_distributed(self, backend: str | None = None, timeout_s: float = 300.0) -> None:

@@ -1,8 +1,8 @@
 """RayWorkerGroup: one Ray actor per bundle of a resource pool, driven as one object.
 
 Every ``@register``-ed method of the worker class becomes a group method: ``wg.compute_log_prob(data)``
-dispatches the arguments to the ranks, calls them, waits (failing fast on the first error), collects and
-records the call's wall time in ``wg.timings``.
+keeps only the columns the method declares it reads (``@register(inputs=...)``), dispatches the arguments to
+the ranks, calls them, waits (failing fast on the first error) and collects.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from controller.dispatch import DispatchMode, Execute, get_dispatch_mode, normal
 from controller.errors import DispatchError
 from controller.future import DataProtoFuture
 from controller.ray_class import RayClassWithInitArgs
-from controller.timing import CallTimings
 from controller.wait import wait_for_results
 from controller.worker import DISPATCH_INFO_METHOD, READY_METHOD, master_probe
 from dataproto import DataProto
@@ -34,7 +33,6 @@ _INSTANCE_ATTRS = {
     "master_port",
     "call_timeout_s",
     "call_timeout_per_row_s",
-    "timings",
 }
 
 
@@ -173,7 +171,6 @@ class RayWorkerGroup:
         self.resource_pool = pool
         self.master_addr, self.master_port = master
         self.call_timeout_s, self.call_timeout_per_row_s = timeouts
-        self.timings = CallTimings()
         self._mesh_info: dict[str, list[tuple[int, bool]]] = {}
         self._bind_methods()
 
@@ -224,6 +221,8 @@ class RayWorkerGroup:
         mode = gm.mode
         if not mode.accepts_futures:
             args, kwargs = _resolve_futures(args, kwargs)
+        if gm.spec.inputs is not None:
+            args, kwargs = gm.spec.inputs.select_args(args, kwargs)
         try:
             dispatched = normalize_dispatched(mode.dispatch_fn(self, *args, **kwargs), self, mode.name)
         except (TypeError, ValueError, KeyError) as err:
@@ -247,7 +246,6 @@ class RayWorkerGroup:
             pad_size=dispatched.pad_size,
             chunk_positions=mode.chunk_ranks_fn(self) if mode.chunked else None,
             timeout_s=gm.timeout_s if gm.timeout_s is not None else self._default_timeout(args, kwargs),
-            timings=self.timings,
             started=started,
         )
         return future if not gm.blocking else future.get()

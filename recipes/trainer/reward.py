@@ -20,6 +20,7 @@ from controller import Dispatch, register
 from dataproto import DataProto
 from workers.reward import SCORERS, register_scorer
 from workers.roles import RewardWorker
+from workers.roles.reward import RM_SCORE_INPUTS
 
 
 def register_task_scorers() -> list[str]:
@@ -59,7 +60,7 @@ class TaskRewardWorker(RewardWorker):
         super().__init__(tokenizer_path, reward)
         self.custom_fn = load_function(custom_path, custom_name) if custom_path else None
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, inputs=RM_SCORE_INPUTS)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         if self.custom_fn is not None and "data_source" in data.non_tensor_batch:
             for source in set(

@@ -27,13 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from controller import Dispatch, Worker, register
+from controller import Dispatch, Inputs, Worker, register
 from dataproto import DataProto
 from workers.prm.prompts import hint_prompt, judge_prompt, parse_hint, parse_vote
+from workers.prm.scorers import EngineScorer, HTTPScorer
 
 __all__ = ["PRMConfig", "PRMMixin", "PRMWorker", "build_scorer"]
 
 SCORERS = ("reference", "checkpoint", "http")
+# `steps`: the tool env's JSON step records; the problem text comes from extra_info or raw_prompt.
+SCORE_STEPS_INPUTS = Inputs(
+    non_tensor=("steps",), optional=("extra_info", "raw_prompt", "token_level_scores")
+)
 
 
 @dataclass
@@ -77,8 +82,6 @@ class PRMConfig:
 
 
 def build_scorer(cfg: PRMConfig, reference_path: str | None, rank: int = 0):
-    from workers.prm.scorers import EngineScorer, HTTPScorer
-
     if cfg.scorer == "http":
         return HTTPScorer(
             cfg.endpoint, cfg.api_model, api_key_env=cfg.api_key_env, timeout_s=cfg.http_timeout_s
@@ -117,18 +120,13 @@ class PRMMixin:
             self._prm_judge = build_scorer(self.prm_config, path, self.rank)
         return self._prm_judge
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, inputs=SCORE_STEPS_INPUTS)
     def score_steps(self, data: DataProto) -> DataProto:
         """Step scores, step mask and hints of every row (module docstring)."""
         t0 = time.perf_counter()
         scorer = self._prm_scorer()
-        tag = f"{type(self).__name__} rank {self.rank}/{self.world_size}"
+        tag = self.tag
         nt = data.non_tensor_batch
-        if "steps" not in nt:
-            raise KeyError(
-                f"{tag}: score_steps needs non_tensor_batch['steps'] (JSON step records of the tool env); "
-                f"the batch has {sorted(nt)}"
-            )
         c = self.prm_config
         B, S = len(data), c.max_steps
         rows = []

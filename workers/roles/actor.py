@@ -20,28 +20,28 @@ so the gradient does not depend on the micro-batch size or the number of ranks.
 
 from __future__ import annotations
 
-from algorithms import KL_PENALTY_NAMES, LOSS_AGG_MODES, agg_loss, compute_kl_loss, get_policy_loss_fn
-from controller import Dispatch, register
+from algorithms import KL_PENALTY_NAMES, agg_loss, compute_kl_loss, get_policy_loss_fn
+from controller import Dispatch, Inputs, register
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
-from workers.engine import FSDPEngine, LossContext
-from workers.models import load_tokenizer
+from workers.engine import LossContext
 from workers.roles.common import (
     ACTOR_MESH,
     FORWARD_KEYS,
     EngineRoleWorker,
     StepMetrics,
-    build_engine,
-    data_parallel_size,
     engine_config,
     log_prob_settings,
-    micro_batch_kwargs,
+    ppo_micro_batch_kwargs,
     token_share,
 )
 
-UPDATE_KEYS = ("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages")
 # Optional per-token weights (rollout importance-sampling correction) passed to the policy loss when present.
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+UPDATE_INPUTS = Inputs(
+    batch=("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages"),
+    optional=("ref_log_prob", ROLLOUT_IS_WEIGHTS),  # ref_log_prob: needed with actor.use_kl_loss
+)
 
 
 class ActorWorker(EngineRoleWorker):
@@ -49,67 +49,38 @@ class ActorWorker(EngineRoleWorker):
         self.model_config = model
         self.actor_config = actor
         self.rollout_config = rollout
-        self.engine: FSDPEngine | None = None
-        self.tokenizer = None
         self._check_config()
 
     def _check_config(self) -> None:
         a = self.actor_config
         get_policy_loss_fn(a.policy_loss)  # unknown name: ValueError listing the registered ones
-        if a.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(
-                f"{self.tag}: actor.loss_agg_mode={a.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}"
-            )
         if a.use_kl_loss and a.kl_loss_type not in KL_PENALTY_NAMES:
             raise ValueError(
                 f"{self.tag}: actor.kl_loss_type={a.kl_loss_type!r} is not one of {list(KL_PENALTY_NAMES)}"
             )
-        if a.ppo_epochs < 1:
-            raise ValueError(f"{self.tag}: actor.ppo_epochs must be >= 1, got {a.ppo_epochs}")
-        dp = data_parallel_size(self.world_size, a.strategy, a.megatron, section="actor", tag=self.tag)
-        rows = a.ppo_mini_batch_size * self.rollout_config.n
-        if rows < 1 or rows % dp:
-            raise ValueError(
-                f"{self.tag}: actor.ppo_mini_batch_size * rollout.n = {a.ppo_mini_batch_size} * "
-                f"{self.rollout_config.n} = {rows} rows per optimizer step must be a positive multiple of the "
-                f"data-parallel size {dp}"
-            )
+        self._check_ppo_section("actor", a, self.rollout_config.n)
 
     # -- setup ------------------------------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         """Join the process group, build the engine (model + AdamW + LR schedule) and load the tokenizer."""
-        self.init_distributed()
-        cfg = engine_config(self.model_config, optim=self.actor_config.optim, seed=self.actor_config.seed)
         a = self.actor_config
-        self.engine = build_engine(cfg, a.strategy, a.megatron, tag=self.tag)
-        self._register_mesh("actor")
-        self.tokenizer = load_tokenizer(
-            self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
-        )
+        self._init_engine(engine_config(self.model_config, optim=a.optim, seed=a.seed), a, "actor")
 
     # -- forward ----------------------------------------------------------------------------------------------
 
-    def _log_probs(self, data: DataProto, method: str, calculate_entropy: bool) -> tuple[dict, float]:
-        engine = self._require_engine(method)
-        self._require_keys(data, FORWARD_KEYS, method)
-        temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
-        out = engine.compute_log_prob(
-            self._select(data, FORWARD_KEYS),
-            temperature=temperature,
-            calculate_entropy=calculate_entropy,
-            **micro,
-        )
-        return out, temperature
-
-    @register(ACTOR_MESH)
+    @register(ACTOR_MESH, inputs=Inputs(batch=FORWARD_KEYS))
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` [B, R] (and ``entropys`` unless ``meta_info["calculate_entropy"]`` is False) of the
         responses at ``meta_info["temperature"]`` (default rollout.temperature); zeros on response padding.
         Micro-batching: rollout.log_prob_* (meta_info use_dynamic_bsz / max_token_len / micro_batch_size win)."""
+        engine = self._require_engine("compute_log_prob")
         calc_entropy = bool(data.meta_info.get("calculate_entropy", True))
-        out, temperature = self._log_probs(data, "compute_log_prob", calc_entropy)
+        temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
+        out = engine.compute_log_prob(
+            data.batch, temperature=temperature, calculate_entropy=calc_entropy, **micro
+        )
         tensors = {"old_log_probs": out["log_probs"]}
         if calc_entropy:
             tensors["entropys"] = out["entropy"]
@@ -117,13 +88,7 @@ class ActorWorker(EngineRoleWorker):
 
     # -- training ---------------------------------------------------------------------------------------------
 
-    def _train_micro(self) -> dict:
-        a = self.actor_config
-        return micro_batch_kwargs(
-            a.use_dynamic_bsz, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu
-        )
-
-    @register(ACTOR_MESH)
+    @register(ACTOR_MESH, inputs=UPDATE_INPUTS)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches of this rank's chunk; returns ``DataProto(meta_info={"metrics": ...})``
         with verl's names (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
@@ -131,16 +96,10 @@ class ActorWorker(EngineRoleWorker):
         Loss metrics are global (all ranks) and averaged over the call's optimizer steps."""
         engine = self._require_engine("update_actor")
         a = self.actor_config
-        keys = list(UPDATE_KEYS) + (["ref_log_prob"] if a.use_kl_loss else [])
-        self._require_keys(data, keys, "update_actor")
+        if a.use_kl_loss:
+            self._require_keys(data, ["ref_log_prob"], "update_actor")
         temperature, _ = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
-        mbs = self._local_mini_batch_rows(
-            a.ppo_mini_batch_size * self.rollout_config.n,
-            len(data),
-            "update_actor",
-            "actor.ppo_mini_batch_size * rollout.n",
-        )
-        batch = self._select(data, [*keys, ROLLOUT_IS_WEIGHTS])
+        mbs = self._ppo_mini_batch_rows("actor", a, len(data), "update_actor")
         policy_loss_fn = get_policy_loss_fn(a.policy_loss)
         names = ["pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "entropy"]
         if a.use_kl_loss:
@@ -184,37 +143,18 @@ class ActorWorker(EngineRoleWorker):
             metrics.add(ctx, **parts)
             return loss
 
-        m = engine.train_step(
-            batch,
-            loss_fn,
-            mini_batch_size=mbs,
-            epochs=a.ppo_epochs,
-            shuffle=a.shuffle,
-            temperature=temperature,
-            calculate_entropy=True,
-            **self._train_micro(),
-        )
-        out = {f"actor/{k}": v for k, v in metrics.reduce(engine).items()}
+        m = self._ppo_train_step(data, loss_fn, a, mbs, temperature=temperature, calculate_entropy=True)
+        losses = metrics.reduce(engine)
         if a.use_kl_loss:
-            out["actor/kl_coef"] = float(a.kl_loss_coef)
-        out.update(
-            {
-                "actor/grad_norm": float(m["grad_norm"]),
-                "actor/lr": float(m["lr"]),
-                "actor/skipped_steps": float(engine.skipped_steps),
-            }
-        )
-        self._warn_skipped("update_actor", m)
-        return DataProto(meta_info={"metrics": out})
+            losses["kl_coef"] = float(a.kl_loss_coef)
+        return self._train_result("update_actor", "actor", m, losses)
 
-    @register(ACTOR_MESH)
+    @register(ACTOR_MESH, inputs=Inputs(batch=(*FORWARD_KEYS, "response_mask")))
     def sft_step(self, data: DataProto) -> DataProto:
         """One supervised optimizer step on the whole batch: token-mean negative log-likelihood (temperature 1)
         of ``responses`` where ``response_mask`` is 1, over all ranks. Metrics ``sft/loss``, ``sft/grad_norm``,
         ``sft/lr``, ``sft/skipped_steps``."""
         engine = self._require_engine("sft_step")
-        keys = [*FORWARD_KEYS, "response_mask"]
-        self._require_keys(data, keys, "sft_step")
 
         def loss_fn(outputs: dict, micro: dict, ctx: LossContext):
             nll = -outputs["log_probs"]
@@ -222,15 +162,7 @@ class ActorWorker(EngineRoleWorker):
                 nll, micro["response_mask"], "token-mean", global_batch_info=ctx.global_batch_info
             )
 
-        m = engine.train_step(self._select(data, keys), loss_fn, temperature=1.0, **self._train_micro())
-        self._warn_skipped("sft_step", m)
-        return DataProto(
-            meta_info={
-                "metrics": {
-                    "sft/loss": float(m["loss"]),
-                    "sft/grad_norm": float(m["grad_norm"]),
-                    "sft/lr": float(m["lr"]),
-                    "sft/skipped_steps": float(engine.skipped_steps),
-                }
-            }
+        m = engine.train_step(
+            data.batch, loss_fn, temperature=1.0, **ppo_micro_batch_kwargs(self.actor_config)
         )
+        return self._train_result("sft_step", "sft", m, {"loss": float(m["loss"])})

@@ -24,11 +24,13 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from algorithms import LOSS_AGG_MODES
 from controller import Dispatch, Worker, register
 from controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.engine import EngineConfig, FSDPEngine, LossContext, OptimConfig
+from workers.models import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +114,13 @@ def micro_batch_kwargs(
     return {"max_token_len": None, "micro_batch_size": micro_batch_size}
 
 
+def ppo_micro_batch_kwargs(section) -> dict[str, int | None]:
+    """`micro_batch_kwargs` of a trained role's section (actor / critic: ``ppo_*_per_gpu``)."""
+    return micro_batch_kwargs(
+        section.use_dynamic_bsz, section.ppo_micro_batch_size_per_gpu, section.ppo_max_token_len_per_gpu
+    )
+
+
 def log_prob_settings(tag: str, rollout: RolloutConfig, meta: Mapping) -> tuple[float, dict]:
     """(temperature, micro-batch kwargs) of a log-prob pass (old or reference log-probs): the rollout
     temperature and rollout.log_prob_* settings, each overridden by the same-named ``meta_info`` key
@@ -185,15 +194,42 @@ class EngineRoleWorker(Worker):
 
     # -- messages and checks ---------------------------------------------------------------------------------
 
-    @property
-    def tag(self) -> str:
-        """``<Role> rank <r>/<world>``: the prefix of every error this worker raises."""
-        return f"{type(self).__name__} rank {self.rank}/{self.world_size}"
-
     def _register_mesh(self, mesh_name: str) -> None:
         """Declare this rank's place on ``mesh_name`` (after the engine is built): see `mesh_info`."""
         dp_rank, is_collect = mesh_info(self.engine, self.rank)
         self.register_dispatch_collect_info(mesh_name, dp_rank, is_collect)
+
+    def _check_ppo_section(self, name: str, section, rollout_n: int) -> None:
+        """What the actor and critic sections share: a known loss aggregation, at least one epoch, and PPO
+        mini-batches (``ppo_mini_batch_size * rollout.n`` rows) that divide among the data-parallel replicas."""
+        if section.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"{self.tag}: {name}.loss_agg_mode={section.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}"
+            )
+        if section.ppo_epochs < 1:
+            raise ValueError(f"{self.tag}: {name}.ppo_epochs must be >= 1, got {section.ppo_epochs}")
+        dp = data_parallel_size(
+            self.world_size, section.strategy, section.megatron, section=name, tag=self.tag
+        )
+        rows = section.ppo_mini_batch_size * rollout_n
+        if rows < 1 or rows % dp:
+            raise ValueError(
+                f"{self.tag}: {name}.ppo_mini_batch_size * rollout.n = {section.ppo_mini_batch_size} * "
+                f"{rollout_n} = {rows} rows per optimizer step must be a positive multiple of the "
+                f"data-parallel size {dp}"
+            )
+
+    def _init_engine(self, config: EngineConfig, section=None, mesh_name: str | None = None) -> None:
+        """Join the group's process group, build the engine (by ``section.strategy``; FSDP without a section),
+        declare its layout on ``mesh_name`` (n-D dispatch) and load the tokenizer."""
+        self.init_distributed()
+        strategy, megatron = ("fsdp", None) if section is None else (section.strategy, section.megatron)
+        self.engine = build_engine(config, strategy, megatron, tag=self.tag)
+        if mesh_name is not None:
+            self._register_mesh(mesh_name)
+        self.tokenizer = load_tokenizer(
+            self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
+        )
 
     def _require_engine(self, method: str) -> FSDPEngine:
         if self.engine is None:
@@ -210,8 +246,11 @@ class EngineRoleWorker(Worker):
                 "(see dataproto/BATCH_LAYOUT.md)"
             )
 
-    def _local_mini_batch_rows(self, global_rows: int, local_rows: int, method: str, what: str) -> int:
-        """Rows of this rank's chunk per optimizer step for ``global_rows`` rows per step over the DP group."""
+    def _ppo_mini_batch_rows(self, name: str, section, local_rows: int, method: str) -> int:
+        """Rows of this rank's chunk per optimizer step: ``<name>.ppo_mini_batch_size * rollout.n`` rows per step
+        over the DP group."""
+        global_rows = section.ppo_mini_batch_size * self.rollout_config.n
+        what = f"{name}.ppo_mini_batch_size * rollout.n"
         dp = self.engine.dp_size
         if global_rows < 1 or global_rows % dp:
             raise ValueError(
@@ -227,19 +266,39 @@ class EngineRoleWorker(Worker):
             )
         return per_rank
 
-    def _warn_skipped(self, method: str, train_metrics: dict) -> None:
-        """Log a warning when the engine dropped optimizer steps of this call (non-finite gradient norm)."""
+    def _ppo_train_step(
+        self, data: DataProto, loss_fn, section, mini_batch_rows: int, **engine_kwargs
+    ) -> dict:
+        """``section.ppo_epochs`` passes of optimizer steps on ``mini_batch_rows`` rows each over ``data``."""
+        return self.engine.train_step(
+            data.batch,
+            loss_fn,
+            mini_batch_size=mini_batch_rows,
+            epochs=section.ppo_epochs,
+            shuffle=section.shuffle,
+            **engine_kwargs,
+            **ppo_micro_batch_kwargs(section),
+        )
+
+    def _train_result(self, method: str, prefix: str, train_metrics: dict, losses: dict) -> DataProto:
+        """What a training call returns: ``meta_info["metrics"]`` with ``losses`` and the engine's grad norm, LR
+        and skipped-step count, named ``<prefix>/<name>``. Warns when the engine dropped optimizer steps of this
+        call (non-finite gradient norm)."""
+        engine = self.engine
         if train_metrics["skipped"]:
             logger.warning(
                 "%s: %s skipped %d of %d optimizer step(s) for a non-finite loss/gradient norm (grad norms %s); "
                 "%d skipped in total",
                 self.tag, method, train_metrics["skipped"], len(train_metrics["grad_norms"]),
-                train_metrics["grad_norms"], self.engine.skipped_steps,
+                train_metrics["grad_norms"], engine.skipped_steps,
             )  # fmt: skip
-
-    @staticmethod
-    def _select(data: DataProto, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        return {k: data.batch[k] for k in keys if k in data.batch}
+        metrics = {
+            **losses,
+            "grad_norm": float(train_metrics["grad_norm"]),
+            "lr": float(train_metrics["lr"]),
+            "skipped_steps": float(engine.skipped_steps),
+        }
+        return DataProto(meta_info={"metrics": {f"{prefix}/{k}": v for k, v in metrics.items()}})
 
     # -- group methods shared by every engine role -----------------------------------------------------------
 

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from controller import Dispatch, register
+from controller import Dispatch, Inputs, register
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
-from workers.engine import FSDPEngine
-from workers.models import load_tokenizer
 from workers.roles.common import FORWARD_KEYS, EngineRoleWorker, engine_config, log_prob_settings
 
 
@@ -63,35 +61,30 @@ class RefWorker(EngineRoleWorker):
     def __init__(self, model: ModelConfig, rollout: RolloutConfig):
         self.model_config = model
         self.rollout_config = rollout
-        self.engine: FSDPEngine | None = None
-        self.tokenizer = None
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self.init_distributed()
-        self.engine = FSDPEngine(engine_config(self.model_config, optim=None))
-        self.tokenizer = load_tokenizer(
-            self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
-        )
+        self._init_engine(engine_config(self.model_config, optim=None))
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, inputs=Inputs(batch=FORWARD_KEYS))
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` [B, R] of the responses at ``meta_info["temperature"]`` (default rollout.temperature,
         the same temperature the actor's log-probs use); micro-batching from rollout.log_prob_*."""
         engine = self._require_engine("compute_ref_log_prob")
-        self._require_keys(data, FORWARD_KEYS, "compute_ref_log_prob")
         temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
-        out = engine.compute_log_prob(self._select(data, FORWARD_KEYS), temperature=temperature, **micro)
+        out = engine.compute_log_prob(data.batch, temperature=temperature, **micro)
         return DataProto.from_dict({"ref_log_prob": out["log_probs"]}, meta_info={"temperature": temperature})
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(
+        Dispatch.DP_COMPUTE_PROTO,
+        inputs=Inputs(batch=("prompts", "responses", "attention_mask"), optional=("teacher_hint",)),
+    )
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
         """``teacher_log_prob`` [B, R]: log-probs of ``responses`` under [prompt + hint + response], where the
         hint of row b is ``non_tensor_batch["teacher_hint"][b]`` (text, tokenised as is; "" or a missing
         column: no hint, the ordinary reference log-prob). Needs ``prompts``, ``responses``,
         ``attention_mask``; temperature and micro-batching as ``compute_ref_log_prob``."""
         engine = self._require_engine("compute_teacher_log_prob")
-        self._require_keys(data, ("prompts", "responses", "attention_mask"), "compute_teacher_log_prob")
         temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
         hints = data.non_tensor_batch.get("teacher_hint")
         texts = ["" if h is None else str(h) for h in hints] if hints is not None else [""] * len(data)

@@ -13,16 +13,22 @@ the per-row ``reward_error`` column covers every row.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from controller import Dispatch, Worker, register
+from controller import Dispatch, Inputs, Worker, register
 from dataproto import DataProto
 from workers.config import RewardConfig
 from workers.models import load_tokenizer
 from workers.reward import score_batch
 
 MAX_ERROR_MESSAGES = 5
+# `responses` and the row's source and ground truth; the valid length from attention_mask (else response_mask);
+# `answer`: an RLM trajectory's final answer, scored instead of the decoded responses.
+RM_SCORE_INPUTS = Inputs(
+    batch=("responses",),
+    non_tensor=("data_source", "reward_model"),
+    optional=("attention_mask", "response_mask", "extra_info", "answer", "data_row"),
+)
 
 
 class RewardWorker(Worker):
@@ -35,10 +41,6 @@ class RewardWorker(Worker):
                 f"{self.tag}: reward.reward_manager={reward.reward_manager!r} is not supported; "
                 "this worker implements 'outcome' (score on the last response token)"
             )
-
-    @property
-    def tag(self) -> str:
-        return f"{type(self).__name__} rank {self.rank}/{self.world_size}"
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -61,29 +63,17 @@ class RewardWorker(Worker):
             f"response's length; the batch has {sorted(data.batch)}"
         )
 
-    def _column(self, data: DataProto, key: str) -> np.ndarray:
-        if key not in data.non_tensor_batch:
-            raise KeyError(
-                f"{self.tag}: compute_rm_score needs non_tensor_batch key {key!r}; it has "
-                f"{sorted(data.non_tensor_batch)} (see dataproto/BATCH_LAYOUT.md)"
-            )
-        return data.non_tensor_batch[key]
-
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, inputs=RM_SCORE_INPUTS)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``token_level_scores`` [B, R] float32 (the row's score on its last valid response token, on token 0
         for an empty response), ``non_tensor_batch["response_text"]`` (the decoded responses, or the RLM
         final answers when the batch has an ``answer`` column) and
         ``["reward_error"]`` ("" or the row's error)."""
-        if "responses" not in data.batch:
-            raise KeyError(
-                f"{self.tag}: compute_rm_score needs batch key 'responses'; it has {sorted(data.batch)}"
-            )
         self.init_model()
         responses = data.batch["responses"]
         lengths = self._valid_lengths(data)
-        sources = self._column(data, "data_source")
-        reward_models = self._column(data, "reward_model")
+        sources = data.non_tensor_batch["data_source"]
+        reward_models = data.non_tensor_batch["reward_model"]
         extra_infos = data.non_tensor_batch.get("extra_info")
         if "answer" in data.non_tensor_batch:
             # RLM trajectories: `responses` is the whole multi-turn transcript; the scored text is the

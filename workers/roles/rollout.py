@@ -349,10 +349,6 @@ class RolloutWorker(Worker):
         self._weight_sync = {}  # group name -> WeightSyncGroup
         self.sync_count = 0  # weight syncs received
 
-    @property
-    def tag(self) -> str:
-        return f"{type(self).__name__} rank {self.rank}/{self.world_size}"
-
     def _require_rollout(self, method: str):
         if self.rollout_engine is None:
             raise RuntimeError(f"{self.tag}: {method} called before init_model()")
