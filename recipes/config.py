@@ -32,8 +32,8 @@ from algorithms import list_adv_estimators
 from recipes.tasks import ALL_TASKS, task_config
 from resource_pools.plans import PLACEMENTS
 from workers.config import ActorConfig, CriticConfig, ModelConfig, RewardConfig, RolloutConfig
+from workers.engine.base import OptimConfig
 from workers.engine.checkpoint import write_atomic
-from workers.engine.fsdp_engine import OptimConfig
 from workers.models.tiny import TINY_MODEL_SIZES
 
 RECIPES_DIR = Path(__file__).resolve().parent

@@ -4,8 +4,7 @@ so a verl user finds ``actor.ppo_mini_batch_size`` where they expect it); worker
 import math
 from dataclasses import dataclass, field
 
-from workers.engine.fsdp_engine import OptimConfig
-from workers.engine.megatron.engine import MegatronConfig
+from workers.engine.base import MegatronConfig, OptimConfig
 
 
 @dataclass

@@ -16,7 +16,7 @@ from recipes.config import (
     save_config,
 )
 from workers.config import ActorConfig, RolloutConfig
-from workers.engine.fsdp_engine import OptimConfig
+from workers.engine.base import OptimConfig
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "ppo", "quickstart"])

@@ -1,7 +1,16 @@
-"""FSDP2 training engine: packed log-probs/values, token-budget micro-batching, train steps, checkpoints.
+"""Training engines and what they share.
 
-See `fsdp_engine.py` for the gradient-reduction and loss-normalisation conventions."""
+* `base`: the engine configs (`EngineConfig`, `OptimConfig`, `MegatronConfig`), `LossContext`, and the
+  `TrainEngine` protocol that role workers and checkpointing use.
+* `fsdp_engine.FSDPEngine` (FSDP2, packed sequences) and `megatron.engine.MegatronEngine` (Megatron-core
+  TP/PP/DP; imported on use: megatron-core is optional); both take the methods they share from
+  `train_steps.EngineSteps` and their optimizer from `optim`.
+* `checkpoint`: resumable DCP checkpoints and Hugging Face export of any `TrainEngine`.
+* `packing` (unpadded micro-batches), `attention` (the varlen attention they run), `distributed` (process
+  group helpers).
+"""
 
+from workers.engine.base import EngineConfig, LossContext, MegatronConfig, OptimConfig, TrainEngine
 from workers.engine.checkpoint import (
     CheckpointError,
     export_hf,
@@ -9,7 +18,7 @@ from workers.engine.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from workers.engine.fsdp_engine import EngineConfig, FSDPEngine, LossContext, OptimConfig, as_tensor_dict
+from workers.engine.fsdp_engine import FSDPEngine
 from workers.engine.packing import karmarkar_karp, pack_sequences, plan_micro_batches
 
 __all__ = [
@@ -17,8 +26,9 @@ __all__ = [
     "EngineConfig",
     "FSDPEngine",
     "LossContext",
+    "MegatronConfig",
     "OptimConfig",
-    "as_tensor_dict",
+    "TrainEngine",
     "export_hf",
     "karmarkar_karp",
     "load_checkpoint",

@@ -1,11 +1,15 @@
-"""Resumable checkpoints (torch.distributed.checkpoint) of any training engine, and Hugging Face export for
-`FSDPEngine`.
+"""Resumable checkpoints (torch.distributed.checkpoint) and Hugging Face export of any `TrainEngine`.
+
+The engine is saved the way torchtitan's checkpointer saves its ``Stateful`` components: whatever
+``engine.state_dict()`` returns (model and optimizer shards, LR schedule, step counters) goes through DCP, and
+``engine.load_state_dict()`` takes it back; this module knows nothing else of the engine but its process
+group (``checkpoint_group()``) and the layout a checkpoint must match (``checkpoint_layout()``).
 
 Layout of one checkpoint directory::
 
     step_12/
-      model_optim/          DCP: .metadata + __<rank>_0.distcp files (each rank's shards of model + optimizer)
-      engine_state.pt       step, skipped steps, LR scheduler, the engine's layout, the caller's opaque `extra`
+      model_optim/          DCP: .metadata + __<rank>_0.distcp files (each rank's shards of the engine state)
+      engine_state.pt       the engine's layout, the number of ranks, the caller's opaque `extra`
       rng_rank<r>.pt        torch / cuda / numpy / python RNG states of rank r
       manifest.json         every file above with its size and xxh3-128 content hash; written after all of them
 
@@ -16,9 +20,6 @@ the bytes needed; an earlier ``step_N`` is untouched. `load_checkpoint` verifies
 before reading any (split over the ranks) and raises `CheckpointError` naming the file and the step. Which
 step is the newest complete one is the caller's business (recipes/trainer/checkpoint.py writes
 ``latest_step`` once every role's checkpoint of a step is complete).
-
-Engines take part through `Checkpointable`: their process group, a DCP state dict whose keys are unique per
-distinct shard, and a layout that must match at load.
 """
 
 from __future__ import annotations
@@ -32,26 +33,24 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from workers.engine import distributed as du
-
-if TYPE_CHECKING:
-    from workers.engine.fsdp_engine import FSDPEngine
+from workers.engine.base import TrainEngine
 
 MODEL_OPTIM_DIR = "model_optim"
 ENGINE_STATE = "engine_state.pt"
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
-FORMAT_VERSION = 2  # 2: a content hash per file in the manifest
+FORMAT_VERSION = 3  # 2: a content hash per file in the manifest; 3: step counters and LR schedule in DCP
 _CHUNK = 8 << 20
 _FULL = 1 << 20  # a filesystem with less free space than this after a failed save is full
 
@@ -61,43 +60,9 @@ class CheckpointError(RuntimeError):
     names the file or path."""
 
 
-class Checkpointable(Protocol):
-    """What checkpointing needs from a training engine (`FSDPEngine`, `MegatronEngine`)."""
-
-    global_step: int
-    skipped_steps: int
-    lr_scheduler: Any  # torch LR scheduler or None
-
-    def checkpoint_group(self) -> dist.ProcessGroup | None:
-        """The ranks that save one checkpoint together; None: this process alone (replicas: rank 0 saves)."""
-
-    def checkpoint_layout(self) -> dict:
-        """Facts a checkpoint must share with the engine that loads it (e.g. TP/PP sizes)."""
-
-    def state_dict(self) -> dict:
-        """Model (+ optimizer) state for DCP; keys are unique per distinct shard, replicas share keys."""
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """{"model": ..., "optim": ...} of a (possibly FSDP-sharded) module, for an engine's ``state_dict``."""
-    if optimizer is None:
-        return {"model": get_state_dict(model, [])[0]}
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd}
-
-
-def load_module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
-    if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _rank(group) -> int:
@@ -270,9 +235,9 @@ def _quiet_single_process(group):
 
 
 def save_checkpoint(
-    engine: Checkpointable, root: str | os.PathLike, *, step: int | None = None, extra: dict | None = None
+    engine: TrainEngine, root: str | os.PathLike, *, step: int | None = None, extra: dict | None = None
 ) -> str:
-    """Save model, optimizer, LR scheduler, RNG states, step and ``extra`` to ``root/step_<step>`` atomically.
+    """Save the engine's state, the RNG states and ``extra`` to ``root/step_<step>`` atomically.
 
     Collective over ``engine.checkpoint_group()`` (every rank calls it). ``step`` defaults to the engine's
     global step. Returns the final directory. On any failure the partial ``step_<step>.tmp`` is removed, an
@@ -309,11 +274,6 @@ def save_checkpoint(
                 _torch_save(
                     {
                         "format_version": FORMAT_VERSION,
-                        "global_step": engine.global_step,
-                        "skipped_steps": engine.skipped_steps,
-                        "lr_scheduler": engine.lr_scheduler.state_dict()
-                        if engine.lr_scheduler is not None
-                        else None,
                         "layout": engine.checkpoint_layout(),
                         "ranks": dist.get_world_size(group) if group is not None else 1,
                         "extra": extra or {},
@@ -374,6 +334,11 @@ def _manifest(path: Path) -> dict:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"corrupt checkpoint manifest {manifest_path}: {e!r}") from e
+    if manifest.get("format_version") == 2:  # format 1 is refused below: it has no content hashes
+        raise CheckpointError(
+            f"checkpoint {path} was saved by an older hyflow (checkpoint format 2: engine step counters outside "
+            f"the DCP state); this hyflow reads format {FORMAT_VERSION}"
+        )
     for rel, entry in files.items():
         f = path / rel
         if not isinstance(entry, dict) or HASH not in entry:
@@ -411,7 +376,7 @@ def verify_checkpoint(path: str | os.PathLike, group: dist.ProcessGroup | None =
     return manifest
 
 
-def load_checkpoint(engine: Checkpointable, path: str | os.PathLike) -> dict:
+def load_checkpoint(engine: TrainEngine, path: str | os.PathLike) -> dict:
     """Restore ``engine`` from a checkpoint directory ``.../step_N`` after verifying it (nothing is loaded
     from a damaged checkpoint). Collective over ``engine.checkpoint_group()``. Returns the ``extra`` dict
     given at save time."""
@@ -434,10 +399,6 @@ def load_checkpoint(engine: Checkpointable, path: str | os.PathLike) -> dict:
     except (Exception, CheckpointException) as e:  # DCP errors rarely say which directory
         raise CheckpointError(f"could not load {path / MODEL_OPTIM_DIR}: {e}") from e
     engine.load_state_dict(state)
-    engine.global_step = es["global_step"]
-    engine.skipped_steps = es["skipped_steps"]
-    if engine.lr_scheduler is not None and es["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(es["lr_scheduler"])
     rng_file = path / f"rng_rank{_rank(group)}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -452,18 +413,16 @@ def load_checkpoint(engine: Checkpointable, path: str | os.PathLike) -> dict:
 
 
 def export_hf(
-    engine: FSDPEngine,
+    engine: TrainEngine,
     out_dir: str | os.PathLike,
     *,
     tokenizer=None,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> str | None:
-    """Write the full model as a Hugging Face directory (safetensors + config [+ tokenizer]) that
-    ``AutoModelForCausalLM.from_pretrained`` (critics: ``AutoModelForTokenClassification``) loads.
-    Collective under FSDP; rank 0 writes. Returns the directory on rank 0, None elsewhere."""
-    from safetensors.torch import save_file
-
+    """Write the full model as a Hugging Face directory (safetensors + config [+ generation config, tokenizer])
+    that ``AutoModelForCausalLM.from_pretrained`` (critics: ``AutoModelForTokenClassification``) loads.
+    Collective over the engine's ranks; rank 0 writes. Returns the directory on rank 0, None elsewhere."""
     out = Path(out_dir)
     writer = du.rank() == 0
     tensors = {}
@@ -500,20 +459,16 @@ def export_hf(
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
-    config = engine.model_config
-    if config is not None:
-        config = config.__class__.from_dict(config.to_dict())
-        config.architectures = [engine.model_class_name]
-        if dtype is not None:
-            config.dtype = dtype
-        config.save_pretrained(tmp)
-        cfg_json = json.loads((tmp / "config.json").read_text())
-        cfg_json.pop("_attn_implementation", None)
-        cfg_json.pop("attn_implementation", None)
-        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
-    gen = getattr(engine.model, "generation_config", None)
-    if gen is not None:
-        gen.save_pretrained(tmp)
+    config = engine.hf_config.__class__.from_dict(engine.hf_config.to_dict())
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(tmp)
+    cfg_json = json.loads((tmp / "config.json").read_text())
+    cfg_json.pop("_attn_implementation", None)
+    cfg_json.pop("attn_implementation", None)
+    (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+    if engine.generation_config is not None:
+        engine.generation_config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if out.exists():

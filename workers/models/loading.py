@@ -186,6 +186,7 @@ def load_model(
     p = check_model_dir(path, need_weights=True)
     torch_dtype = resolve_dtype(dtype)
     if attn_implementation == "hyflow_varlen":
+        # not at the top: workers.engine imports this module (a cycle through workers/engine/__init__.py)
         from workers.engine.attention import register_varlen_attention
 
         register_varlen_attention()

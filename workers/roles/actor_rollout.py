@@ -123,7 +123,7 @@ class WeightSenderMixin:
         """``(HF name, full tensor)`` for every parameter (and persistent buffer) of the training model, one
         all-gather at a time. Collective: every rank of the trainer group must consume it to the end."""
         engine = self._require_engine("hf_weight_stream")
-        tied = bool(getattr(engine.model_config, "tie_word_embeddings", False))
+        tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
         return hf_named_tensors(
             engine.full_state_dict_iter(device=device, dtype=dtype), tie_word_embeddings=tied
         )

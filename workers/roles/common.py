@@ -29,7 +29,16 @@ from controller import Dispatch, Worker, register
 from controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
-from workers.engine import EngineConfig, FSDPEngine, LossContext, OptimConfig
+from workers.engine import (
+    EngineConfig,
+    FSDPEngine,
+    LossContext,
+    MegatronConfig,
+    OptimConfig,
+    export_hf,
+    load_checkpoint,
+    save_checkpoint,
+)
 from workers.models import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -87,7 +96,7 @@ def build_engine(config: EngineConfig, strategy: str = "fsdp", megatron=None, ta
     if strategy == "fsdp":
         return FSDPEngine(config)
     if strategy == "megatron":
-        from workers.engine.megatron.engine import MegatronConfig, MegatronEngine
+        from workers.engine.megatron.engine import MegatronEngine  # megatron-core: optional, heavy
 
         return MegatronEngine(config, megatron or MegatronConfig())
     raise ValueError(f"{tag}: strategy must be 'fsdp' or 'megatron', got {strategy!r}")
@@ -330,18 +339,18 @@ class EngineRoleWorker(Worker):
         """Save model, optimizer, LR schedule, RNG and ``extra`` (e.g. the data position) to
         ``root_dir/step_<step>`` with torch.distributed.checkpoint; every rank takes part. Returns the path."""
         engine = self._require_engine("save_checkpoint")
-        return engine.save_checkpoint(str(root_dir), extra=extra, step=step)
+        return save_checkpoint(engine, str(root_dir), extra=extra, step=step)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:
         """Restore from a checkpoint directory ``.../step_N`` (verified first); returns its ``extra``."""
         engine = self._require_engine("load_checkpoint")
-        return engine.load_checkpoint(str(path))
+        return load_checkpoint(engine, str(path))
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> str:
         """Write the full model (and the tokenizer) as a Hugging Face directory; rank 0 writes, every rank
         takes part in gathering the weights. Returns ``out_dir`` on every rank."""
         engine = self._require_engine("export_hf")
-        engine.export_hf(str(out_dir), tokenizer=self.tokenizer)
+        export_hf(engine, str(out_dir), tokenizer=self.tokenizer)
         return str(out_dir)

@@ -154,7 +154,7 @@ def shard_rows(batch: dict, rank: int, world: int) -> dict:
 def dist_scenarios(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     """All multi-process checks in one spawn (process start-up dominates the cost). Results go to
     ``out_dir/rank<r>.pt``; the test compares them with single-process runs."""
-    from workers.engine import CheckpointError, FSDPEngine
+    from workers.engine import CheckpointError, FSDPEngine, export_hf, load_checkpoint, save_checkpoint
 
     out = Path(out_dir)
     res: dict = {}
@@ -183,14 +183,14 @@ def dist_scenarios(rank: int, world: int, model_dir: str, out_dir: str) -> None:
         res["grad_norms"].append(m["grad_norms"][0])
     res["params"] = params(eng)
     # checkpoint: save after 3 steps, two more steps, then a fresh engine resumes and repeats them
-    ckpt = eng.save_checkpoint(str(out / "ckpt"), extra={"data_pos": 3})
+    ckpt = save_checkpoint(eng, str(out / "ckpt"), extra={"data_pos": 3})
     more = [make_batch(8, seed=200 + s) for s in range(2)]
     res["cont_losses"] = [
         eng.train_step(shard_rows(b, rank, world), pg_loss, micro_batch_size=2)["loss"] for b in more
     ]
     res["cont_params"] = params(eng)
     eng2 = FSDPEngine(engine_config(model_dir))
-    extra = eng2.load_checkpoint(ckpt)
+    extra = load_checkpoint(eng2, ckpt)
     res["resume_extra"] = extra
     res["resume_step"] = eng2.global_step
     res["resume_losses"] = [
@@ -205,11 +205,11 @@ def dist_scenarios(rank: int, world: int, model_dir: str, out_dir: str) -> None:
             f.write(b"\xff" * 4096)
     torch.distributed.barrier()
     try:
-        eng2.load_checkpoint(ckpt)
+        load_checkpoint(eng2, ckpt)
         res["damaged_error"] = None
     except CheckpointError as e:
         res["damaged_error"] = str(e)
-    eng2.export_hf(str(out / "hf"))
+    export_hf(eng2, str(out / "hf"))
 
     # uneven shards: rank 0 has 4 long rows, rank 1 two rows. Under a token budget that fits one long row,
     # rank 0 runs 4 micro-batches and rank 1 must run 2 dummy passes to stay in step with FSDP's collectives.

@@ -21,9 +21,13 @@ from workers.engine import (
     CheckpointError,
     FSDPEngine,
     OptimConfig,
+    TrainEngine,
+    export_hf,
     karmarkar_karp,
+    load_checkpoint,
     pack_sequences,
     plan_micro_batches,
+    save_checkpoint,
     verify_checkpoint,
 )
 from workers.engine.distributed import run_in_processes
@@ -296,7 +300,7 @@ def test_checkpoint_resume_gives_same_losses(model_dir, tmp_path):
     b_eng = _engine(model_dir)
     for b in batches[:2]:
         b_eng.train_step(b, T.pg_loss, **run)
-    path = b_eng.save_checkpoint(str(tmp_path / "ckpt"), extra={"data_pos": 2, "epoch": 0})
+    path = save_checkpoint(b_eng, str(tmp_path / "ckpt"), extra={"data_pos": 2, "epoch": 0})
     assert path.endswith("step_4") and [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_4"]
     torch.manual_seed(123)
     np.random.seed(5)
@@ -308,7 +312,7 @@ def test_checkpoint_resume_gives_same_losses(model_dir, tmp_path):
     np.random.seed(999)
     random.seed(999)
     torch.manual_seed(123)  # RNG restore must not depend on the state at load time
-    extra = c.load_checkpoint(path)
+    extra = load_checkpoint(c, path)
     assert extra == {"data_pos": 2, "epoch": 0} and c.global_step == 4
     resumed = [c.train_step(b, T.pg_loss, **run)["losses"] for b in batches[2:]]
     assert resumed == full[2:]  # bit-identical on one process
@@ -318,36 +322,70 @@ def test_checkpoint_resume_gives_same_losses(model_dir, tmp_path):
     torch.manual_seed(123)
     np.random.seed(5)
     random.seed(7)
-    b_eng.save_checkpoint(str(tmp_path / "rng"))
+    save_checkpoint(b_eng, str(tmp_path / "rng"))
     torch.rand(10)
     np.random.rand(10)
     random.random()
-    c.load_checkpoint(str(tmp_path / "rng" / "step_4"))
+    load_checkpoint(c, str(tmp_path / "rng" / "step_4"))
     got = (torch.rand(3), np.random.rand(), random.random())
     assert torch.equal(got[0], expected_rng[0]) and got[1:] == expected_rng[1:]
+
+
+def test_fsdp_engines_are_train_engines(model_dir):
+    """Role workers and checkpointing program against the `TrainEngine` protocol (the Megatron engine's
+    check is in test_megatron.py)."""
+    assert isinstance(_engine(model_dir), TrainEngine)
+    assert isinstance(_engine(model_dir, value_head=True), TrainEngine)
+    assert not isinstance(object(), TrainEngine)
+
+
+def test_engine_state_round_trips_step_counters_and_lr_schedule(model_dir, tmp_path):
+    """The counters and the LR schedule travel in ``state_dict()`` (through DCP), not beside it."""
+    cfg = T.engine_config(model_dir)
+    cfg.optim = OptimConfig(lr=1e-3, warmup_steps=5)
+    eng = FSDPEngine(cfg)
+    for i in range(2):
+        eng.train_step(T.make_batch(4, seed=50 + i), T.pg_loss)
+    eng.skipped_steps = 3
+    assert eng.state_dict()["train"]["global_step"] == 2
+    path = save_checkpoint(eng, str(tmp_path / "ck"))
+    fresh = FSDPEngine(cfg)
+    load_checkpoint(fresh, path)
+    assert (fresh.global_step, fresh.skipped_steps) == (2, 3)
+    assert fresh.lr_scheduler.state_dict() == eng.lr_scheduler.state_dict()
+    assert fresh.optimizer.param_groups[0]["lr"] == eng.optimizer.param_groups[0]["lr"] < 1e-3  # in warm-up
+
+
+def test_checkpoint_of_an_older_format_is_refused_with_its_version(model_dir, tmp_path):
+    eng = _engine(model_dir)
+    path = Path(save_checkpoint(eng, str(tmp_path / "ck")))
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 2}))
+    with pytest.raises(CheckpointError, match="older hyflow \\(checkpoint format 2"):
+        load_checkpoint(_engine(model_dir), str(path))
 
 
 def test_truncated_or_incomplete_checkpoint_errors_name_the_file(model_dir, tmp_path):
     eng = _engine(model_dir)
     eng.train_step(T.make_batch(4, seed=30), T.pg_loss)
     path = tmp_path / "ck" / "step_1"
-    eng.save_checkpoint(str(tmp_path / "ck"))
+    save_checkpoint(eng, str(tmp_path / "ck"))
     shard = next((path / "model_optim").glob("*.distcp"))
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=rf"truncated checkpoint file .*{shard.name}"):
-        eng.load_checkpoint(str(path))
+        load_checkpoint(eng, str(path))
     shard.write_bytes(data)
     (path / "engine_state.pt").unlink()
     with pytest.raises(CheckpointError, match="missing file .*engine_state.pt"):
-        eng.load_checkpoint(str(path))
+        load_checkpoint(eng, str(path))
     # an interrupted save leaves only step_N.tmp, which is never loaded
     shutil.copytree(path, tmp_path / "ck2" / "step_2.tmp")
     (tmp_path / "ck2" / "step_2.tmp" / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match=r"step_2 does not exist \(an unfinished save"):
-        eng.load_checkpoint(str(tmp_path / "ck2" / "step_2"))
+        load_checkpoint(eng, str(tmp_path / "ck2" / "step_2"))
     with pytest.raises(CheckpointError, match="missing file .*manifest.json"):
-        eng.load_checkpoint(str(tmp_path / "ck2" / "step_2.tmp"))
+        load_checkpoint(eng, str(tmp_path / "ck2" / "step_2.tmp"))
 
 
 def test_altered_checkpoint_file_fails_to_load_naming_file_and_step(model_dir, tmp_path):
@@ -355,7 +393,7 @@ def test_altered_checkpoint_file_fails_to_load_naming_file_and_step(model_dir, t
     content hash recorded at save: the load names the file and the step and changes nothing."""
     eng = _engine(model_dir)
     eng.train_step(T.make_batch(4, seed=30), T.pg_loss)
-    path = Path(eng.save_checkpoint(str(tmp_path / "ck")))
+    path = Path(save_checkpoint(eng, str(tmp_path / "ck")))
     shard = path / "model_optim" / "__0_0.distcp"
     size = shard.stat().st_size
     # inside the largest tensor's bytes: without the hash this loads silently and trains on NaN (issue 14)
@@ -372,7 +410,7 @@ def test_altered_checkpoint_file_fails_to_load_naming_file_and_step(model_dir, t
         CheckpointError,
         match=rf"checkpoint step_1 \(step 1\) is damaged: {re.escape(str(shard))} changed after",
     ):
-        fresh.load_checkpoint(str(path))
+        load_checkpoint(fresh, str(path))
     assert fresh.global_step == 0
     for k, v in T.params(fresh).items():
         assert torch.equal(v, before[k]), k
@@ -395,7 +433,7 @@ def test_full_disk_save_names_path_and_bytes_and_keeps_previous_checkpoint(model
     eng = _engine(model_dir)
     eng.train_step(T.make_batch(4, seed=30), T.pg_loss)
     root = disk / "ck"
-    step1 = Path(eng.save_checkpoint(str(root)))
+    step1 = Path(save_checkpoint(eng, str(root)))
     manifest = (step1 / "manifest.json").read_text()
     eng.train_step(T.make_batch(4, seed=31), T.pg_loss)
     needed = sum(t.numel() * t.element_size() for t in _tensors(eng.state_dict()))
@@ -403,7 +441,7 @@ def test_full_disk_save_names_path_and_bytes_and_keeps_previous_checkpoint(model
     # too little space for the tensors alone: refused before anything is written
     _fill(disk, leave=needed // 2)
     with pytest.raises(CheckpointError) as err:
-        eng.save_checkpoint(str(root))
+        save_checkpoint(eng, str(root))
     msg = str(err.value)
     assert f"no space left on device for checkpoint {root}/step_2.tmp: it needs about {needed} bytes" in msg
     assert sorted(p.name for p in root.iterdir()) == ["step_1"]
@@ -412,14 +450,14 @@ def test_full_disk_save_names_path_and_bytes_and_keeps_previous_checkpoint(model
     (disk / "filler0").unlink()
     _fill(disk, leave=needed + 4096)
     with pytest.raises(CheckpointError) as err:
-        eng.save_checkpoint(str(root))
+        save_checkpoint(eng, str(root))
     assert f"no space left on device for checkpoint {root}/step_2.tmp: it needs about {needed} bytes" in str(
         err.value
     )
     assert sorted(p.name for p in root.iterdir()) == ["step_1"]  # the partial step_2.tmp is gone
     assert (step1 / "manifest.json").read_text() == manifest
     verify_checkpoint(step1)  # the previous checkpoint is intact and loads
-    assert _engine(model_dir).load_checkpoint(str(step1)) == {}
+    assert load_checkpoint(_engine(model_dir), str(step1)) == {}
 
 
 def _tensors(state):
@@ -440,7 +478,7 @@ def test_export_hf_loads_with_equal_logits(model_dir, tmp_path):
     tok_model = Tokenizer(models.WordLevel({f"w{i}": i for i in range(T.VOCAB)}, unk_token="w3"))
     tok_model.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=tok_model, eos_token="w1", pad_token="w0")
-    out = eng.export_hf(str(tmp_path / "hf"), tokenizer=tok)
+    out = export_hf(eng, str(tmp_path / "hf"), tokenizer=tok)
     cfg = (tmp_path / "hf" / "config.json").read_text()
     assert "hyflow" not in cfg and "Qwen2ForCausalLM" in cfg
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()

@@ -135,12 +135,13 @@ def _single(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     """World 1: HF vs Megatron logits and log-probs, round trip through the engine, Megatron vs FSDP train."""
     from megatron.core import parallel_state as ps
 
-    from workers.engine import FSDPEngine
+    from workers.engine import FSDPEngine, TrainEngine
     from workers.engine.megatron.engine import MegatronEngine
 
     res: dict = {}
     hf = _hf(model_dir)
     eng = MegatronEngine(T.engine_config(model_dir))
+    res["is_train_engine"] = isinstance(eng, TrainEngine)
     # logits of unpadded sequences
     ids = torch.randint(3, T.VOCAB, (3, 11), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -191,7 +192,8 @@ def _pair(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     """World 2: TP=2, PP=2 (1F1B) and DP=2 in turn, same batches as the single-process run."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from workers.engine.megatron.engine import MegatronConfig, MegatronEngine
+    from workers.engine import MegatronConfig
+    from workers.engine.megatron.engine import MegatronEngine
 
     res = {}
     for label, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2), ("dp2", 1, 1)):
@@ -228,8 +230,8 @@ def _pair(rank: int, world: int, model_dir: str, out_dir: str) -> None:
 def _resume(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     """World 2 at TP=2, PP=2 and DP=2 in turn: two steps, a checkpoint, two more steps; a fresh engine loads
     the checkpoint and repeats the last two. Then the TP=2 checkpoint offered to the PP=2 engine."""
-    from workers.engine import CheckpointError
-    from workers.engine.megatron.engine import MegatronConfig, MegatronEngine
+    from workers.engine import CheckpointError, MegatronConfig, load_checkpoint, save_checkpoint
+    from workers.engine.megatron.engine import MegatronEngine
 
     res: dict = {}
     batches = [T.make_batch(8, seed=300 + s) for s in range(4)]
@@ -238,18 +240,18 @@ def _resume(rank: int, world: int, model_dir: str, out_dir: str) -> None:
         eng = MegatronEngine(T.engine_config(model_dir), MegatronConfig(tp, pp))
         for b in batches[:2]:
             run(eng, b)
-        path = eng.save_checkpoint(str(Path(out_dir) / label), extra={"data_pos": 2})
+        path = save_checkpoint(eng, str(Path(out_dir) / label), extra={"data_pos": 2})
         entry = {"full": [run(eng, b) for b in batches[2:]], "full_params": dict(eng.full_state_dict_iter())}
         eng.destroy()
         eng = MegatronEngine(T.engine_config(model_dir), MegatronConfig(tp, pp))
-        entry["extra"], entry["step"] = eng.load_checkpoint(path), eng.global_step
+        entry["extra"], entry["step"] = load_checkpoint(eng, path), eng.global_step
         entry["resumed"] = [run(eng, b) for b in batches[2:]]
         entry["resumed_params"] = dict(eng.full_state_dict_iter())
         entry["files"] = sorted(p.name for p in (Path(path) / "model_optim").iterdir())
         entry["bytes"] = sum(p.stat().st_size for p in (Path(path) / "model_optim").glob("*.distcp"))
         if label == "pp2":
             try:
-                eng.load_checkpoint(str(Path(out_dir) / "tp2" / "step_2"))
+                load_checkpoint(eng, str(Path(out_dir) / "tp2" / "step_2"))
             except CheckpointError as e:
                 entry["layout_error"] = str(e)
         eng.destroy()
@@ -277,6 +279,10 @@ def pair(model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron_pair")
     run_in_processes(_pair, 2, model_dir, str(out))
     return [torch.load(out / f"pair{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_megatron_engine_is_a_train_engine(single):
+    assert single["is_train_engine"]
 
 
 def test_megatron_logits_match_hf(single):

@@ -18,7 +18,7 @@ from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_wo
 from dataproto import DataProto
 from resource_pools import ResourcePool
 from workers.config import ActorConfig, CriticConfig, ModelConfig, RolloutConfig
-from workers.engine import EngineConfig, OptimConfig
+from workers.engine import EngineConfig, MegatronConfig, OptimConfig
 from workers.roles import ActorRolloutWorker, ActorWorker, CriticWorker
 from workers.roles.common import build_engine, data_parallel_size
 
@@ -26,7 +26,6 @@ from workers.roles.common import build_engine, data_parallel_size
 if importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
 
-from workers.engine.megatron.engine import MegatronConfig  # noqa: E402
 
 P, R = 6, 5
 ROLLOUT = RolloutConfig(

@@ -23,7 +23,7 @@ from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from resource_pools import ResourcePool
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
-from workers.engine import OptimConfig
+from workers.engine import MegatronConfig, OptimConfig
 from workers.roles.actor_rollout import ActorRolloutWorker, rollout_tp_size
 from workers.roles.rollout import PAD_ROWS_KEY, make_rollout_mesh_dispatch
 
@@ -31,7 +31,6 @@ from workers.roles.rollout import PAD_ROWS_KEY, make_rollout_mesh_dispatch
 if importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
 
-from workers.engine.megatron.engine import MegatronConfig  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

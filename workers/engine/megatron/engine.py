@@ -1,7 +1,8 @@
 """Megatron-core training engine: a Qwen2/Llama GPTModel (local layer spec) with tensor, pipeline and data
 parallelism from ``megatron.core.parallel_state`` and Megatron's forward/backward schedules (1F1B when
-pp > 1), exposing the FSDP engine's methods (``compute_log_prob``, ``train_step``,
-``full_state_dict_iter``, ...) so role workers switch with ``strategy=megatron``.
+pp > 1). It is a `TrainEngine` (workers/engine/base.py) like the FSDP engine, sharing its ``compute_*`` /
+``train_step`` loop and state dict (`train_steps.EngineSteps`), so role workers switch with
+``strategy=megatron``.
 
 Conventions (the same as ``workers/engine/fsdp_engine.py``)
 ------------------------------------------------------------
@@ -25,8 +26,8 @@ variable-length kernel.
 Critics (``value_head=True``): the HF ``*ForTokenClassification`` score head replaces the vocabulary
 projection on the last stage (replicated over TP); ``compute_values`` and value ``train_step`` as in FSDP.
 
-Checkpoints: ``torch.distributed.checkpoint`` through workers/engine/checkpoint.py (atomic ``step_N``
-directory, content hashes). Each (TP, PP) shard's model and optimizer state is keyed by its ranks
+Checkpoints and HF export: workers/engine/checkpoint.py, as for any `TrainEngine` (atomic ``step_N`` directory,
+content hashes). Each (TP, PP) shard's model and optimizer state is keyed by its ranks
 (``tp<t>_pp<p>.model...``), so DP replicas share keys and DCP writes one copy; a checkpoint resumes on the
 same TP/PP sizes (checked at load) and any DP size.
 
@@ -35,25 +36,14 @@ Not implemented here: sequence parallelism, virtual pipeline stages, context/exp
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from workers.engine import distributed as du
-from workers.engine.checkpoint import load_checkpoint, load_module_state, module_state, save_checkpoint
-from workers.engine.fsdp_engine import (
-    EngineConfig,
-    LossContext,
-    LossFn,
-    _require,
-    as_tensor_dict,
-    lr_lambda_for,
-)
+from workers.engine.base import EngineConfig, LossFn, MegatronConfig
 from workers.engine.megatron import cpu_compat
 from workers.engine.megatron.hf_conversion import (
     ModelShape,
@@ -62,29 +52,12 @@ from workers.engine.megatron.hf_conversion import (
     megatron_from_hf_chunks,
     param_specs,
 )
+from workers.engine.optim import build_optimizer
 from workers.engine.packing import entropy_from_logits
-from workers.engine.train_steps import (
-    call_loss_fn,
-    mask_counts,
-    minibatch_order,
-    response_loss_mask,
-    step_metrics,
-)
+from workers.engine.train_steps import EngineCall, EngineSteps, call_loss_fn, load_module_state, module_state
 from workers.models.loading import load_model, resolve_dtype
-
-
-@dataclass
-class MegatronConfig:
-    """Model-parallel sizes; data parallelism is the rest of the world (``world / (tp * pp)``)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-
-    def __post_init__(self):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MegatronConfig.{key} must be a positive int, got {value!r}")
+from workers.weight_sync.reshard import Resharder
+from workers.weight_sync.reshard_plan import GenLayout, ReshardPlan, TrainLayout
 
 
 def _ensure_process_group() -> None:
@@ -167,7 +140,7 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-class MegatronEngine:
+class MegatronEngine(EngineSteps):
     """One actor/reference model on this rank as a Megatron GPTModel shard (stage ``pp_rank``, TP rank
     ``tp_rank``), with the FSDP engine's interface."""
 
@@ -214,7 +187,9 @@ class MegatronEngine:
                 device="cpu",
                 config_overrides=config.config_overrides,
             )
-        self.hf_config = self.model_config = hf_model.config
+        self.hf_config = hf_model.config
+        self.hf_config.architectures = [type(hf_model).__name__]  # what an HF export loads it as
+        self.generation_config = getattr(hf_model, "generation_config", None)
         self.shape = ModelShape.from_hf_config(hf_model.config, value_head=self.is_value_model)
         self.shape.check_parallel(tp, pp)
         self.specs = param_specs(self.shape, pp, self.dtype)
@@ -248,16 +223,7 @@ class MegatronEngine:
         model.to(self.device)
         self.model = model
 
-        self.optimizer = None
-        self.lr_scheduler = None
-        if config.optim is not None:
-            o = config.optim
-            self.optimizer = torch.optim.AdamW(
-                model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-            )
-            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda_for(o))
-        else:
-            model.requires_grad_(False)
+        self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
     # -- weights in / out ----------------------------------------------------------------------------------
 
@@ -290,8 +256,6 @@ class MegatronEngine:
 
     def reshard_plan(self, tp_g: int = 1):
         """The plan that moves this engine's weights to ``tp_g``-way generation replicas on the same ranks."""
-        from workers.weight_sync.reshard_plan import GenLayout, ReshardPlan, TrainLayout
-
         world = dist.get_world_size()
         return ReshardPlan(
             self.specs, TrainLayout(self.pp, self.tp, self.dp_size), GenLayout(tp_g, world // tp_g)
@@ -300,8 +264,6 @@ class MegatronEngine:
     def _resharder(self, tp_g: int):
         """One Resharder (and its process groups) per generation TP size, created on first use: a
         collective, so every rank must make the same first call."""
-        from workers.weight_sync.reshard import Resharder
-
         if tp_g not in self._resharders:
             self._resharders[tp_g] = Resharder(self.reshard_plan(tp_g), "regrouped")
         return self._resharders[tp_g]
@@ -465,49 +427,17 @@ class MegatronEngine:
         with cpu_compat.cpu_device_scope():
             return self.model(input_ids.to(self.device), position_ids.to(self.device), attention_mask=None)
 
-    # -- forward -------------------------------------------------------------------------------------------
+    # -- forward -----------------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def compute_values(
-        self, data, *, micro_batch_size: int | None = None, max_token_len: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Critic values {"values": [B, R]}, zeros at response padding, input row order."""
-        if not self.is_value_model:
-            raise TypeError("compute_values needs EngineConfig(value_head=True)")
-        return self._forward_only(data, 1.0, False, micro_batch_size, max_token_len, "compute_values")
-
-    @torch.no_grad()
-    def compute_log_prob(
-        self,
-        data,
-        *,
-        temperature: float | None = None,
-        calculate_entropy: bool = False,
-        micro_batch_size: int | None = None,
-        max_token_len: int | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """{"log_probs": [B, R]} (+ "entropy"), fp32 on CPU, zeros at response padding, input row order."""
-        if self.is_value_model:
-            raise TypeError("compute_log_prob on a value-head model; use compute_values")
-        return self._forward_only(
-            data, temperature, calculate_entropy, micro_batch_size, max_token_len, "compute_log_prob"
-        )
-
-    def _forward_only(self, data, temperature, calculate_entropy, micro_batch_size, max_token_len, where):
-        tensors, meta = as_tensor_dict(data)
-        _require(tensors, "input_ids", "attention_mask", "responses", where=f"MegatronEngine.{where}")
-        temperature = float(temperature if temperature is not None else meta.get("temperature", 1.0))
-        if micro_batch_size is None and max_token_len is None:
-            micro_batch_size = meta.get("micro_batch_size")
-            max_token_len = meta.get("max_token_len") if meta.get("use_dynamic_bsz") else None
-        prep = self._prepare(tensors)
+    def _forward(self, call: EngineCall, calculate_entropy: bool) -> dict[str, torch.Tensor]:
+        prep = self._prepare(call.tensors)
         n = prep["tokens"].shape[0]
-        rows = self._micro_size(n, prep["tokens"].shape[1], micro_batch_size, max_token_len)
+        rows = self._micro_size(n, prep["tokens"].shape[1], call.micro_batch_size, call.max_token_len)
         parts = self._split({}, prep, list(range(n)), rows)
         self.model.eval()
 
         def make_loss(i, p, logits):
-            out = self._response_outputs(logits, p, temperature, calculate_entropy)
+            out = self._response_outputs(logits, p, call.temperature, calculate_entropy)
             return logits.sum() * 0.0, {k: v.cpu() for k, v in out.items()}
 
         results = self._run([p for p, _ in parts], forward_only=True, make_loss=make_loss)
@@ -515,93 +445,35 @@ class MegatronEngine:
 
     # -- training ------------------------------------------------------------------------------------------
 
-    def _dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """SUM over the data-parallel group (on the device: NCCL reduces CUDA tensors only); CPU result."""
+    def _dp_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduced over the data-parallel group (on the device: NCCL reduces CUDA tensors only); CPU result."""
         if self.dp_size > 1:
             t = t.to(self.device)
-            dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+            dist.all_reduce(t, op=op, group=self.ps.get_data_parallel_group())
         return t.cpu()
 
-    def train_step(
-        self,
-        data,
-        loss_fn: LossFn,
-        *,
-        mini_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
-        max_token_len: int | None = None,
-        epochs: int = 1,
-        shuffle: bool = False,
-        temperature: float | None = None,
-        calculate_entropy: bool = False,
-        loss_mask_key: str = "response_mask",
-    ) -> dict[str, Any]:
-        """One or more optimizer steps over this rank's DP shard; the FSDP engine's contract and metrics."""
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a forward-only engine (EngineConfig.optim=None)")
-        tensors, meta = as_tensor_dict(data)
-        _require(tensors, "input_ids", "attention_mask", "responses", where="MegatronEngine.train_step")
-        temperature = float(temperature if temperature is not None else meta.get("temperature", 1.0))
-        if micro_batch_size is None and max_token_len is None:
-            micro_batch_size = meta.get("micro_batch_size")
-            max_token_len = meta.get("max_token_len") if meta.get("use_dynamic_bsz") else None
-        n = tensors["input_ids"].shape[0]
-        r = tensors["responses"].shape[1]
-        mbs = mini_batch_size or n
-        if n % mbs:
-            raise ValueError(f"train_step: {n} rows on this rank is not a multiple of mini_batch_size={mbs}")
-        loss_mask = response_loss_mask(tensors, loss_mask_key, r)
-        self.model.train()
-        losses, grad_norms, lrs, skipped_now = [], [], [], 0
-        extra: dict[str, list[float]] = {}
-        for epoch in range(epochs):
-            order = minibatch_order(
-                n, shuffle=shuffle, seed=self.config.seed, global_step=self.global_step, epoch=epoch
-            )
-            for mi in range(n // mbs):
-                idx = order[mi * mbs : (mi + 1) * mbs].tolist()
-                mask = loss_mask[idx]
-                counts = self._dp_all_reduce(mask_counts(mask))
-                mini = {k: v[idx] for k, v in tensors.items()}
-                prep = self._prepare(mini)
-                rows = self._micro_size(mbs, prep["tokens"].shape[1], micro_batch_size, max_token_len)
-                parts = self._split(mini, prep, list(range(mbs)), rows)
+    def _backward_mini_batch(
+        self, call: EngineCall, rows: list[int], loss_fn: LossFn, context, calculate_entropy: bool
+    ) -> tuple[torch.Tensor, list[dict[str, float]]]:
+        mini = {k: v[rows] for k, v in call.tensors.items()}
+        prep = self._prepare(mini)
+        size = self._micro_size(len(rows), prep["tokens"].shape[1], call.micro_batch_size, call.max_token_len)
+        parts = self._split(mini, prep, list(range(len(rows))), size)
 
-                def make_loss(i, p, logits, parts=parts, mi=mi, epoch=epoch, counts=counts):
-                    outputs = self._response_outputs(logits, p, temperature, calculate_entropy)
-                    ctx = LossContext(
-                        global_num_tokens=float(counts[0]),
-                        global_num_seqs=int(counts[1]),
-                        dp_size=self.dp_size,
-                        dp_rank=self.dp_rank,
-                        epoch=epoch,
-                        mini_batch_index=mi,
-                        micro_batch_index=i,
-                        num_micro_batches=len(parts),
-                        temperature=temperature,
-                    )
-                    loss, metrics = call_loss_fn(loss_fn, outputs, parts[i][1], ctx)
-                    metrics["__loss"] = float(loss.detach())
-                    return loss, metrics
+        def make_loss(i, p, logits):
+            outputs = self._response_outputs(logits, p, call.temperature, calculate_entropy)
+            ctx = context(micro_batch_index=i, num_micro_batches=len(parts))
+            loss, metrics = call_loss_fn(loss_fn, outputs, parts[i][1], ctx)
+            metrics["__loss"] = float(loss.detach())
+            return loss, metrics
 
-                self.optimizer.zero_grad(set_to_none=True)
-                results = self._run([p for p, _ in parts], forward_only=False, make_loss=make_loss)
-                step_loss = torch.tensor(sum(res["__loss"] for res in results), dtype=torch.float64)
-                step_loss = float(self._dp_all_reduce(step_loss))
-                for res in results:
-                    for k, v in res.items():
-                        if k != "__loss":
-                            extra.setdefault(k, []).append(v)
-                lrs.append(self.optimizer.param_groups[0]["lr"])
-                self._reduce_grads()
-                norm, applied = self._clip_and_step()
-                losses.append(step_loss)
-                grad_norms.append(norm)
-                skipped_now += 0 if applied else 1
-        return step_metrics(losses, grad_norms, lrs, skipped_now, self.skipped_steps, self.global_step, extra)
+        results = self._run([p for p, _ in parts], forward_only=False, make_loss=make_loss)
+        step_loss = torch.tensor(sum(res.pop("__loss") for res in results), dtype=torch.float64)
+        self._reduce_grads()
+        return step_loss, results
 
-    def _params_with_grad(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.grad is not None]
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
     @torch.no_grad()
     def _reduce_grads(self) -> None:
@@ -613,7 +485,7 @@ class MegatronEngine:
                 weight.grad = torch.zeros_like(weight)
             dist.all_reduce(weight.grad, group=self.ps.get_embedding_group())
         if self.dp_size > 1:
-            grads = [p.grad for p in self._params_with_grad()]
+            grads = self._grads()
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.ps.get_data_parallel_group())
             for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
@@ -640,22 +512,6 @@ class MegatronEngine:
         dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
         return float(sq.sqrt())
 
-    @torch.no_grad()
-    def _clip_and_step(self) -> tuple[float, bool]:
-        norm = self.grad_norm()
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            return norm, False
-        clip = self.config.optim.grad_clip
-        if clip and clip > 0 and norm > clip:
-            torch._foreach_mul_([p.grad for p in self._params_with_grad()], clip / (norm + 1e-6))
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-        return norm, True
-
     # -- memory / lifecycle --------------------------------------------------------------------------------
 
     def offload(self, optimizer: bool = True) -> None:
@@ -669,27 +525,9 @@ class MegatronEngine:
         if self.device.type != "cpu":
             self.model.to(self.device)
 
-    def export_hf(self, out_dir: str, tokenizer=None) -> str | None:
-        """Write a safetensors HF directory from rank 0 (collective: every rank gathers the weights)."""
-        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
-
-        state = dict(self.full_state_dict_iter())
-        if dist.get_rank() != 0:
-            return None
-        auto = AutoModelForTokenClassification if self.is_value_model else AutoModelForCausalLM
-        model = auto.from_config(self.hf_config, dtype=self.dtype)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and self.shape.tie_word_embeddings)]
-        if missing or unexpected:
-            raise RuntimeError(f"export_hf: missing {missing}, unexpected {unexpected}")
-        model.save_pretrained(out_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-        return out_dir
-
     # -- checkpoints (workers/engine/checkpoint.py) ---------------------------------------------------------
 
-    def checkpoint_group(self):
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
         return dist.group.WORLD  # all TP x PP x DP ranks of this engine
 
     def checkpoint_layout(self) -> dict:
@@ -699,17 +537,11 @@ class MegatronEngine:
             "pipeline_model_parallel_size": self.pp,
         }
 
-    def state_dict(self) -> dict:
+    def _model_state(self) -> dict:
         return {f"tp{self.tp_rank}_pp{self.pp_rank}": module_state(self.model, self.optimizer)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_model_state(self, state: dict) -> None:
         load_module_state(self.model, self.optimizer, state[f"tp{self.tp_rank}_pp{self.pp_rank}"])
-
-    def save_checkpoint(self, root_dir: str, extra: dict | None = None, step: int | None = None) -> str:
-        return save_checkpoint(self, root_dir, step=step, extra=extra)
-
-    def load_checkpoint(self, path: str) -> dict:
-        return load_checkpoint(self, path)
 
     def destroy(self) -> None:
         """Tear down the resharding groups and Megatron's parallel state (another engine may follow)."""

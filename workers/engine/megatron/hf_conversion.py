@@ -190,6 +190,19 @@ def _split_qkv(qkv: torch.Tensor, shape: ModelShape, tp: int):
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def _qkv_kinds(shape: ModelShape) -> tuple[str, ...]:
+    """The attention projections' parameters: weight, and bias where the model has one (Qwen2)."""
+    return ("weight", "bias") if shape.qkv_bias else ("weight",)
+
+
+def _layer_prefixes(shape: ModelShape, pp_rank: int, pp: int) -> list[tuple[str, str]]:
+    """(HF name prefix, Megatron name prefix) of each decoder layer of stage ``pp_rank``."""
+    return [
+        (f"model.layers.{layer}.", f"decoder.layers.{local}.")
+        for local, layer in enumerate(_stage_layers(shape, pp_rank, pp))
+    ]
+
+
 def megatron_from_hf_chunks(
     chunks: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, pp_rank: int, pp: int
 ) -> dict[str, torch.Tensor]:
@@ -200,26 +213,12 @@ def megatron_from_hf_chunks(
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
         out["embedding.word_embeddings.weight"] = chunks["model.embed_tokens.weight"]
-    for local, layer in enumerate(_stage_layers(shape, pp_rank, pp)):
-        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+    for src, dst in _layer_prefixes(shape, pp_rank, pp):
         for meg, hf in _LAYER_MAP.items():
             out[dst + meg] = chunks[src + hf]
-        attn = src + "self_attn."
-        out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            chunks[attn + "q_proj.weight"],
-            chunks[attn + "k_proj.weight"],
-            chunks[attn + "v_proj.weight"],
-            shape,
-            tp,
-        )
-        if shape.qkv_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                chunks[attn + "q_proj.bias"],
-                chunks[attn + "k_proj.bias"],
-                chunks[attn + "v_proj.bias"],
-                shape,
-                tp,
-            )
+        for kind in _qkv_kinds(shape):
+            q, k, v = (chunks[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv")
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = _fuse_qkv(q, k, v, shape, tp)
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [chunks[src + "mlp.gate_proj.weight"], chunks[src + "mlp.up_proj.weight"]], dim=0
         )
@@ -246,14 +245,10 @@ def hf_chunks_from_megatron(
     first, last = pp_rank == 0, pp_rank == pp - 1
     if first:
         out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"]
-    for local, layer in enumerate(_stage_layers(shape, pp_rank, pp)):
-        src, dst = f"decoder.layers.{local}.", f"model.layers.{layer}."
-        attn = dst + "self_attn."
-        q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], shape, tp)
-        out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v})
-        if shape.qkv_bias:
-            q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.bias"], shape, tp)
-            out.update({attn + "q_proj.bias": q, attn + "k_proj.bias": k, attn + "v_proj.bias": v})
+    for dst, src in _layer_prefixes(shape, pp_rank, pp):
+        for kind in _qkv_kinds(shape):
+            qkv = _split_qkv(state[f"{src}self_attention.linear_qkv.{kind}"], shape, tp)
+            out.update({f"{dst}self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", qkv, strict=True)})
         gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
         for meg, hf in _LAYER_MAP.items():

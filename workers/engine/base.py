@@ -1,0 +1,160 @@
+"""What every training engine (FSDP2, Megatron-core) shares: its configs, the loss-function contract, how a
+batch argument is read, and `TrainEngine`, the protocol that role workers and checkpointing program against."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+# Keys every forward through an engine needs (dataproto/BATCH_LAYOUT.md).
+FORWARD_KEYS = ("input_ids", "attention_mask", "responses")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay (or constant), global-norm gradient clipping."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    warmup_steps: int = 0  # linear warm-up: lr * (step + 1) / warmup_steps for step < warmup_steps
+    warmup_ratio: float = 0.0  # used when warmup_steps == 0: warmup_steps = ratio * total_steps
+    lr_schedule: str = "constant"  # "constant" or "cosine" (needs total_steps)
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    grad_clip: float | None = 1.0  # max global grad norm; None or <= 0 disables clipping
+
+    def __post_init__(self):
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr must be a finite number >= 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(
+                f"OptimConfig.lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}"
+            )
+        if self.lr_schedule == "cosine" and not self.total_steps:
+            raise ValueError("OptimConfig.lr_schedule='cosine' needs total_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    value_head: bool = False  # critic: scalar head, `compute_values` / values in train_step
+    param_dtype: str = "float32"  # dtype the parameters (and optimizer state) are kept in
+    mixed_precision: bool | None = None  # bf16 compute with fp32 reduce; None: on for CUDA, off on CPU
+    activation_checkpointing: bool = False
+    attn_implementation: str = "auto"  # auto: flash_attention_2 if installed on CUDA, else hyflow_varlen
+    use_fsdp: bool | None = None  # None: FSDP2 when torch.distributed has world size > 1
+    reshard_after_forward: bool = True
+    seed: int = 0  # same on every rank: a fresh value head is initialised identically everywhere
+    trust_remote_code: bool = False
+    config_overrides: dict = field(default_factory=dict)
+    optim: OptimConfig | None = field(default_factory=OptimConfig)  # None: forward-only (reference model)
+
+
+@dataclass
+class MegatronConfig:
+    """Model-parallel sizes of the Megatron engine; data parallelism is the rest of the world
+    (``world / (tp * pp)``)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+    def __post_init__(self):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MegatronConfig.{key} must be a positive int, got {value!r}")
+
+
+@dataclass
+class LossContext:
+    """What ``loss_fn`` needs besides the micro-batch tensors. Counts cover the whole mini-batch (one optimizer
+    step) over all DP ranks; gradients are SUMMED over ranks, so losses are normalised by these counts only."""
+
+    global_num_tokens: float  # sum of the loss mask over the mini-batch, all DP ranks
+    global_num_seqs: int  # rows with at least one loss-mask token in the mini-batch, all DP ranks
+    dp_size: int
+    dp_rank: int
+    epoch: int
+    mini_batch_index: int
+    micro_batch_index: int
+    num_micro_batches: int
+    temperature: float
+
+    @property
+    def global_batch_info(self) -> dict[str, Any]:
+        """For ``algorithms.aggregation.agg_loss(..., global_batch_info=ctx.global_batch_info)``. ``dp_size`` is
+        1 there on purpose: the engines SUM gradients over ranks instead of averaging them."""
+        return {"global_tokens": self.global_num_tokens, "global_seqs": self.global_num_seqs, "dp_size": 1}
+
+
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], LossContext], Any]
+
+
+def as_tensor_dict(data: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, meta_info) from a dict of tensors or a DataProto-like object with ``.batch``/``.meta_info``."""
+    if isinstance(data, Mapping):
+        return {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}, {}
+    if hasattr(data, "batch"):
+        batch = data.batch
+        keys = batch.keys() if hasattr(batch, "keys") else []
+        return {k: batch[k] for k in keys}, dict(getattr(data, "meta_info", None) or {})
+    raise TypeError(f"expected a dict of tensors or a DataProto, got {type(data).__name__}")
+
+
+def require_keys(tensors: Mapping[str, torch.Tensor], *keys: str, where: str) -> None:
+    """A KeyError naming ``where`` and the keys the batch lacks."""
+    missing = [k for k in keys if k not in tensors]
+    if missing:
+        raise KeyError(
+            f"{where}: batch is missing {missing} (has {sorted(tensors)}); see dataproto/BATCH_LAYOUT.md"
+        )
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """One model (actor, critic or reference) with its optimizer on this rank: what role workers call and
+    what checkpointing (`workers.engine.checkpoint`) saves, like torchtitan's ``Stateful`` components.
+
+    ``state_dict()`` / ``load_state_dict()`` round-trip the whole training state (model, optimizer, LR
+    schedule, step counters) in DCP form: keys are unique per distinct shard, replicas share keys. Methods
+    that run the model, `full_state_dict_iter` and the state dict are collective over the engine's ranks."""
+
+    config: EngineConfig
+    device: torch.device
+    dp_size: int
+    dp_rank: int
+    is_value_model: bool
+    global_step: int  # applied optimizer steps
+    skipped_steps: int  # steps dropped for a non-finite gradient norm
+    hf_config: Any  # the model's transformers config; ``architectures`` names the class it was loaded as
+    generation_config: Any  # transformers GenerationConfig of a causal LM, None for a critic
+
+    def compute_log_prob(self, data, **kwargs) -> dict[str, torch.Tensor]: ...
+
+    def compute_values(self, data, **kwargs) -> dict[str, torch.Tensor]: ...
+
+    def train_step(self, data, loss_fn: LossFn, **kwargs) -> dict[str, Any]: ...
+
+    def full_state_dict_iter(
+        self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight; collective: every rank consumes it to the end."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The ranks that save one checkpoint together; None: this process alone (replicas: rank 0 saves)."""
+
+    def checkpoint_layout(self) -> dict:
+        """Facts a checkpoint must share with the engine that loads it (e.g. TP/PP sizes)."""

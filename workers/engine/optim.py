@@ -1,0 +1,41 @@
+"""The optimizer of a training engine from its `OptimConfig`: AdamW and the LR schedule (linear warm-up, then
+constant or cosine decay)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from workers.engine.base import OptimConfig
+
+
+def lr_lambda_for(cfg: OptimConfig) -> Callable[[int], float]:
+    warmup = cfg.warmup_steps
+    if warmup == 0 and cfg.warmup_ratio > 0 and cfg.total_steps:
+        warmup = int(cfg.warmup_ratio * cfg.total_steps)
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, cfg.total_steps - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig | None
+) -> tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LRScheduler | None]:
+    """(AdamW over the parameters of ``model``, its LR schedule); (None, None) for a forward-only engine
+    (``cfg`` None), whose ``model`` then stops requiring gradients."""
+    if cfg is None:
+        model.requires_grad_(False)
+        return None, None
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(cfg))
