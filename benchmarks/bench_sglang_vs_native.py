@@ -3,7 +3,7 @@
     python -m benchmarks.bench_sglang_vs_native                       # recipes/quickstart.yaml as is
     python -m benchmarks.bench_sglang_vs_native trainer.total_training_steps=10 sft.total_steps=300
 
-One supervised warm start (``recipes.quickstart.warm_start``), then ``recipes.grpo.train`` twice from that
+One supervised warm start (``recipes.trainer.warm_start``), then ``recipes.grpo.train`` twice from that
 model with the same config and seeds, once with ``rollout.name=native`` and once with ``rollout.name=sglang``
 (colocated: FSDP2 actor + rollout engine in one worker, weights streamed into the engine after every update).
 Any ``key=value`` argument overrides the quickstart config for both. SGLang's sampling is not seeded
@@ -51,15 +51,15 @@ def _summary(engine: str, result: dict, wall_s: float, load: tuple) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    from recipes import grpo, quickstart
+    from recipes import grpo
     from recipes.config import load_config
-    from recipes.trainer.run import start_run
+    from recipes.trainer import demonstrations, start_run, warm_start
 
     out_dir = "outputs/bench_sglang_vs_native"
     base = load_config("quickstart", [*argv, f"trainer.default_local_dir={out_dir}/sft"])
     run = start_run(base, "quickstart")  # tiny model, task data, Ray
     t0 = time.perf_counter()
-    sft_model = quickstart.warm_start(base, run) if base.sft.enable else run.model_path
+    sft_model = warm_start(base, run, demonstrations(base, run)) if base.sft.enable else run.model_path
     sft_s = time.perf_counter() - t0
     rows = []
     for engine in ("native", "sglang"):

@@ -253,7 +253,8 @@ class DataProto:
 
     def union(self, other: DataProto) -> DataProto:
         """Merge ``other`` into self in place (verl semantics). A key present in both with different
-        values is an error naming the key; identical values are allowed."""
+        values is an error naming the key; identical values are allowed. ``meta_info["metrics"]`` dicts
+        combine, so a batch carries the metrics of every worker call merged into it."""
         if len(self) and len(other) and len(self) != len(other):
             raise ValueError(f"union of DataProtos with {len(self)} and {len(other)} rows")
         for key, value in other.batch.items():
@@ -272,6 +273,9 @@ class DataProto:
             else:
                 self.non_tensor_batch[key] = value
         for key, value in other.meta_info.items():
+            if key == "metrics":  # each call reports its own metrics: they add up, the later name wins
+                self.meta_info["metrics"] = {**self.meta_info.get("metrics", {}), **value}
+                continue
             if key in self.meta_info and not _values_equal(self.meta_info[key], value):
                 raise ValueError(f"union: meta_info key {key!r} exists in both with different values")
             self.meta_info[key] = value

@@ -1,7 +1,7 @@
 """Hybrid RL vs the GRPO baseline from the same warm start: pass@k on held-out problems per step, as a PNG.
 
     python -m recipes.compare_hybrid                                  # both recipes' YAMLs, runs/compare_hybrid
-    python -m recipes.compare_hybrid --out runs/cmp trainer.total_training_steps=10 eval.freq=2
+    python -m recipes.compare_hybrid --out runs/cmp trainer.total_training_steps=10 trainer.test_freq=2
 
 1. one warm start (``recipes/hybrid_rl.yaml``'s ``sft``) into ``<out>/warm/sft_model``;
 2. ``recipes.hybrid_rl`` (hybrid.yaml) and its baseline (``hybrid_rl_grpo.yaml``) from that model
@@ -20,7 +20,8 @@ from pathlib import Path
 from recipes import hybrid_rl
 from recipes.config import load_config
 from recipes.hybrid_config import register_schema
-from recipes.trainer import cli, start_run
+from recipes.trainer import cli, replayed, start_run, warm_start
+from workers.agents.replay import reference_batch
 
 RUNS = {"hybrid": "hybrid_rl.yaml", "grpo": "hybrid_rl_grpo.yaml"}
 
@@ -30,7 +31,7 @@ def warm_model(out: Path, overrides: list[str]) -> str:
     run = start_run(cfg, hybrid_rl.RECIPE)
     if not cfg.sft.enable:
         return run.model_path
-    return hybrid_rl.warm_start(cfg, run)
+    return warm_start(cfg, run, replayed(cfg, run, reference_batch, "demonstrations"))
 
 
 def plot_pass_at_k(histories: dict[str, list[tuple[int, dict]]], ks: list[int], path: Path) -> str:

@@ -18,16 +18,18 @@ from recipes.trainer import (
     Session,
     cli,
     compute_advantage,
-    merge,
+    metrics_of,
     parse_args,
     rollout_meta,
+    score_and_log_probs,
     start_run,
     timer,
 )
 
 
-def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo") -> dict:
-    session = Session(cfg, run, recipe)  # data, pools + WorkerGroups, KL controller, resume, tracker
+def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo", **role_classes) -> dict:
+    """``role_classes``: the workers that generate (``build_roles``' hook), e.g. an environment's."""
+    session = Session(cfg, run, recipe, **role_classes)  # data, pools + WorkerGroups, KL controller, resume
     roles = session.roles
     with session:  # weights -> rollout engine, validation before training; on exit: export, plot, shutdown
         for batch in session.steps():
@@ -36,21 +38,15 @@ def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo") -> dict:
                 # 1. rollout: rollout.n samples per prompt (rows a,a,..,b,b,..), seeded by the step
                 with timer("gen", timings):
                     batch = roles.generate(batch, rollout_meta(cfg, session.state.step))
-                # 2. reward: the rule verifier's score on each response's last token
-                with timer("reward", timings):
-                    batch = merge(batch, roles.reward.compute_rm_score(batch), metrics)
-                # 3. log-probs of the sampled tokens under the current policy and the frozen reference
-                with timer("old_log_prob", timings):
-                    batch = merge(batch, roles.actor.compute_log_prob(batch))
-                if roles.ref is not None:
-                    with timer("ref", timings):
-                        batch = merge(batch, roles.ref.compute_ref_log_prob(batch))
-                # 4. group-relative advantages, here on the controller
+                # 2. reward (the rule verifier's score on each response's last token), then log-probs of the
+                #    sampled tokens under the current policy and the frozen reference
+                batch = score_and_log_probs(cfg, roles, batch, timings)
+                # 3. group-relative advantages, here on the controller
                 with timer("adv", timings):
                     metrics |= compute_advantage(batch, cfg.algorithm, session.kl_ctrl)
-                # 5. policy update (clipped surrogate + KL loss), then the new weights to the rollout engine
+                # 4. policy update (clipped surrogate + KL loss), then the new weights to the rollout engine
                 with timer("update_actor", timings):
-                    merge(batch, roles.actor.update_actor(batch), metrics)
+                    metrics |= metrics_of(roles.actor.update_actor(batch))
                 with timer("update_weights", timings):
                     metrics |= roles.sync_weights()
             session.end_step(batch, metrics, timings)  # metrics; validation / checkpoint when due; logging

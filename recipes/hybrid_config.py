@@ -8,8 +8,8 @@ The quickstart's sections (``sft`` warm start included) plus
   per step, hints, placement (``separate``: its own pool; ``colocated``: in the rollout worker's processes);
 * ``hybrid`` -- the advantage's weights: ``w_rl``, ``w_opd``, ``opd_clip``, whether the PRM term is used,
   and how a hint is written into the teacher's context (``hint_template``);
-* ``eval`` -- validation before training and every ``eval.freq`` steps: pass@k for every k in
-  ``eval.pass_k`` from ``max(pass_k)`` samples per held-out problem at ``eval.temperature``.
+* ``eval`` -- what the validation measures (when: ``trainer.val_before_train`` / ``trainer.test_freq``): pass@k
+  for every k in ``eval.pass_k`` from ``max(pass_k)`` samples per held-out problem at ``eval.temperature``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ class HybridWeightsConfig:
 
 @dataclass
 class HybridEvalConfig:
-    before_train: bool = True  # validate at step 0
-    freq: int = -1  # and every k steps (and at the last step); <= 0: only at the last step
     pass_k: list[int] = field(default_factory=lambda: [1, 4])
     temperature: float = 1.0  # sampling temperature of the validation samples
 
@@ -56,12 +54,7 @@ def register_schema() -> None:
 def check(cfg: HybridConfig) -> None:
     """What the general validation cannot know about this recipe; errors name the keys."""
     errors = []
-    t, a, h = cfg.trainer, cfg.algorithm, cfg.hybrid
-    if t.val_before_train or t.test_freq > 0:
-        errors.append(
-            "recipes.hybrid_rl validates tool trajectories itself (eval.before_train, eval.freq): set "
-            f"trainer.val_before_train=false and trainer.test_freq=-1, got {t.val_before_train}, {t.test_freq}"
-        )
+    a, h = cfg.algorithm, cfg.hybrid
     if a.adv_estimator not in ("hybrid", "grpo"):
         errors.append(
             f"algorithm.adv_estimator must be hybrid (the method) or grpo (the baseline), got {a.adv_estimator!r}"

@@ -18,7 +18,8 @@
    - advantage ``hybrid``: w_rl * (A_grpo + A_prm(step)) + w_opd * hint * (log pi_teacher - log pi_old) on the
      policy's own tokens (``algorithms/hybrid.py``); with ``algorithm.adv_estimator=grpo`` plain GRPO;
    - PPO clipped update (optional KL loss), weights to the rollout engine;
-4. validation: pass@k on held-out problems (``eval.*``) before training and when due.
+4. validation: pass@k on held-out problems (``eval.*``) before training (``trainer.val_before_train``), every
+   ``trainer.test_freq`` steps and after the last.
 """
 
 from __future__ import annotations
@@ -27,78 +28,56 @@ import time
 
 from recipes.hybrid_config import HybridConfig, check, register_schema
 from recipes.trainer import (
+    PassAtK,
     Run,
     Session,
     cli,
     compute_advantage,
-    due,
-    merge,
     metrics_of,
     parse_args,
+    replayed,
     rollout_meta,
+    score_and_log_probs,
     start_run,
     timer,
+    warm_start,
 )
-from recipes.trainer.hybrid import (
-    PRMRole,
-    add_teacher_hints,
-    hybrid_advantage,
-    reference_batch,
-    role_classes,
-    tool_generate,
-    tool_validate,
-)
-from recipes.trainer.warm_start import warm_start_on_replays
+from recipes.trainer.hybrid import PRMRole, add_teacher_hints, hybrid_advantage, role_classes
+from workers.agents.replay import reference_batch
 
 RECIPE = "hybrid_rl"
-
-
-def warm_start(cfg: HybridConfig, run: Run) -> str:
-    """SFT on the replayed demonstrations with an ActorWorker group; returns the exported HF directory."""
-    return warm_start_on_replays(cfg, run, reference_batch, "demonstrations")
 
 
 def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:
     check(cfg)
     hybrid = cfg.algorithm.adv_estimator == "hybrid"
-    session = Session(cfg, run, recipe, **role_classes(cfg))  # tool env in the actor-rollout / env workers
+    validator = PassAtK(cfg.eval.pass_k, cfg.eval.temperature)
+    session = Session(cfg, run, recipe, validator=validator, **role_classes(cfg))  # tool env generates
     roles = session.roles
-    history_val, batch, val_data = [], None, session.val_data
     try:
         prm = PRMRole(cfg, run, roles) if cfg.prm.enable else None  # own pool, or the rollout group
     except BaseException:
         roles.shutdown()
         raise
     try:
-        with session:  # weights -> rollout engine; on exit: export, plot, shutdown
-            if cfg.eval.before_train and session.state.step == 0:
-                history_val.append((0, tool_validate(roles, val_data, cfg)))
-                session.tracker.log(history_val[-1][1], step=0)
+        with session:  # weights -> rollout engine, validation before training; on exit: plot, shutdown
             for batch in session.steps():
                 metrics, timings = {}, {}
-                step = session.state.step
                 with timer("step", timings):
                     # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox
                     with timer("gen", timings):
-                        batch = tool_generate(roles, batch, rollout_meta(cfg, step))
-                        metrics |= {k: v for k, v in metrics_of(batch).items() if k.startswith("tool/")}
-                    # 2. outcome reward: the \boxed{} answer
-                    with timer("reward", timings):
-                        batch = merge(batch, roles.reward.compute_rm_score(batch), metrics)
+                        batch = roles.generate(batch, rollout_meta(cfg, session.state.step))
+                    # 2. outcome reward (the \boxed{} answer), log-probs under the policy and the reference
+                    batch = score_and_log_probs(cfg, roles, batch, timings)
                     # 3. process reward model: step votes and bridge thoughts
                     if prm is not None:
                         with timer("prm", timings):
-                            batch = merge(batch, prm.score(batch), metrics)
-                    # 4. log-probs: policy (old), reference (KL loss), hint-conditioned teacher (OPD)
-                    with timer("old_log_prob", timings):
-                        batch = merge(batch, roles.actor.compute_log_prob(batch))
-                    if roles.ref is not None and (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
-                        with timer("ref", timings):
-                            batch = merge(batch, roles.ref.compute_ref_log_prob(batch))
+                            batch = batch.union(prm.score(batch))
+                    # 4. the hint-conditioned teacher's log-probs of the policy's tokens (OPD)
                     if hybrid:
                         with timer("teacher", timings):
                             add_teacher_hints(batch, cfg.hybrid.hint_template)
-                            batch = merge(batch, roles.ref.compute_teacher_log_prob(batch), metrics)
+                            batch = batch.union(roles.ref.compute_teacher_log_prob(batch))
                     # 5. advantages on the controller
                     with timer("adv", timings):
                         if hybrid:
@@ -107,22 +86,14 @@ def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:
                             metrics |= compute_advantage(batch, cfg.algorithm, session.kl_ctrl)
                     # 6. PPO update, then the new weights to the rollout engine
                     with timer("update_actor", timings):
-                        merge(batch, roles.actor.update_actor(batch), metrics)
+                        metrics |= metrics_of(roles.actor.update_actor(batch))
                     with timer("update_weights", timings):
                         metrics |= roles.sync_weights()
-                if due(step, cfg.eval.freq, session.total) or step == session.total:
-                    with timer("testing", timings):
-                        val = tool_validate(roles, val_data, cfg)
-                    history_val.append((step, val))
-                    metrics |= val
-                session.end_step(batch, metrics, timings)
+                session.end_step(batch, metrics, timings)  # metrics; validation / checkpoint when due; log
     finally:
         if prm is not None:
             prm.close()
-    result = session.result()
-    result["val_history"] = history_val
-    result["last_batch"] = batch
-    return result
+    return session.result()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -133,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = start_run(cfg, RECIPE)
     print(f"[{RECIPE}] run dir {run.dir}; model {run.model_path}; advantage {cfg.algorithm.adv_estimator}")
     if cfg.sft.enable:
-        run.model_path = warm_start(cfg, run)
+        run.model_path = warm_start(cfg, run, replayed(cfg, run, reference_batch, "demonstrations"))
     result = train(cfg, run)
     vals = result["val_history"]
     k = max(cfg.eval.pass_k)

@@ -18,9 +18,10 @@ from recipes.trainer import (
     Session,
     cli,
     compute_advantage,
-    merge,
+    metrics_of,
     parse_args,
     rollout_meta,
+    score_and_log_probs,
     start_run,
     timer,
 )
@@ -36,27 +37,20 @@ def train(cfg: RecipeConfig, run: Run, recipe: str = "ppo") -> dict:
                 # 1. rollout: rollout.n samples per prompt, seeded by the step
                 with timer("gen", timings):
                     batch = roles.generate(batch, rollout_meta(cfg, session.state.step))
-                # 2. reward: the rule verifier's score on each response's last token
-                with timer("reward", timings):
-                    batch = merge(batch, roles.reward.compute_rm_score(batch), metrics)
-                # 3. log-probs under the current policy and the reference, values from the critic
-                with timer("old_log_prob", timings):
-                    batch = merge(batch, roles.actor.compute_log_prob(batch))
-                if roles.ref is not None:
-                    with timer("ref", timings):
-                        batch = merge(batch, roles.ref.compute_ref_log_prob(batch))
+                # 2. reward, log-probs under the current policy and the reference, values from the critic
+                batch = score_and_log_probs(cfg, roles, batch, timings)
                 with timer("values", timings):
-                    batch = merge(batch, roles.critic.compute_values(batch))
-                # 4. rewards minus the KL penalty, then GAE advantages and returns, here on the controller
+                    batch = batch.union(roles.critic.compute_values(batch))
+                # 3. rewards minus the KL penalty, then GAE advantages and returns, here on the controller
                 with timer("adv", timings):
                     metrics |= compute_advantage(batch, cfg.algorithm, session.kl_ctrl)
-                # 5. critic update towards the returns
+                # 4. critic update towards the returns
                 with timer("update_critic", timings):
-                    merge(batch, roles.critic.update_critic(batch), metrics)
-                # 6. actor update once the critic has warmed up, then the new weights to the rollout engine
+                    metrics |= metrics_of(roles.critic.update_critic(batch))
+                # 5. actor update once the critic has warmed up, then the new weights to the rollout engine
                 if session.state.step > cfg.trainer.critic_warmup:
                     with timer("update_actor", timings):
-                        merge(batch, roles.actor.update_actor(batch), metrics)
+                        metrics |= metrics_of(roles.actor.update_actor(batch))
                     with timer("update_weights", timings):
                         metrics |= roles.sync_weights()
             session.end_step(batch, metrics, timings)  # metrics; validation / checkpoint when due; logging

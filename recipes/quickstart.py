@@ -16,51 +16,7 @@ import time
 from pathlib import Path
 
 from recipes import grpo
-from recipes.config import QuickstartConfig
-from recipes.trainer import (
-    Run,
-    build_actor_group,
-    cli,
-    metrics_of,
-    parse_args,
-    sft_batches,
-    sft_loader,
-    start_run,
-    timer,
-)
-
-
-def warm_start(cfg: QuickstartConfig, run: Run) -> str:
-    """Supervised steps on the demonstrations with an ActorWorker group; returns the exported HF directory."""
-    from dataclasses import replace
-
-    from torch.utils.tensorboard import SummaryWriter
-
-    out_dir = run.dir / "sft_model"
-    loader = sft_loader(cfg, run)
-    print(
-        f"[sft] {cfg.sft.total_steps} steps of {loader.batch_size} demonstrations ({len(loader.dataset)} in all)"
-    )
-    actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim))
-    writer = SummaryWriter(log_dir=str(run.dir / "tensorboard" / "sft"))
-    try:
-        batches, timings = sft_batches(loader), {}
-        for step in range(1, cfg.sft.total_steps + 1):
-            with timer("sft", timings):
-                metrics = metrics_of(actor.sft_step(next(batches)))
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, step)
-            if step % cfg.sft.log_every == 0 or step == cfg.sft.total_steps:
-                print(
-                    f"[sft] step {step}/{cfg.sft.total_steps} | loss {metrics['sft/loss']:.4f} | "
-                    f"lr {metrics['sft/lr']:.2e} | {timings['sft'] / step:.2f}s/step",
-                    flush=True,
-                )
-        return actor.export_hf(str(out_dir))[0]
-    finally:
-        writer.close()
-        actor.shutdown()
-        manager.remove()
+from recipes.trainer import cli, demonstrations, parse_args, start_run, warm_start
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,18 +25,18 @@ def main(argv: list[str] | None = None) -> dict:
     run = start_run(cfg, "quickstart")  # tiny model + task data built, config saved, Ray started
     print(f"[quickstart] run dir {run.dir}; model {run.model_path}; data {run.train_files[0]}")
     if cfg.sft.enable:
-        run.model_path = warm_start(cfg, run)  # GRPO (policy and reference) starts from the SFT model
+        # GRPO (policy and reference) starts from the SFT model
+        run.model_path = warm_start(cfg, run, demonstrations(cfg, run))
     result = grpo.train(cfg, run, recipe="quickstart")
 
-    accs = [
-        (r["step"], r["val/accuracy"], r["val/num_samples"]) for r in result["history"] if "val/accuracy" in r
-    ]
-    before, after = (accs[0][1], accs[-1][1]) if accs else (float("nan"), float("nan"))
+    vals = result["val_history"]
+    before, after = (vals[0][1]["val/accuracy"], vals[-1][1]["val/accuracy"]) if vals else (float("nan"),) * 2
     wall = time.perf_counter() - t0
     print()
-    if accs:
-        print(f"validation accuracy {before:.2f} -> {after:.2f}  (greedy, {int(accs[-1][2])} held-out problems, "
-              f"GRPO step {accs[0][0]} -> step {accs[-1][0]})")  # fmt: skip
+    if vals:
+        n = int(vals[-1][1]["val/num_samples"])
+        print(f"validation accuracy {before:.2f} -> {after:.2f}  (greedy, {n} held-out problems, "
+              f"GRPO step {vals[0][0]} -> step {vals[-1][0]})")  # fmt: skip
     else:
         print("no validation ran (trainer.val_before_train=false and trainer.test_freq <= 0)")
     print(f"exported model:  {result['hf_model']}")

@@ -1,15 +1,22 @@
-"""The small shared library the recipe scripts (``recipes/grpo.py``, ``ppo.py``, ``quickstart.py``) call.
+"""The small shared library the recipe scripts (``recipes/grpo.py``, ``ppo.py``, ``rlm.py``, ``hybrid_rl.py``,
+``quickstart.py``) call, so that each script holds only its algorithm.
 
 * ``run``: command line -> validated config; run directory, resolved config saved, tiny model and task data
-  prepared, Ray started (``parse_args``, ``start_run``)
+  prepared, Ray started (``parse_args``, ``start_run``, ``cli``)
+* ``session``: ``Session`` -- data, roles, KL controller, resume, tracker around the step loop; validation
+  (``should_validate``, the recipe's validator), checkpoints, export
 * ``roles``: resource pools and WorkerGroups for ``trainer.placement`` colocated / disaggregated
-  (``build_roles``; ``Roles.generate``, ``Roles.sync_weights``)
+  (``build_roles``; ``Roles.generate``, ``Roles.sync_weights``), ``metrics_of`` a worker call
+* ``steps``: sampling settings with per-step seeds, reward + log-probs, advantages on the controller, ``due``,
+  trainer state + checkpoint save/resume
+* ``validation``: one generate -> score loop on the held-out prompts; ``greedy_accuracy``, ``PassAtK``
+* ``warm_start``: the supervised warm start on demonstrations or replayed trajectories, exported for RL
 * ``data``: resumable prompt batches, validation batches, SFT batches
-* ``steps``: sampling settings with per-step seeds, merging worker outputs, advantages on the controller,
-  validation, trainer state + checkpoint save/resume
 * ``metrics``: verl-named data / timing / throughput / validation metrics, ``timer``
 * ``tracking``: console line, tqdm bar, metrics.jsonl, TensorBoard, wandb, curves.png
 * ``checkpoint``: checkpoint layout, ``latest_step`` marker, Ctrl-C-safe saves
+* ``reward``, ``rlm``, ``hybrid``: the reward worker with the tasks' scorers; the RLM and tool-environment
+  recipes' pieces (imported from their modules, not re-exported here)
 """
 
 from recipes.trainer.checkpoint import hold_interrupts, latest_step
@@ -35,16 +42,17 @@ from recipes.trainer.steps import (
     TrainerState,
     compute_advantage,
     due,
-    merge,
     resume,
     rollout_meta,
     save_checkpoint,
-    val_meta,
-    validate,
+    score_and_log_probs,
 )
 from recipes.trainer.tracking import Tracker, console_line, plot_curves
+from recipes.trainer.validation import PassAtK, greedy_accuracy, pass_at_k, val_meta
+from recipes.trainer.warm_start import demonstrations, replayed, warm_start
 
 __all__ = [
+    "PassAtK",
     "Roles",
     "Run",
     "Session",
@@ -57,19 +65,23 @@ __all__ = [
     "compute_data_metrics",
     "compute_throughput",
     "console_line",
+    "demonstrations",
     "due",
+    "greedy_accuracy",
     "hold_interrupts",
     "init_ray",
     "latest_step",
-    "merge",
     "metrics_of",
     "model_config",
     "parse_args",
+    "pass_at_k",
     "plot_curves",
     "prompt_batches",
+    "replayed",
     "resume",
     "rollout_meta",
     "save_checkpoint",
+    "score_and_log_probs",
     "sft_batches",
     "sft_loader",
     "start_run",
@@ -79,6 +91,6 @@ __all__ = [
     "train_loader",
     "val_batches",
     "val_meta",
-    "validate",
     "validation_metrics",
+    "warm_start",
 ]

@@ -34,14 +34,12 @@ logger = logging.getLogger("recipes")
 
 
 def metrics_of(result) -> dict[str, float]:
-    """The metrics a worker call returned: ``meta_info["metrics"]`` of a DataProto, a dict, or rank 0's of a
-    list of per-rank results."""
+    """The metrics a worker call returned: the metric-like ("group/name") entries of a DataProto's
+    ``meta_info`` or of a dict, and its ``["metrics"]`` dict; rank 0's of a list of per-rank results."""
     if isinstance(result, list):
         result = result[0] if result else {}
     meta = result.meta_info if isinstance(result, DataProto) else (result or {})
-    m = meta.get("metrics")
-    if m is None:  # no metrics dict: the metric-like ("group/name") entries
-        m = {k: v for k, v in meta.items() if "/" in k}
+    m = {k: v for k, v in meta.items() if "/" in k} | meta.get("metrics", {})
     return {k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 

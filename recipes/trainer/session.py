@@ -8,6 +8,11 @@ with s:                                   # weights -> rollout, validation befor
             ...                           # the algorithm: generate, reward, log-probs, advantages, updates
         s.end_step(batch, metrics, timings)   # metrics, validation every test_freq, checkpoint every save_freq
 return s.result()
+
+Validation is the session's: ``should_validate(step)`` says when (before training with
+``trainer.val_before_train``, every ``trainer.test_freq`` steps and at the last step), the recipe's
+``validator`` (``recipes/trainer/validation.py``; greedy accuracy by default) says how, and every result is
+kept in ``result()["val_history"]``.
 """
 
 from __future__ import annotations
@@ -23,16 +28,28 @@ from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_
 from recipes.trainer.metrics import compute_data_metrics, compute_throughput, timer, timing_metrics
 from recipes.trainer.roles import build_roles, metrics_of
 from recipes.trainer.run import Run
-from recipes.trainer.steps import check_reward_errors, due, resume, save_checkpoint, validate
+from recipes.trainer.steps import check_reward_errors, due, resume, save_checkpoint
 from recipes.trainer.tracking import Tracker
+from recipes.trainer.validation import Validator, greedy_accuracy
 
 logger = logging.getLogger("recipes")
 
 
 class Session:
-    def __init__(self, cfg: RecipeConfig, run: Run, recipe: str, *, critic: bool = False, **role_classes):
+    def __init__(
+        self,
+        cfg: RecipeConfig,
+        run: Run,
+        recipe: str,
+        *,
+        critic: bool = False,
+        validator: Validator = greedy_accuracy,
+        **role_classes,
+    ):
         """``role_classes``: ``build_roles``' hook (``hybrid_cls``, ``rollout_cls``, ``rollout_kwargs``)."""
-        self.cfg, self.run, self.recipe = cfg, run, recipe
+        self.cfg, self.run, self.recipe, self.validator = cfg, run, recipe, validator
+        self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
+        self.last_batch: DataProto | None = None
         self.loader = train_loader(cfg, run)
         self.val_data = val_batches(cfg, run)
         self.total = total_steps(cfg, self.loader)
@@ -56,8 +73,8 @@ class Session:
     def __enter__(self) -> Session:
         try:
             self.roles.sync_weights()  # the rollout engine starts from the actor's (possibly resumed) weights
-            if self.cfg.trainer.val_before_train and self.state.step == 0:
-                self.tracker.log(validate(self.roles, self.val_data, self.cfg), step=0)
+            if self.state.step == 0 and self.should_validate(0):
+                self.tracker.log(self.validate(), step=0)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -83,20 +100,36 @@ class Session:
             self.state.step += 1
             yield next(batches)
 
+    # -- validation ---------------------------------------------------------------------------------------------
+
+    def should_validate(self, step: int) -> bool:
+        """Step 0 (before training) when ``trainer.val_before_train``; then every ``trainer.test_freq`` steps and
+        at the last step, never during training when ``test_freq <= 0``."""
+        t = self.cfg.trainer
+        return t.val_before_train if step == 0 else due(step, t.test_freq, self.total)
+
+    def validate(self) -> dict[str, float]:
+        """The validator's metrics on the held-out batches at the current step, kept in ``val_history``."""
+        metrics = self.validator(self.roles, self.val_data, self.cfg)
+        self.val_history.append((self.state.step, metrics))
+        return metrics
+
     # -- end of a step ------------------------------------------------------------------------------------------
 
     def end_step(self, batch: DataProto, metrics: dict, timings: dict) -> dict:
-        """Data / throughput metrics, reward-error and skipped-update warnings (RunAborted past their limits),
-        validation and checkpoint when due, logging."""
+        """The worker metrics the batch carries (rollout / env counters, reward, ...), data / throughput
+        metrics, reward-error and skipped-update warnings (RunAborted past their limits), validation and
+        checkpoint when due, logging."""
         step, t = self.state.step, self.cfg.trainer
-        metrics |= {k: v for k, v in metrics_of(batch).items() if k.startswith("rollout/")}  # engine counters
+        self.last_batch = batch
+        metrics |= metrics_of(batch)
         metrics |= compute_data_metrics(batch)
         metrics |= compute_throughput(batch, timings.get("step", 0.0), self.roles.n_devices)
         check_reward_errors(batch, step, self.cfg.reward.max_error_frac, self.tracker)
         self.state.check_skipped(metrics, self.tracker, t.max_consecutive_skipped_updates)
-        if due(step, t.test_freq, self.total):
+        if self.should_validate(step):
             with timer("testing", timings):
-                metrics |= validate(self.roles, self.val_data, self.cfg)
+                metrics |= self.validate()
         with hold_interrupts():  # a Ctrl-C lands after this step's checkpoint and log line are both written
             if due(step, t.save_freq, self.total):
                 with timer("save_checkpoint", timings):
@@ -112,6 +145,8 @@ class Session:
             "step": self.state.step,
             "history": history,
             "final": history[-1] if history else {},
+            "val_history": self.val_history,
+            "last_batch": self.last_batch,
             "plot": self.plot,
             "hf_model": self.hf_model,
             "tensorboard": str(self.tracker.tensorboard_dir),

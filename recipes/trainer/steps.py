@@ -1,5 +1,5 @@
-"""The pieces of one RL step that GRPO and PPO share: sampling settings, merging worker outputs into the batch,
-advantages on the controller, validation, and the trainer state kept in checkpoints."""
+"""The pieces of one RL step that every recipe shares: sampling settings, advantages on the controller, when a
+periodic action is due, reward-error checks, and the trainer state kept in checkpoints."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from algorithms import apply_kl_penalty, run_adv_estimator
 from dataproto import DataProto
 from recipes.config import AlgorithmConfig, RecipeConfig
 from recipes.trainer import checkpoint as ckpt
-from recipes.trainer.metrics import validation_metrics
-from recipes.trainer.roles import Roles, metrics_of
+from recipes.trainer.metrics import timer
+from recipes.trainer.roles import Roles
 from recipes.trainer.run import RunAborted
 
 logger = logging.getLogger("recipes")
@@ -36,28 +36,18 @@ def rollout_meta(cfg: RecipeConfig, step: int) -> dict:
     }
 
 
-def val_meta(cfg: RecipeConfig) -> dict:
-    r = cfg.rollout
-    greedy = r.val_temperature == 0
-    return {
-        "n": 1 if greedy else r.val_n,
-        "do_sample": not greedy,
-        "validate": True,
-        "temperature": r.val_temperature if not greedy else 1.0,
-        "response_length": r.response_length,
-        "seed": r.seed * 2**32 + 2**31,
-    }
-
-
-def merge(batch: DataProto, out: DataProto, metrics: dict | None = None) -> DataProto:
-    """Add a worker output's tensor and non-tensor columns to ``batch`` (and its metrics to ``metrics``)."""
-    for k, v in out.batch.items():
-        batch.batch[k] = v
-    for k, v in out.non_tensor_batch.items():
-        batch.non_tensor_batch[k] = v
-    batch.check_consistency()
-    if metrics is not None:
-        metrics.update(metrics_of(out))
+def score_and_log_probs(cfg: RecipeConfig, roles: Roles, batch: DataProto, timings: dict) -> DataProto:
+    """What every policy-gradient step computes between rollout and advantages: the reward worker's scores
+    (``token_level_scores``), the current policy's log-probs of the sampled tokens (``old_log_probs``) and, when
+    a KL term needs them, the frozen reference's (``ref_log_prob``); timed as ``reward``, ``old_log_prob``,
+    ``ref``."""
+    with timer("reward", timings):
+        batch = batch.union(roles.reward.compute_rm_score(batch))
+    with timer("old_log_prob", timings):
+        batch = batch.union(roles.actor.compute_log_prob(batch))
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        with timer("ref", timings):
+            batch = batch.union(roles.ref.compute_ref_log_prob(batch))
     return batch
 
 
@@ -95,22 +85,6 @@ def compute_advantage(batch: DataProto, alg: AlgorithmConfig, kl_ctrl) -> dict[s
 def due(step: int, freq: int, total: int) -> bool:
     """Every ``freq`` steps and at the last step; never when ``freq <= 0``."""
     return freq > 0 and (step % freq == 0 or step == total)
-
-
-def validate(roles: Roles, batches: list[DataProto], cfg: RecipeConfig) -> dict[str, float]:
-    """Greedy generation on the held-out prompts, scored by the reward worker: ``val/accuracy`` and
-    ``val-core/<data_source>/acc``."""
-    scores, sources, lengths = [], [], []
-    meta = val_meta(cfg)
-    for prompts in batches:
-        out = roles.generate(
-            DataProto(prompts.batch, prompts.non_tensor_batch, dict(prompts.meta_info)), meta
-        )
-        scored = roles.reward.compute_rm_score(out)
-        scores += scored.batch["token_level_scores"].sum(-1).tolist()
-        sources += list(out.non_tensor_batch["data_source"])
-        lengths += out.batch["response_mask"].sum(-1).tolist()
-    return validation_metrics(scores, sources, lengths)
 
 
 # ----------------------------------------------------------------------------------------------------------------

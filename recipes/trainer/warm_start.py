@@ -1,32 +1,79 @@
-"""Supervised warm start on replayed multi-turn trajectories (RLM and tool recipes): ``cfg.sft.total_steps``
-``ActorWorker.sft_step`` calls on random minibatches of a DataProto in the rollout layout (loss on
-``response_mask`` tokens only), then the model exported as an HF directory the RL phase starts from."""
+"""The supervised warm start every recipe with ``sft.enable`` runs before RL: ``cfg.sft.total_steps``
+``ActorWorker.sft_step`` calls (loss on ``response_mask`` tokens only) with an actor WorkerGroup of its own,
+then the model exported as the HF directory ``<run dir>/sft_model`` that the RL phase starts from.
+
+Where the SFT batches come from is the recipe's choice:
+
+* ``demonstrations``: the training split's single-turn demonstrations (``extra_info.solution``; quickstart);
+* ``replayed``: the rows' reference solutions replayed as multi-turn trajectories in the real sandbox (RLM and
+  tool environments), random minibatches of them.
+"""
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
+import pandas as pd
 import torch
 
 from dataproto import DataProto
+from recipes.config import QuickstartConfig
+from recipes.trainer.data import sft_batches, sft_loader
+from recipes.trainer.metrics import timer
 from recipes.trainer.roles import build_actor_group, metrics_of
 from recipes.trainer.run import Run
 
-
-def sample_rows(data: DataProto, idx: Sequence[int]) -> DataProto:
-    """The tensor rows ``idx`` of ``data`` (an SFT minibatch)."""
-    i = torch.as_tensor(list(idx), dtype=torch.long)
-    return DataProto.from_dict({k: v[i] for k, v in data.batch.items()})
+# rows, tokenizer, env config -> trajectories in the rollout layout
+Replay = Callable[[Sequence[Mapping], object, object], DataProto]
 
 
-def warm_start_on_replays(cfg, run: Run, replay, what: str) -> str:
-    """Replay the training rows' reference solutions with ``replay(rows, tokenizer, cfg.env) -> DataProto`` (at
-    most ``cfg.sft.max_samples`` rows), then `sft_warm_start` on them; returns the exported HF directory."""
-    import pandas as pd
+def warm_start(cfg: QuickstartConfig, run: Run, batches: Iterator[DataProto]) -> str:
+    """Train on ``batches`` (``cfg.sft``: steps, optimiser, logging) with an ActorWorker group; TensorBoard
+    under ``<run dir>/tensorboard/sft`` when ``trainer.logger`` has it. Returns the exported HF directory."""
+    writer = None
+    if "tensorboard" in cfg.trainer.logger:
+        from torch.utils.tensorboard import SummaryWriter  # heavy (pulls in TensorBoard); only when logging
 
+        writer = SummaryWriter(log_dir=str(run.dir / "tensorboard" / "sft"))
+    actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim))
+    try:
+        timings: dict[str, float] = {}
+        for step in range(1, cfg.sft.total_steps + 1):
+            with timer("sft", timings):
+                metrics = metrics_of(actor.sft_step(next(batches)))
+            if writer is not None:
+                for k, v in metrics.items():
+                    writer.add_scalar(k, v, step)
+            if step % cfg.sft.log_every == 0 or step == cfg.sft.total_steps:
+                print(
+                    f"[sft] step {step}/{cfg.sft.total_steps} | loss {metrics['sft/loss']:.4f} | "
+                    f"lr {metrics['sft/lr']:.2e} | {timings['sft'] / step:.2f}s/step",
+                    flush=True,
+                )
+        return actor.export_hf(str(run.dir / "sft_model"))[0]
+    finally:
+        if writer is not None:
+            writer.close()
+        actor.shutdown()
+        manager.remove()
+
+
+def demonstrations(cfg: QuickstartConfig, run: Run) -> Iterator[DataProto]:
+    """Shuffled batches of the training split's demonstrations, endlessly."""
+    loader = sft_loader(cfg, run)
+    print(
+        f"[sft] {cfg.sft.total_steps} steps of {loader.batch_size} demonstrations ({len(loader.dataset)} in all)"
+    )
+    return sft_batches(loader)
+
+
+def replayed(cfg, run: Run, replay: Replay, what: str) -> Iterator[DataProto]:
+    """The training rows' reference solutions (at most ``cfg.sft.max_samples`` rows) replayed with
+    ``replay(rows, tokenizer, cfg.env)``; random minibatches of ``cfg.sft.batch_size`` of them (seed
+    ``cfg.sft.seed``), endlessly."""
     rows = pd.read_parquet(run.train_files[0]).to_dict("records")
     if cfg.sft.max_samples:
         rows = rows[: cfg.sft.max_samples]
@@ -38,25 +85,12 @@ def warm_start_on_replays(cfg, run: Run, replay, what: str) -> str:
         f"[sft] {len(data)} {what} replayed in the sandbox in {time.perf_counter() - t0:.1f}s "
         f"({trained:.0f} trained / {tokens:.0f} tokens each)"
     )
-    return sft_warm_start(cfg, run, data)
+    return random_minibatches(data, cfg.sft.batch_size, cfg.sft.seed)
 
 
-def sft_warm_start(cfg, run: Run, data: DataProto) -> str:
-    """Train on ``data`` with an ActorWorker group (``cfg.sft``: steps, batch size, optimiser, seed); returns the
-    exported HF directory ``<run dir>/sft_model``."""
-    actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim))
-    rng, bs = random.Random(cfg.sft.seed), min(cfg.sft.batch_size, len(data))
-    try:
-        t0 = time.perf_counter()
-        for step in range(1, cfg.sft.total_steps + 1):
-            m = metrics_of(actor.sft_step(sample_rows(data, rng.sample(range(len(data)), bs))))
-            if step % cfg.sft.log_every == 0 or step == cfg.sft.total_steps:
-                print(
-                    f"[sft] step {step}/{cfg.sft.total_steps} | loss {m['sft/loss']:.4f} | lr {m['sft/lr']:.2e} "
-                    f"| {(time.perf_counter() - t0) / step:.2f}s/step",
-                    flush=True,
-                )
-        return actor.export_hf(str(run.dir / "sft_model"))[0]
-    finally:
-        actor.shutdown()
-        manager.remove()
+def random_minibatches(data: DataProto, batch_size: int, seed: int) -> Iterator[DataProto]:
+    """The tensor columns of ``min(batch_size, len(data))`` random rows (without replacement), endlessly."""
+    rng, size = random.Random(seed), min(batch_size, len(data))
+    while True:
+        rows = torch.as_tensor(rng.sample(range(len(data)), size), dtype=torch.long)
+        yield DataProto.from_dict({k: v[rows] for k, v in data.batch.items()})

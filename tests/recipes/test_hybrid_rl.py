@@ -128,7 +128,7 @@ def test_hybrid_recipe_http_prm_hints_drive_opd(ray_session, tmp_path, placement
             [
                 *TINY,
                 "trainer.total_training_steps=1",
-                "eval.before_train=false",
+                "trainer.val_before_train=false",
                 "prm.scorer=http",
                 f"prm.endpoint=http://127.0.0.1:{server.server_address[1]}/v1",
                 f"prm.placement={prm_placement}",

@@ -164,7 +164,7 @@ def test_rlm_on_sglang(ray_session, tmp_path, no_leftover_engines):
             "sft.log_every=1",
             "env.agent.max_iterations=2",
             "env.agent.max_new_tokens=24",
-            "eval.before_train=false",
+            "trainer.val_before_train=false",
             "trainer.total_training_steps=1",
             "trainer.progress_bar=false",
             "trainer.logger=[console]",

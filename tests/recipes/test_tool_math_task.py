@@ -8,7 +8,8 @@ import pytest
 
 from recipes.tasks import generate_splits, task_config
 from recipes.tasks.scoring import compute_score
-from recipes.trainer.hybrid import pass_at_k, reference_batch, reference_trajectories
+from recipes.trainer.hybrid import reference_batch, reference_trajectories
+from recipes.trainer.validation import pass_at_k
 from workers.math_env import verify_boxed
 from workers.math_env.env_worker import MathToolEnvConfig
 
