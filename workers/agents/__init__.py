@@ -3,7 +3,7 @@
 * ``trajectory``: the run record (``Trajectory``, ``TrajectoryTurn``, ``CodeResult``), JSONL in and out;
 * ``batch``: trajectories -> the training ``DataProto`` (token-exact loss masks, children as rows);
 * ``chat_format`` / ``llm``: the chat template in segments, the engine-backed token-exact LLM and the
-  message-level chat LLM;
+  message-level chat LLM; ``http_chat``: one POST to an OpenAI-compatible endpoint;
 * ``limits``: the shared run ``Budget`` and bounded concurrency (``gather_bounded``);
 * ``scripted``: a scripted policy (tests, demos, the reference replay);
 * ``loop``: the plugin API (``AgentLoop``, ``AgentEnvConfig``, ``env.loop`` names a plugin);

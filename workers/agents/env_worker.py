@@ -11,7 +11,7 @@ where the policy engine lives and therefore how its weights arrive:
   trainer is offloaded while the agents run.
 
 So ``Roles.generate(batch, meta)`` runs the environment in both placements. ``generate_sequences(data)``
-(``ROLLOUT_DP_DISPATCH``: one contiguous chunk of prompts per rank, outputs concatenated in rank order; ranks may
+(``Dispatch.DP_SPLIT_PROTO``: one contiguous chunk of prompts per rank, outputs concatenated in rank order; ranks may
 return different row counts, e.g. with children as rows):
 
 * input, per row: ``non_tensor_batch["raw_prompt"]`` (chat messages; the query is the last user message -- or
@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from controller import Dispatch, register
+from controller import PAD_ROWS_KEY, Dispatch, register
 from dataproto import DataProto
 from workers.agents.batch import OWN_COLUMNS, trajectories_to_dataproto, trajectory_json
 from workers.agents.limits import gather_bounded
@@ -55,16 +55,17 @@ from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.event_loop import LoopThread
 from workers.models import load_tokenizer
 from workers.roles.actor_rollout import ActorRolloutWorker
-from workers.roles.rollout import (
-    PAD_ROWS_KEY,
-    ROLLOUT_DP_DISPATCH,
-    RolloutWorker,
-    is_sglang,
-    rollout_sampling_meta,
-)
+from workers.roles.rollout import RolloutWorker, is_sglang, rollout_sampling_meta
 from workers.sandbox import ReplSandbox
 
-__all__ = ["ActorRolloutEnvWorker", "CallerLoop", "EnvWorker", "EnvWorkerMixin", "env_role_classes", "query_of"]
+__all__ = [
+    "ActorRolloutEnvWorker",
+    "CallerLoop",
+    "EnvWorker",
+    "EnvWorkerMixin",
+    "env_role_classes",
+    "query_of",
+]
 
 T = TypeVar("T")
 
@@ -108,6 +109,7 @@ class EnvWorkerMixin:
     rollout_config: RolloutConfig
     model_config: ModelConfig
     rank: int
+    tag: str
 
     def _env_init(self, env: AgentEnvConfig, policy_factory=None) -> None:
         if not isinstance(env, AgentEnvConfig):
@@ -315,7 +317,7 @@ class EnvWorker(EnvWorkerMixin, RolloutWorker):
             super().init_model()
         self._env_sandbox()
 
-    @register(ROLLOUT_DP_DISPATCH)
+    @register(Dispatch.DP_SPLIT_PROTO)
     def generate_sequences(self, data: DataProto) -> DataProto:
         """Agent trajectories for this rank's chunk of prompts (module docstring)."""
         return self._env_generate(data)
@@ -332,7 +334,7 @@ class ActorRolloutEnvWorker(EnvWorkerMixin, ActorRolloutWorker):
     def _env_before_generate(self) -> None:
         self._offload_trainer()
 
-    @register(ROLLOUT_DP_DISPATCH)
+    @register(Dispatch.DP_SPLIT_PROTO)
     def generate_sequences(self, data: DataProto) -> DataProto:
         """Agent trajectories for this rank's chunk of prompts (module docstring)."""
         self._require_rollout("generate_sequences")

@@ -5,7 +5,6 @@
   token-exact: the model's tokens are exactly the engine's ``token_ids``; template/observation segments are
   tokenised by themselves (``ChatFormat``) and appended, so the records can be trained on.
 * ``ChatLLM``: message level (e.g. an OpenAI-compatible HTTP endpoint): text only, for inference.
-* ``as_llm``: either of them from an engine, a `GenerateFn` or an LLM object.
 
 ``conversation(messages, limit)`` starts a conversation: ``await respond(params)`` -> `ModelResponse`,
 ``add_user(text)`` appends an observation (False when it would not fit under the token limit);
@@ -20,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from workers.agents.chat_format import ChatFormat
+from workers.agents.trajectory import TrajectoryTurn
 from workers.rollout.sampling import GenerationOutput, SamplingParams
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "GenerateFn",
     "ModelResponse",
     "TokenConversation",
-    "as_llm",
 ]
 
 GenerateFn = Callable[[list[int], SamplingParams], Awaitable[GenerationOutput | list[GenerationOutput]]]
@@ -52,6 +51,17 @@ class ModelResponse:
     prompt_ids: list[int]  # tokens appended since the previous response (the whole prompt for turn 0)
     prompt_text: str
     num_tokens: int  # generated tokens (for budgets)
+
+    def turn(self, index: int) -> TrajectoryTurn:
+        """The record of this response as turn ``index`` of a trajectory (its environment part still empty)."""
+        return TrajectoryTurn(
+            index=index,
+            prompt_text=self.prompt_text,
+            response_text=self.text,
+            prompt_token_ids=list(self.prompt_ids),
+            response_token_ids=list(self.token_ids),
+            response_logprobs=list(self.log_probs),
+        )
 
 
 class EngineLLM:
@@ -201,12 +211,3 @@ class ChatConversation:
         self.messages.append({"role": "user", "content": text})
         self.pending_text = text
         return True
-
-
-def as_llm(backend, tokenizer=None, *, name: str = "policy", max_model_len: int | None = None):
-    """An `EngineLLM`/`ChatLLM` as is; an engine or a `GenerateFn` (needs ``tokenizer``) -> `EngineLLM`."""
-    if isinstance(backend, (EngineLLM, ChatLLM)):
-        return backend
-    if tokenizer is None:
-        raise ValueError(f"{name}: a tokenizer is needed to drive {type(backend).__name__} token by token")
-    return EngineLLM(backend, tokenizer, max_model_len=max_model_len, name=name)

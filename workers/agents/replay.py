@@ -11,12 +11,13 @@ query and observations), tensors as wide as the longest one, for ``ActorWorker.s
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dataproto import DataProto
 from workers.agents.batch import trajectories_to_dataproto
 from workers.agents.limits import gather_bounded
 from workers.agents.llm import EngineLLM
-from workers.agents.loop import AgentEnvConfig, AgentJob, LoopContext, agent_loop_class
+from workers.agents.loop import AgentJob, LoopContext, agent_loop_class
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.agents.trajectory import Trajectory
 from workers.event_loop import LoopThread
@@ -25,8 +26,9 @@ from workers.sandbox import ReplSandbox
 __all__ = ["reference_batch", "reference_trajectories"]
 
 
-def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: AgentEnvConfig) -> list[Trajectory]:
-    """The kept replayed root trajectories, in row order (module docstring)."""
+def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: Any) -> list[Trajectory]:
+    """The kept replayed root trajectories, in row order (module docstring). ``env``: an ``AgentEnvConfig``
+    subclass (its ``agent`` field is the loop's config)."""
     if not rows:
         return []
     extras = [dict(r["extra_info"]) for r in rows]
@@ -45,7 +47,7 @@ def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: AgentEnvConf
     return [run[0] for run, row in zip(runs, rows) if loop.keep_reference(run[0], row)]
 
 
-def reference_batch(rows: Sequence[Mapping], tokenizer, env: AgentEnvConfig) -> DataProto:
+def reference_batch(rows: Sequence[Mapping], tokenizer, env: Any) -> DataProto:
     """The kept replays in the rollout layout, tensors as wide as the longest one."""
     trajs = reference_trajectories(rows, tokenizer, env)
     if not trajs:

@@ -72,6 +72,20 @@ class CodeResult:
         return asdict(self)
 
     @classmethod
+    def of_execution(cls, code: str, res: Any) -> CodeResult:
+        """The record of running ``code`` in a sandbox REPL (``res``: its ``workers.sandbox.ExecResult``)."""
+        return cls(
+            code=code,
+            stdout=res.stdout,
+            stderr=res.stderr,
+            error=res.error,
+            variables={str(n): str(t) for n, t in res.variables},
+            final_answer=res.final_answer,
+            elapsed_s=res.elapsed_s,
+            timed_out=res.timed_out,
+        )
+
+    @classmethod
     def from_dict(cls, d: Mapping) -> CodeResult:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         variables = known.get("variables")

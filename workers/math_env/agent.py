@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from workers.agents.llm import ContextFull, EngineLLM
-from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
+from workers.agents.trajectory import CodeResult, Trajectory
 from workers.math_env.protocol import (
     TOOL_CLOSE,
     TOOL_OPEN,
@@ -124,14 +124,7 @@ class MathToolAgent:
                     traj.status, traj.error = "budget", str(exc)
                     break
                 stats.timings["gen_s"] += time.perf_counter() - tg
-                turn = TrajectoryTurn(
-                    index=k,
-                    prompt_text=resp.prompt_text,
-                    response_text=resp.text,
-                    prompt_token_ids=list(resp.prompt_ids),
-                    response_token_ids=list(resp.token_ids),
-                    response_logprobs=list(resp.log_probs),
-                )
+                turn = resp.turn(k)
                 traj.turns.append(turn)
                 action = parse_action(resp.text)
                 step = {"kind": action.kind, "action": resp.text, "observation": ""}
@@ -160,16 +153,7 @@ class MathToolAgent:
                         c.max_observation_chars,
                         action.problem,
                     )
-                    turn.code_results = [
-                        CodeResult(
-                            code=action.code,
-                            stdout=res.stdout,
-                            stderr=res.stderr,
-                            error=res.error,
-                            elapsed_s=res.elapsed_s,
-                            timed_out=res.timed_out,
-                        )
-                    ]
+                    turn.code_results = [CodeResult.of_execution(action.code, res)]
                     stats.timings["exec_s"] += time.perf_counter() - te
                 else:
                     stats.malformed += 1

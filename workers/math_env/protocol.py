@@ -21,11 +21,12 @@ import math
 import re
 from dataclasses import dataclass
 
+from workers.reward import extract_boxed
+
 __all__ = [
     "TOOL_CLOSE",
     "TOOL_OPEN",
     "Action",
-    "boxed_content",
     "format_correction",
     "format_tool_observation",
     "parse_action",
@@ -47,27 +48,11 @@ class Action:
     problem: str = ""  # malformed: what is wrong (shown to the model); tool: a note (answer ignored)
 
 
-def boxed_content(text: str) -> str | None:
-    r"""Contents of the last complete ``\boxed{...}`` of ``text`` (balanced braces), else None."""
-    start = text.rfind(_BOXED)
-    while start >= 0:
-        i, depth = start + len(_BOXED), 1
-        for j in range(i, len(text)):
-            if text[j] == "{":
-                depth += 1
-            elif text[j] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[i:j].strip()
-        start = text.rfind(_BOXED, 0, start)  # this one is unbalanced: an earlier one may be complete
-    return None
-
-
 def parse_action(text: str) -> Action:
     """Classify one model turn (module docstring)."""
     text = text or ""
     call = _TOOL.search(text)
-    answer = boxed_content(text)
+    answer = extract_boxed(text)
     if call is not None:
         code = call.group(1).strip("\n")
         if not code.strip():
@@ -145,7 +130,7 @@ _NUM = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)$")
 def verify_boxed(text: str, ground_truth) -> float:
     r"""The outcome verifier: 1.0 when the last ``\boxed{}`` of ``text`` holds a number equal to
     ``ground_truth`` (commas and spaces ignored; integers exactly, decimals within 1e-6), else 0.0."""
-    ans = boxed_content(text or "")
+    ans = extract_boxed(text or "")
     if ans is None:
         return 0.0
     a = ans.replace(",", "").replace(" ", "")

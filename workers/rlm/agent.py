@@ -296,15 +296,8 @@ class RLMAgent:
                 gen_s = time.perf_counter() - tg
                 timings["gen_s"] += gen_s
                 run.budget.tokens += resp.num_tokens
-                turn = TrajectoryTurn(
-                    index=it,
-                    prompt_text=resp.prompt_text,
-                    response_text=resp.text,
-                    prompt_token_ids=list(resp.prompt_ids),
-                    response_token_ids=list(resp.token_ids),
-                    response_logprobs=list(resp.log_probs),
-                    timings={"start_s": tg - run.t0, "gen_s": gen_s},
-                )
+                turn = resp.turn(it)
+                turn.timings = {"start_s": tg - run.t0, "gen_s": gen_s}
                 if resp.finish_reason == "length":
                     turn.timings["truncated"] = 1.0
                 traj.turns.append(turn)
@@ -372,16 +365,7 @@ class RLMAgent:
             res = await repl.aexecute(code, timeout_s=timeout)
             if res.killed and not res.restarted:
                 raise _SandboxFailed(res.error or "the REPL died and could not be restarted")
-            return CodeResult(
-                code=code,
-                stdout=res.stdout,
-                stderr=res.stderr,
-                error=res.error,
-                variables={str(n): str(t) for n, t in res.variables},
-                final_answer=res.final_answer,
-                elapsed_s=res.elapsed_s,
-                timed_out=res.timed_out,
-            )
+            return CodeResult.of_execution(code, res)
 
         for code in parsed.code_blocks:
             r = await run_code(code)

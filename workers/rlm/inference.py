@@ -24,16 +24,14 @@ it; ``python -m workers.rlm.viewer`` renders it as HTML).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from workers.agents.batch import trajectory_json
+from workers.agents.http_chat import post_json
 from workers.agents.llm import ChatLLM, EngineLLM
 from workers.agents.trajectory import Trajectory
 from workers.event_loop import LoopThread
@@ -110,16 +108,7 @@ class OpenAIChatLLM(ChatLLM):
         self.extra_body = dict(extra_body or {})
 
     def _post(self, body: dict) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read().decode("utf-8"))
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode("utf-8", "replace")[:500]
-            raise RuntimeError(f"{self.url}: HTTP {exc.code}: {detail}") from None
+        return post_json(self.url, body, api_key=self.api_key, timeout_s=self.timeout_s, label="endpoint")
 
     async def _chat(self, messages, *, max_tokens, temperature, top_p=1.0, seed=None, stop=None):
         body: dict[str, Any] = {
