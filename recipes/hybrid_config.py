@@ -2,7 +2,7 @@
 
 The quickstart's sections (``sft`` warm start included) plus
 
-* ``env`` -- ``workers.math_env.env_worker.MathToolEnvConfig``: the agent (turns, tokens per turn,
+* ``env`` -- ``workers.math_env.env_loop.MathToolEnvConfig``: the agent (turns, tokens per turn,
   observation size) and the sandbox of the Python tool;
 * ``prm`` -- ``workers.prm.worker.PRMConfig``: the judge (``reference`` / ``checkpoint`` / ``http``), votes
   per step, hints, placement (``separate``: its own pool; ``colocated``: in the rollout worker's processes);
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from recipes.config import SCHEMAS, ConfigError, QuickstartConfig
-from workers.math_env.env_worker import MathToolEnvConfig
+from workers.math_env.env_loop import MathToolEnvConfig
 from workers.prm.worker import PRMConfig
 
 __all__ = ["HybridConfig", "HybridEvalConfig", "HybridWeightsConfig", "check", "register_schema"]

@@ -8,10 +8,10 @@ import pytest
 
 from recipes.tasks import generate_splits, task_config
 from recipes.tasks.scoring import compute_score
-from recipes.trainer.hybrid import reference_batch, reference_trajectories
 from recipes.trainer.validation import pass_at_k
-from workers.math_env import verify_boxed
-from workers.math_env.env_worker import MathToolEnvConfig
+from workers.agents.replay import reference_batch, reference_trajectories
+from workers.math_env.env_loop import MathToolEnvConfig
+from workers.math_env.protocol import verify_boxed
 
 
 def test_problems_are_seeded_and_ground_truth_is_the_value():
