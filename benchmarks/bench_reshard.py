@@ -27,12 +27,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from benchmarks.common import print_table, write_json
+from workers.engine.distributed import free_port
+from workers.weight_sync.reshard import Resharder, paper_volume_bytes
+from workers.weight_sync.reshard_plan import GenLayout, ReshardPlan, TrainLayout, hf_param_specs
 
 MIB = 1 << 20
 
@@ -97,9 +102,6 @@ def _check(got: dict, specs, plan, rank: int, dtype, what: str) -> None:
 
 
 def _rank_main(rank: int, world: int, args: dict, out_path: str) -> None:
-    from workers.weight_sync.reshard import Resharder, paper_volume_bytes
-    from workers.weight_sync.reshard_plan import GenLayout, ReshardPlan, TrainLayout, hf_param_specs
-
     dtype = getattr(torch, args["dtype"])
     cuda = args["cuda"]
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -210,12 +212,6 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from workers.engine.distributed import free_port
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4, choices=sorted(LAYOUTS))
     ap.add_argument("--hidden", type=int, default=512)

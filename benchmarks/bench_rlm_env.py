@@ -28,11 +28,16 @@ import argparse
 import asyncio
 import time
 
+import torch
+
 from benchmarks.common import print_table, write_json
 from workers.agents.batch import trajectories_to_dataproto
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.models import load_tokenizer
+from workers.models.tiny import ensure_tiny_model
 from workers.rlm.agent import AgentConfig, RLMAgent
+from workers.rollout.native import EngineConfig, NativeEngine
 from workers.sandbox import ReplSandbox, SandboxConfig
 
 F = "```"
@@ -112,10 +117,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip the tiny-engine scenario")
     ap.add_argument("--engine-size", default="tiny", help="tiny model preset for the engine scenario")
     args = ap.parse_args()
-
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
     path = ensure_tiny_model(args.engine_size)
     tok = load_tokenizer(path)
     pad = tok.pad_token_id
@@ -135,10 +136,6 @@ def main() -> None:
                 rows.append(measure(name, agent, args.n, conc, context, pad))
                 print(f"  {name} x{conc}: {rows[-1]['wall_s']:.2f}s", flush=True)
         if not args.quick:
-            import torch
-
-            from workers.rollout.native import EngineConfig, NativeEngine
-
             torch.manual_seed(0)
             engine = NativeEngine.from_pretrained(
                 path, tokenizer=tok, config=EngineConfig(max_num_seqs=args.n, max_model_len=2048, seed=0)

@@ -37,6 +37,8 @@ import time
 import torch
 
 from benchmarks.common import print_table, time_paired, write_json
+from workers.engine import EngineConfig, FSDPEngine, OptimConfig
+from workers.engine import distributed as du
 
 CPU_MODEL = dict(
     vocab_size=2048,
@@ -185,9 +187,6 @@ def padded_step_fn(model_path: str, batch: dict, device: torch.device, lr: float
 
 
 def run(args) -> dict:
-    from workers.engine import EngineConfig, FSDPEngine, OptimConfig
-    from workers.engine import distributed as du
-
     device = du.default_device()
     gpu = device.type == "cuda"
     batch_rows = args.batch or 8

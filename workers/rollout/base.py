@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
+from dataproto import DataProto
 from workers.rollout.sampling import GenerationOutput, SamplingParams
-
-if TYPE_CHECKING:
-    from dataproto import DataProto
 
 
 class RolloutEngine(ABC):

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from dataproto import DataProto
 from workers.rollout.base import RolloutEngine
 from workers.rollout.native.model import NativeCausalLM
 from workers.rollout.native.sampler import BatchSampler
@@ -524,8 +525,6 @@ class NativeEngine(RolloutEngine):
         padding), the input's other tensors and non-tensor columns, and ``meta_info`` = input meta +
         ``eos_token_id``, ``pad_token_id``, ``timing_s/gen`` and ``rollout/*`` counters.
         """
-        from dataproto import DataProto
-
         t0 = time.perf_counter()
         meta = dict(prompts.meta_info)
         params, response_length = self.sampling_from_meta(meta)
