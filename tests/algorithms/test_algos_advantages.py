@@ -19,6 +19,7 @@ from algorithms import (
     register_adv_est,
     run_adv_estimator,
 )
+from algorithms.advantages import group_normalize
 from algorithms.registry import ADV_ESTIMATOR_REGISTRY
 
 # Six responses: group "a" scores 1, 2, 3; group "b" scores 0, 4; group "c" a single score 5.
@@ -285,3 +286,11 @@ def test_run_adv_estimator_passes_declared_inputs_only():
     torch.testing.assert_close(ret, rewards.flip(-1).cumsum(-1).flip(-1) * mask)
     with pytest.raises(TypeError, match=r"'remax' needs \['reward_baselines'\]"):
         run_adv_estimator("remax", **inputs)
+
+
+def test_group_normalize_is_grpos_and_the_prm_buckets_normalisation():
+    values = torch.tensor([1.0, 0.0, 2.0, 5.0, 4.0, 3.0])
+    ids = torch.tensor([0, 1, 0, 2, 1, 0])  # group 0: 1, 2, 3 (mean 2, std 1); group 1: 0, 4; group 2 alone
+    out = group_normalize(values, ids, 3, epsilon=0.0)
+    assert out.tolist() == pytest.approx([-1.0, -2 / math.sqrt(8), 0.0, 0.0, 2 / math.sqrt(8), 1.0])
+    assert group_normalize(values, ids, 3, norm_by_std=False).tolist() == [-1.0, -2.0, 0.0, 0.0, 2.0, 1.0]

@@ -7,9 +7,14 @@ import importlib.util
 import pytest
 
 from recipes.config import (
+    AlgorithmConfig,
     ConfigError,
+    GRPOConfig,
+    PPOConfig,
     QuickstartConfig,
     RecipeConfig,
+    check_actor,
+    data_parallel_sizes,
     device_counts,
     load_config,
     parse_overrides,
@@ -272,3 +277,34 @@ def test_rollout_engine_is_checked_before_ray(monkeypatch):
     assert "rollout.name=sglang needs the sglang package: `make sglang-cpu`" in _errors(
         ["rollout.name=sglang"]
     )
+
+
+def test_the_recipe_schema_carries_the_recipes_own_rules():
+    assert type(load_config("grpo")) is GRPOConfig and type(load_config("ppo")) is PPOConfig
+    errors: list[str] = []
+    PPOConfig().check_recipe(errors)  # the default estimator (grpo) trains no critic
+    GRPOConfig(algorithm=AlgorithmConfig(adv_estimator="gae")).check_recipe(errors)
+    assert errors == [
+        "recipes.ppo trains a critic: algorithm.adv_estimator must be gae, got 'grpo'",
+        "algorithm.adv_estimator=gae needs a critic; use recipes.ppo",
+    ]
+
+
+def test_batches_divide_among_megatron_replicas_not_devices():
+    cfg = load_config(
+        "grpo",
+        [
+            "trainer.n_gpus_per_node=4",
+            "actor.strategy=megatron",
+            "actor.megatron.tensor_model_parallel_size=2",
+        ],
+    )
+    assert data_parallel_sizes(cfg) == (2, 4, 4)  # actor replicas, rollout ranks, critic (unused) devices
+    errors: list[str] = []
+    cfg.trainer.n_gpus_per_node = 3  # 3 devices hold no whole TP=2 replica: no sizes, one error
+    check_actor(errors, cfg)
+    assert data_parallel_sizes(cfg).train == 0
+    assert errors == [
+        "actor.megatron.tensor_model_parallel_size * actor.megatron.pipeline_model_parallel_size = 2 * 1 = 2 "
+        "must divide the 3 device(s) of the actor's worker group"
+    ]

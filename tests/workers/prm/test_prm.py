@@ -14,7 +14,7 @@ import torch
 
 from dataproto import DataProto
 from workers.prm import PRMConfig, PRMWorker, parse_hint, parse_vote
-from workers.prm.scorers import HTTPScorer
+from workers.prm.scorers import HTTPScorer, Scorer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -168,3 +168,23 @@ def test_reference_model_votes(monkeypatch):
         assert h == (parse_hint(r) or "")
     again = w.score_steps(data)  # a second call draws new seeds: still well-formed
     assert again.batch["prm_step_mask"].sum() == 3
+
+
+class _RecordingScorer(Scorer):
+    def __init__(self):
+        self.calls = []
+
+    def _complete(self, prompts, n, max_new_tokens, temperature, seeds):
+        self.calls.append((list(prompts), seeds))
+        return [[f"{p}#{k}" for k in range(n)] for p in prompts]
+
+
+def test_scorer_base_handles_empty_input_and_gives_each_prompt_its_seeds():
+    s = _RecordingScorer()
+    assert s.complete([], 3, max_new_tokens=8, temperature=1.0, seed=7) == []
+    assert s.calls == []  # nothing asked for no prompts
+    out = s.complete(["a", "b"], 3, max_new_tokens=8, temperature=1.0, seed=7)
+    assert out == [["a#0", "a#1", "a#2"], ["b#0", "b#1", "b#2"]]
+    assert s.calls[-1] == (["a", "b"], [7, 10])  # prompt i draws seeds seed + n * i, ...
+    s.complete(["a"], 2, max_new_tokens=8, temperature=1.0)
+    assert s.calls[-1] == (["a"], [None])
