@@ -6,6 +6,12 @@ A mode is a pair of functions:
   * ``collect_fn(worker_group, outputs)`` turns the list of per-rank outputs into the call's result.
 Chunked modes (DP_COMPUTE_PROTO, n-D mesh) instead name the ranks whose outputs, concatenated in that
 order, are the result; their futures can then be chained into another group chunk by chunk.
+
+Split modes (DP_SPLIT_PROTO, n-D split mesh) are for methods whose output has a different number of rows
+than their input (a generation that returns ``n`` rows per prompt): the batch is cut into contiguous chunks
+whose sizes differ by at most one row, with no padding rows, because a padded input row would come back as
+an unknown number of output rows. A rank whose chunk would be empty (fewer rows than chunks) gets one copy
+of row 0 flagged in ``meta_info[PAD_ROWS_KEY]``; the worker drops that row's outputs.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from dataproto import DataProto, pad_dataproto_to_divisor
 class Dispatch(Enum):
     ONE_TO_ALL = "one_to_all"  # same arguments to every rank; list of outputs
     ALL_TO_ALL = "all_to_all"  # every argument is a list, entry r goes to rank r; list of outputs
-    DP_COMPUTE = "dp_compute"  # as ALL_TO_ALL, for data-parallel work split by the caller
+    ONE_TO_ALL_RANK_ZERO = "one_to_all_rank_zero"  # same arguments to every rank; rank 0's output
     DP_COMPUTE_PROTO = "dp_compute_proto"  # DataProto split into world_size chunks; outputs concatenated
+    DP_SPLIT_PROTO = "dp_split_proto"  # DataProto split into world_size unpadded chunks; outputs concatenated
     RANK_ZERO = "rank_zero"  # only rank 0 is called; its output is the result
 
 
@@ -194,6 +201,61 @@ def _all_ranks(wg) -> list[int]:
     return list(range(wg.world_size))
 
 
+# ---------------------------------------------------------------------- split modes
+# meta_info key set by the split modes on a chunk: rows at its end that are placeholders (outputs dropped)
+PAD_ROWS_KEY = "_hyflow_pad_rows"
+
+
+def _split_rows(num_rows: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) row ranges, one per chunk, sizes differing by at most one (larger ones first)."""
+    base, extra = divmod(num_rows, num_chunks)
+    bounds, start = [], 0
+    for i in range(num_chunks):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def _split_proto_arg(args: tuple, kwargs: dict, num_chunks: int) -> tuple[DataProto, list]:
+    """(the single DataProto argument, object refs of its ``num_chunks`` contiguous chunks; a chunk that
+    would be empty is one copy of row 0 flagged as a placeholder)."""
+    protos = [a for a in (*args, *kwargs.values()) if isinstance(a, DataProto)]
+    if len(protos) != 1:
+        raise TypeError(f"split dispatch takes exactly one DataProto argument, got {len(protos)}")
+    data = protos[0]
+    if len(data) == 0:
+        raise ValueError("split dispatch: the batch is empty")
+    chunks = []
+    for start, end in _split_rows(len(data), num_chunks):
+        if end > start:
+            chunk = data.slice(start, end)
+            chunk.meta_info[PAD_ROWS_KEY] = 0
+        else:  # fewer rows than chunks: a placeholder row whose output is dropped
+            chunk = data.slice(0, 1)
+            chunk.meta_info[PAD_ROWS_KEY] = 1
+        chunks.append(ray.put(chunk))
+    return data, chunks
+
+
+def _split_dispatched(wg, args: tuple, kwargs: dict, chunk_of_rank: list[int], num_chunks: int) -> Dispatched:
+    """Rank r gets chunk ``chunk_of_rank[r]`` of the DataProto argument; other arguments go to every rank."""
+    data, chunks = _split_proto_arg(args, kwargs, num_chunks)
+
+    def per_rank(value) -> list:
+        return [chunks[c] for c in chunk_of_rank] if value is data else [value] * wg.world_size
+
+    return Dispatched([per_rank(a) for a in args], {k: per_rank(v) for k, v in kwargs.items()})
+
+
+def dispatch_dp_split_proto(wg, *args, **kwargs) -> Dispatched:
+    return _split_dispatched(wg, args, kwargs, _all_ranks(wg), wg.world_size)
+
+
+def collect_dp_split_proto(wg, outputs: list) -> DataProto:
+    return concat_chunks(wg, outputs, _all_ranks(wg), Dispatch.DP_SPLIT_PROTO.value)
+
+
 # ---------------------------------------------------------------------- n-D mesh modes
 def mesh_layout(wg, mesh_name: str) -> tuple[list[int], list[int]]:
     """(dp rank of every rank, collecting rank of every dp rank) from the workers' registered info."""
@@ -240,10 +302,32 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
     return mode
 
 
+def make_nd_split_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
+    """DP_SPLIT_PROTO over the dp ranks of ``mesh_name`` instead of over ranks: one unpadded chunk per dp
+    rank, every rank of a dp rank gets its chunk (tensor-parallel ranks working in lockstep), outputs come
+    only from the ranks registered with ``is_collect=True``, in dp order. With one rank per dp rank (all
+    collected) it is exactly DP_SPLIT_PROTO."""
+    name = f"nd_split_dataproto[{mesh_name}]"
+    if name in _MODES:
+        return _MODES[name]
+
+    def dispatch(wg, *args, **kwargs) -> Dispatched:
+        dp_of_rank, collect_ranks = mesh_layout(wg, mesh_name)
+        return _split_dispatched(wg, args, kwargs, dp_of_rank, len(collect_ranks))
+
+    def collect(wg, outputs: list) -> DataProto:
+        collect_ranks = mesh_layout(wg, mesh_name)[1]
+        return concat_chunks(wg, [outputs[r] for r in collect_ranks], collect_ranks, name)
+
+    mode = DispatchMode(name, dispatch, collect)
+    _MODES[name] = mode
+    return mode
+
+
 for _mode in [
     DispatchMode(Dispatch.ONE_TO_ALL.value, dispatch_one_to_all, collect_list),
     DispatchMode(Dispatch.ALL_TO_ALL.value, dispatch_per_rank, collect_list),
-    DispatchMode(Dispatch.DP_COMPUTE.value, dispatch_per_rank, collect_list),
+    DispatchMode(Dispatch.ONE_TO_ALL_RANK_ZERO.value, dispatch_one_to_all, collect_rank_zero),
     DispatchMode(Dispatch.RANK_ZERO.value, dispatch_rank_zero, collect_rank_zero),
     DispatchMode(
         Dispatch.DP_COMPUTE_PROTO.value,
@@ -251,5 +335,7 @@ for _mode in [
         chunk_ranks_fn=_all_ranks,
         accepts_futures=True,
     ),
+    # Not chunked: a placeholder rank returns no rows, so its output cannot feed another group's rank.
+    DispatchMode(Dispatch.DP_SPLIT_PROTO.value, dispatch_dp_split_proto, collect_dp_split_proto),
 ]:
     _MODES[_mode.name] = _mode

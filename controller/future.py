@@ -3,7 +3,7 @@
 It holds one object ref per called rank and knows how to collect them. When the call's result is a
 concatenation of per-rank DataProto chunks (DP_COMPUTE_PROTO, n-D mesh modes), ``chunk_refs`` are those
 chunks in order; a receiving group with that many dp ranks hands chunk i straight to dp rank i without
-the data passing through the controller.
+the data passing through the controller. ``wait_all`` waits on several futures at once.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import ray
 
-from controller.wait import wait_for_results
+from controller.wait import RankCall, wait_for_calls, wait_for_results
 from dataproto import DataProto, unpad_dataproto
 
 
@@ -55,21 +55,45 @@ class DataProtoFuture:
         """Wait for every rank, collect on the controller and strip padding (cached)."""
         if not self.resolved:
             timeout = self._timeout_s if timeout_s is None else timeout_s
-            outputs = wait_for_results(self.refs, self.ranks, self.role, self.method, timeout, self._started)
-            result = self._collect(outputs)
-            # A row-less result (metrics only in meta_info, e.g. an update step) has no padding to strip.
-            if self.pad_size and not (isinstance(result, DataProto) and len(result) == 0):
-                if not isinstance(result, DataProto):
-                    raise TypeError(
-                        f"{self.role}.{self.method}: padded call returned {type(result).__name__}, "
-                        "expected a DataProto to strip padding from"
-                    )
-                result = unpad_dataproto(result, self.pad_size)
-            self._result, self.resolved = result, True
+            self._resolve(
+                wait_for_results(self.refs, self.ranks, self.role, self.method, timeout, self._started)
+            )
         return self._result
+
+    def _resolve(self, outputs: list) -> None:
+        """Collect the per-rank ``outputs`` into the result and strip padding."""
+        result = self._collect(outputs)
+        # A row-less result (metrics only in meta_info, e.g. an update step) has no padding to strip.
+        if self.pad_size and not (isinstance(result, DataProto) and len(result) == 0):
+            if not isinstance(result, DataProto):
+                raise TypeError(
+                    f"{self.role}.{self.method}: padded call returned {type(result).__name__}, "
+                    "expected a DataProto to strip padding from"
+                )
+            result = unpad_dataproto(result, self.pad_size)
+        self._result, self.resolved = result, True
 
     def __repr__(self) -> str:
         return (
             f"DataProtoFuture({self.role}.{self.method}, ranks={self.ranks}, chunks={self.num_chunks}, "
             f"pad_size={self.pad_size}, resolved={self.resolved})"
         )
+
+
+def wait_all(futures: Sequence[DataProtoFuture], timeout_s: float | None = None) -> list:
+    """Results of several group calls in flight at once (e.g. the two sides of a collective that spans two
+    groups); the first error of any of them is raised at once, naming its group and rank, instead of
+    waiting on the others. ``timeout_s`` bounds the whole wait (default: the longest of the calls' own
+    limits, none if any call has none)."""
+    pending = [f for f in futures if not f.resolved]
+    if timeout_s is None and pending and all(f._timeout_s is not None for f in pending):
+        timeout_s = max(f._timeout_s for f in pending)
+    refs = [ref for f in pending for ref in f.refs]
+    calls = [RankCall(f.role, f.method, rank) for f in pending for rank in f.ranks]
+    started = min((f._started for f in pending), default=None)
+    outputs = wait_for_calls(refs, calls, timeout_s, started)
+    start = 0
+    for f in pending:
+        f._resolve(outputs[start : start + len(f.refs)])
+        start += len(f.refs)
+    return [f.get() for f in futures]

@@ -1,14 +1,16 @@
-"""Wait for one result per rank, failing on the first error instead of blocking on the others.
+"""The one wait loop: results of group calls, failing on the first error instead of blocking on the others.
 
 A single ``ray.get(refs)`` would block until every rank returns; if one rank dies, the others may be
 stuck forever in a collective waiting for it. Waiting ref by ref with ``ray.wait`` surfaces the first
-failure at once.
+failure at once. The refs may belong to several calls in flight together (the two sides of a weight
+sync: a sender stuck in a broadcast must not hide that the receivers already failed).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -43,6 +45,28 @@ def wait_for_results(
     """Results of ``refs`` (one per rank in ``ranks``) in order; WorkerGroupError on the first failure, and
     WorkerGroupTimeoutError naming the ranks still running after ``timeout_s`` and the time since the call
     ``started`` (a ``time.perf_counter()`` value; default: now)."""
+    return wait_for_calls(refs, [RankCall(role, method, rank) for rank in ranks], timeout_s, started)
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """Who computes one ref: rank ``rank`` of group ``role`` running ``method`` (for error messages)."""
+
+    role: str
+    method: str
+    rank: int
+
+
+def wait_for_calls(
+    refs: Sequence[ray.ObjectRef],
+    calls: Sequence[RankCall],
+    timeout_s: float | None = None,
+    started: float | None = None,
+) -> list:
+    """Results of ``refs`` in order, where ``calls[i]`` says who computes ``refs[i]`` (the refs may belong to
+    several group calls in flight at once). The first failure of any of them raises a WorkerGroupError
+    naming its group, rank and method; after ``timeout_s`` a WorkerGroupTimeoutError names the first call
+    still running and its pending ranks."""
     started = time.perf_counter() if started is None else started
     position = {ref: i for i, ref in enumerate(refs)}
     results: list = [None] * len(refs)
@@ -52,12 +76,16 @@ def wait_for_results(
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         if not ready:
-            stuck = sorted(ranks[position[ref]] for ref in pending)
-            raise WorkerGroupTimeoutError(role, method, stuck, timeout_s, time.perf_counter() - started)
+            first = calls[position[pending[0]]]
+            same_call = [c for c in (calls[position[ref]] for ref in pending) if c.role == first.role]
+            stuck = sorted(c.rank for c in same_call if c.method == first.method)
+            raise WorkerGroupTimeoutError(
+                first.role, first.method, stuck, timeout_s, time.perf_counter() - started
+            )
         if pending:  # pick up everything else already finished in the same pass
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             ready += more
         for ref in ready:
             i = position[ref]
-            results[i] = _get_one(ref, role, ranks[i], method)
+            results[i] = _get_one(ref, calls[i].role, calls[i].rank, calls[i].method)
     return results

@@ -2,11 +2,12 @@
 
 ``colocated`` (one pool of ``n_gpus_per_node * nnodes`` devices): every device runs ONE process holding the
 actor + rollout engines (``ActorRolloutWorker``, the hybrid engine), the reference, the critic (PPO) and the
-reward scorer (``create_colocated_worker_cls`` + ``spawn``).
+reward scorer (``create_colocated_worker_cls`` + ``spawn``). Weights reach the rollout engines in process
+(``WeightSync``'s colocated strategy, or resharded when ``rollout.tensor_model_parallel_size > 1``).
 
 ``disaggregated`` (two pools): the rollout pool (``rollout_gpus_per_node`` per node) runs ``RolloutWorker``;
 the training pool (the rest) runs ActorWorker + reference + critic + reward colocated. Weights go from the
-actor group to the rollout group with ``sync_weights_disaggregated``.
+actor group to the rollout group over a weight-sync process group (``WeightSync``'s disaggregated strategy).
 
 ``split_critic`` (two pools): the actor pool runs the hybrid engine + reference + reward colocated as above; the
 critic pool (``critic_gpus_per_node`` per node) runs ``CriticWorker`` alone, so actor and critic train on
@@ -16,6 +17,9 @@ different devices.
     out = roles.generate(prompts, meta)        # rows repeated rollout.n times, interleaved
     roles.actor.compute_log_prob(out)          # the groups are plain RayWorkerGroups
     roles.sync_weights()                       # -> {"timing_s/update_weights": ..., "perf/weight_sync_bytes": ...}
+
+``Roles.weight_sync`` (a `workers.weight_sync.WeightSync`, made by ``build_roles``) is the one object that
+moves weights; ``roles.sync_weights()`` is the recipes' call to it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from recipes.config import RecipeConfig, device_counts, needs_reference
 from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
 from resource_pools import InsufficientResourcesError, ResourcePoolManager, alive_nodes, placement_plan
+from workers.roles import ActorWorker, CriticWorker, RefWorker
+from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWorker
+from workers.roles.rollout import RolloutWorker
+from workers.weight_sync import WeightSync
 
 logger = logging.getLogger("recipes")
 
@@ -49,6 +57,7 @@ class Roles:
     actor: RayWorkerGroup
     rollout: RayWorkerGroup
     reward: RayWorkerGroup
+    weight_sync: WeightSync
     ref: RayWorkerGroup | None = None
     critic: RayWorkerGroup | None = None
     n_devices: int = 1
@@ -60,12 +69,8 @@ class Roles:
         return self.rollout.generate_sequences(prompts)
 
     def sync_weights(self) -> dict[str, float]:
-        """Push the actor's current weights to the rollout engine(s)."""
-        if self.rollout is self.actor:  # hybrid engine (colocated, split_critic): in-process stream
-            return metrics_of(self.actor.sync_weights())
-        from workers.roles.rollout import sync_weights_disaggregated
-
-        return metrics_of(sync_weights_disaggregated(self.actor, self.rollout))
+        """Push the actor's current weights to the rollout engine(s): ``weight_sync.sync()``."""
+        return self.weight_sync.sync()
 
     def checkpointed(self) -> dict[str, RayWorkerGroup]:
         """The roles whose state a checkpoint holds (the reference is frozen, the rollout is synced)."""
@@ -96,9 +101,6 @@ def _role_classes(
     cfg: RecipeConfig, run: Run, *, hybrid: bool, critic: bool, hybrid_cls=None, rollout_kwargs=None
 ) -> dict[str, RayClassWithInitArgs]:
     """The training-side roles: actor (hybrid: + rollout engine), reference, critic, reward."""
-    from workers.roles import RefWorker
-    from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWorker
-
     mc = model_config(cfg, run.model_path)
     if hybrid:
         actor_cls, kw = hybrid_cls or ActorRolloutWorker, dict(rollout_kwargs or {})
@@ -115,8 +117,6 @@ def _role_classes(
 
 
 def _critic_class(cfg: RecipeConfig, run: Run) -> RayClassWithInitArgs:
-    from workers.roles import CriticWorker
-
     critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
     return RayClassWithInitArgs(CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout)
 
@@ -173,8 +173,6 @@ def build_roles(
         if colocated:
             rollout_wg = wgs["actor"]
         else:
-            from workers.roles.rollout import RolloutWorker
-
             rollout_wg = RayWorkerGroup(
                 manager.get_pool("rollout"),
                 RayClassWithInitArgs(
@@ -210,6 +208,9 @@ def build_roles(
         actor=wgs["actor"],
         rollout=rollout_wg,
         reward=wgs["reward"],
+        weight_sync=WeightSync.for_groups(
+            wgs["actor"], rollout_wg, rollout_tp=cfg.rollout.tensor_model_parallel_size
+        ),
         ref=wgs.get("ref"),
         critic=wgs.get("critic"),
         n_devices=counts["total"],
@@ -220,8 +221,6 @@ def build_roles(
 
 def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[RayWorkerGroup, ResourcePoolManager]:
     """A plain ActorWorker group on its own pool (the quickstart's supervised warm start)."""
-    from workers.roles import ActorWorker
-
     t = cfg.trainer
     check_nodes(cfg)
     manager = ResourcePoolManager(

@@ -1,4 +1,4 @@
-"""Dispatch modes on a plain 3-rank group: ONE_TO_ALL, ALL_TO_ALL, DP_COMPUTE, DP_COMPUTE_PROTO (with
+"""Dispatch modes on a plain 3-rank group: ONE_TO_ALL, ALL_TO_ALL, DP_COMPUTE_PROTO (with
 padding), RANK_ZERO, a user-registered mode and non-blocking calls."""
 
 import os
@@ -63,7 +63,7 @@ class EchoWorker(Worker):
     def add(self, x, y=0):
         return x + y + 100 * self.rank
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.ALL_TO_ALL)
     def square(self, x):
         return self.rank, x * x
 

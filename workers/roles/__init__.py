@@ -6,6 +6,7 @@
 * `RewardWorker` -- rule-based outcome scores of decoded responses
 * `ActorRolloutWorker` -- actor + rollout engine in one process (colocated, in-process weight sync)
 * `RolloutWorker` / `DisaggregatedActorWorker` -- rollout on its own pool, weights broadcast in buckets
+  (driven from the controller by `workers.weight_sync.WeightSync`)
 
 Each is a `controller.Worker` built from the config dataclasses in `workers.config`; heavy setup happens in
 ``init_model()`` (call it on the group once). `workers.roles.common` holds what the engine roles share.
@@ -16,7 +17,7 @@ from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWo
 from workers.roles.critic import CriticWorker
 from workers.roles.reference import RefWorker
 from workers.roles.reward import RewardWorker
-from workers.roles.rollout import RolloutWorker, sync_weights_disaggregated
+from workers.roles.rollout import RolloutWorker
 
 __all__ = [
     "ActorRolloutWorker",
@@ -26,5 +27,4 @@ __all__ = [
     "RefWorker",
     "RewardWorker",
     "RolloutWorker",
-    "sync_weights_disaggregated",
 ]

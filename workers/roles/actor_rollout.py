@@ -11,6 +11,7 @@ engine by default, `SGLangRollout` when ``rollout.name == "sglang"``. The two ti
     update_actor, ...   method of ActorWorker goes through)
     sync_weights        stream the full weights from the FSDP2 shards into this rank's rollout replica,
                         then offload the trainer (parameters and optimizer state) for generation
+                        (`workers.weight_sync.WeightSync`'s colocated strategy)
 
 On CPU ``offload``/``reload`` do not move anything; the calls are kept so the order is the same on GPU.
 
@@ -24,19 +25,19 @@ them into ``rollout.weight_bucket_mb`` buckets). Tied embeddings travel once.
 replicas are ``tp_g``-way tensor parallel on the trainer's own ranks (``MegatronEngine.reshard_plan(tp_g)``:
 generation replica ``gen_coords(rank)[0]``, its ranks ``gen_tp_group``). ``init_model`` creates every
 generation-TP process group on every rank in one fixed order (group creation is collective) and builds the
-native engine on this rank's group; ``sync_weights`` feeds it ``engine.generation_shard_iter(tp_g)`` (the
-micro-DP regrouped reshard: each rank receives only the part of its generation shard that it does not
-already hold: ``M/tp_g - M/(tp*pp)`` bytes); ``generate_sequences`` dispatches on the "rollout" mesh
-(`ROLLOUT_MESH_DISPATCH`): all ranks of a replica get the same prompts and generate in lockstep, only its
-generation-TP rank 0 is collected. With ``tp_g == 1`` the mesh is one replica per rank, all collected (the
-plain rollout dispatch), and the weights travel as full tensors as described above.
+native engine on this rank's group; ``sync_resharded_weights`` (the resharded strategy) feeds it
+``engine.generation_shard_iter(tp_g)`` (the micro-DP regrouped reshard: each rank receives only the part of
+its generation shard that it does not already hold: ``M/tp_g - M/(tp*pp)`` bytes); ``generate_sequences``
+dispatches on the "rollout" mesh (`ROLLOUT_MESH`, the split mode over replicas): all ranks of a replica get
+the same prompts and generate in lockstep, only its generation-TP rank 0 is collected. With ``tp_g == 1``
+the mesh is one replica per rank, all collected (``Dispatch.DP_SPLIT_PROTO``), and the weights travel as
+full tensors through ``sync_weights`` as described above.
 
 Disaggregated placement (`WeightSenderMixin`, `DisaggregatedActorWorker`): the trainer group's rank 0
 joins a separate weight-sync process group with every rank of a `workers.roles.rollout.RolloutWorker`
 group. ``send_weights`` runs on every trainer rank (all take part in the gathers); rank 0 packs the full
 tensors into size-bounded buckets (``rollout.weight_bucket_mb``, or ``bucket_bytes``), flattens each
-into one buffer and broadcasts it. The controller drives it with
-`workers.roles.rollout.sync_weights_disaggregated`.
+into one buffer and broadcasts it. The controller drives it with `workers.weight_sync.WeightSync`.
 """
 
 from __future__ import annotations
@@ -47,26 +48,28 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from controller import Dispatch, register, registered_methods
+from controller import (
+    Dispatch,
+    get_dispatch_mode,
+    make_nd_split_dataproto_dispatch_fn,
+    register,
+    registered_methods,
+)
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.roles.actor import ActorWorker
 from workers.roles.rollout import (
-    ONE_TO_ALL_RANK_ZERO,
-    ROLLOUT_DP_DISPATCH,
-    ROLLOUT_MESH_DISPATCH,
-    build_rollout_engine,
-    is_sglang,
+    RolloutEngineMixin,
     load_weights_into,
     rollout_device,
     run_rollout,
 )
+from workers.roles.sync_member import WeightSyncMember
 from workers.weight_sync import (
     DEFAULT_GROUP_NAME,
-    WeightSyncGroup,
     bucket_mb_to_bytes,
     hf_named_tensors,
-    host_store,
+    stream_metrics,
     tensor_nbytes,
 )
 
@@ -106,16 +109,14 @@ def _counted(stream, stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor
 
 
-class WeightSenderMixin:
+# Generation methods of the colocated actor-rollout worker: one chunk per generation replica ("rollout" mesh).
+ROLLOUT_MESH = make_nd_split_dataproto_dispatch_fn("rollout")
+
+
+class WeightSenderMixin(WeightSyncMember):
     """Trainer side of the disaggregated weight sync. Needs ``self.engine`` (an `FSDPEngine`, through
     ``self._require_engine``), ``self.rollout_config``, ``self.rank`` and ``self.tag`` (an `ActorWorker`
     has them all)."""
-
-    def _sync_groups(self) -> dict:
-        if "_weight_sync_groups" not in self.__dict__:
-            self._weight_sync_groups: dict[str, WeightSyncGroup] = {}
-            self._weight_sync_stores: dict = {}
-        return self._weight_sync_groups
 
     def hf_weight_stream(
         self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
@@ -133,48 +134,11 @@ class WeightSenderMixin:
         self, world_size: int, group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 300.0
     ) -> tuple[str, int]:
         """Host the weight-sync group's TCPStore on this process (trainer rank 0) on a port the OS picks;
-        returns ``(node address, port)`` for the rollout ranks to dial."""
-        self._sync_groups()
-        self._weight_sync_stores.pop(group_name, None)
-        store, addr, port = host_store(world_size, timeout_s=timeout_s)
-        self._weight_sync_stores[group_name] = store
-        return addr, port
+        returns ``(node address, port)`` for the rollout ranks to dial. ``init_weight_sync`` then joins
+        through it."""
+        return self.weight_sync_groups.host_store(group_name, world_size, timeout_s)
 
-    @register(Dispatch.RANK_ZERO)
-    def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank: int,
-        world_size: int,
-        backend: str | None = None,
-        group_name: str = DEFAULT_GROUP_NAME,
-        timeout_s: float = 300.0,
-    ) -> dict:
-        """Join the weight-sync group as member ``rank`` (0: the source). Uses the store opened by
-        ``open_weight_sync_store`` when there is one, else dials ``master_addr:master_port``. Blocks until
-        every member joined (the controller issues it without blocking, together with the rollout side)."""
-        if rank != 0:
-            raise ValueError(f"{self.tag}: the trainer is member 0 of the weight-sync group, got rank {rank}")
-        groups = self._sync_groups()
-        old = groups.pop(group_name, None)
-        if old is not None:
-            old.destroy()
-        store = self._weight_sync_stores.get(group_name)
-        groups[group_name] = WeightSyncGroup(
-            0,
-            world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            store=store,
-            backend=backend,
-            timeout_s=timeout_s,
-            group_name=group_name,
-            label=f"{self.tag} (weight-sync source, {world_size} members)",
-        )
-        return {"rank": 0, "world_size": world_size, "backend": groups[group_name].backend_name}
-
-    @register(ONE_TO_ALL_RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
     def send_weights(self, bucket_bytes: int | None = None, group_name: str = DEFAULT_GROUP_NAME) -> dict:
         """Broadcast the full weights to the weight-sync group; every trainer rank must run it (each takes
         part in gathering every parameter), rank 0 sends. Buckets hold at most ``bucket_bytes`` (default
@@ -182,12 +146,12 @@ class WeightSenderMixin:
         t0 = time.perf_counter()
         if bucket_bytes is None:
             bucket_bytes = bucket_mb_to_bytes(self.rollout_config.weight_bucket_mb)
-        group = self._sync_groups().get(group_name) if self.rank == 0 else None
+        group = self.weight_sync_groups.get(group_name) if self.rank == 0 else None
         if self.rank == 0 and group is None:
             # Still consume the stream so the other ranks' gathers do not hang, then fail.
             for _ in self.hf_weight_stream():
                 pass
-            raise RuntimeError(f"{self.tag}: send_weights before init_weight_sync (group {group_name!r})")
+            self.weight_sync_groups.require(group_name, f"{self.tag}: send_weights")
         if group is None:  # ranks > 0: take part in the gathers only (full tensors stay where they are made)
             for _ in self.hf_weight_stream(device=self._require_engine("send_weights").device):
                 pass
@@ -198,35 +162,22 @@ class WeightSenderMixin:
         finally:
             for _ in stream:  # a failed broadcast must not leave the other trainer ranks in a gather
                 pass
-        return {
-            "timing_s/update_weights": time.perf_counter() - t0,
-            "perf/weight_sync_bytes": stats["bytes"],
-            "weight_sync/wire_bytes": stats["wire_bytes"],
-            "weight_sync/buckets": stats["buckets"],
-            "weight_sync/tensors": stats["tensors"],
+        return stream_metrics(stats, time.perf_counter() - t0) | {
             "weight_sync/max_bucket_bytes": stats["max_bucket_bytes"],
             "weight_sync/bucket_bytes": bucket_bytes,
         }
 
-    @register(Dispatch.RANK_ZERO)
-    def destroy_weight_sync(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
-        group = self._sync_groups().pop(group_name, None)
-        if group is not None:
-            group.destroy()
-        self._weight_sync_stores.pop(group_name, None)
-
 
 class DisaggregatedActorWorker(WeightSenderMixin, ActorWorker):
     """A training-only actor that feeds a separate rollout pool (`workers.roles.rollout.RolloutWorker`)
-    through `workers.roles.rollout.sync_weights_disaggregated`."""
+    through `workers.weight_sync.WeightSync`'s disaggregated strategy."""
 
 
-class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
+class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
     """FSDP2 actor + rollout replica in one process per rank (colocated, time-sharing the device)."""
 
     def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig):
         super().__init__(model, actor, rollout)
-        self.rollout_engine = None
         self._trainer_offloaded = False
         self.sync_count = 0  # weight syncs into the rollout replica
         self.rollout_tp = rollout_tp_size(actor, rollout, self.tag)
@@ -235,13 +186,13 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
             per_rank = sorted(
                 n
                 for n, spec in registered_methods(type(self)).items()
-                if spec.dispatch_mode is ROLLOUT_DP_DISPATCH
+                if get_dispatch_mode(spec.dispatch_mode) is get_dispatch_mode(Dispatch.DP_SPLIT_PROTO)
             )
             if per_rank:
                 raise ValueError(
                     f"{self.tag}: rollout.tensor_model_parallel_size={self.rollout_tp} needs every generation "
                     f"method on the 'rollout' mesh, but {type(self).__name__}.{per_rank} dispatch one chunk per "
-                    "rank (ROLLOUT_DP_DISPATCH), which would give the TP ranks of a replica different prompts"
+                    "rank (Dispatch.DP_SPLIT_PROTO), which would give the TP ranks of a replica different prompts"
                 )
 
     # -- time-sharing -----------------------------------------------------------------------------------------
@@ -261,11 +212,6 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
             self._trainer_offloaded = True
         return time.perf_counter() - t0
 
-    def _require_rollout(self, method: str):
-        if self.rollout_engine is None:
-            raise RuntimeError(f"{self.tag}: {method} called before init_model()")
-        return self.rollout_engine
-
     # -- setup ------------------------------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
@@ -280,11 +226,7 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
             self.register_dispatch_collect_info("rollout", replica, gen_tp_rank == 0)
         else:  # one full replica per rank: the plain rollout dispatch
             self.register_dispatch_collect_info("rollout", self.rank, True)
-        self.rollout_engine = build_rollout_engine(
-            self.model_config, self.rollout_config, self.tokenizer, rank=self.rank, tp_group=tp_group
-        )
-        if self.rollout_config.free_cache_engine:
-            self.rollout_engine.release_memory()
+        self._build_rollout_engine(tp_group)
         self._offload_trainer()
 
     def _generation_tp_group(self):
@@ -309,7 +251,7 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
 
     # -- generation -------------------------------------------------------------------------------------------
 
-    @register(ROLLOUT_MESH_DISPATCH)
+    @register(ROLLOUT_MESH)
     def generate_sequences(self, data: DataProto) -> DataProto:
         """Responses for this rank's chunk of prompts (left-padded ``input_ids``/``attention_mask``).
 
@@ -327,29 +269,60 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
 
     # -- weight sync ------------------------------------------------------------------------------------------
 
-    @register(ONE_TO_ALL_RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
     def sync_weights(self) -> dict:
         """Load the trainer's current weights into every rank's rollout replica, then offload the trainer.
 
         Collective over the trainer group (every rank gathers every parameter); each rank's replica receives
         the full tensors. Returns rank 0's metrics: ``timing_s/update_weights`` (the whole call),
         ``perf/weight_sync_bytes`` (tensor bytes loaded into one replica), ``weight_sync/tensors``,
-        ``weight_sync/load_s`` (gather + load), ``weight_sync/offload_s``. With
-        ``rollout.tensor_model_parallel_size > 1`` each rank receives its generation shard from the reshard
-        instead: ``perf/weight_sync_bytes`` is what rank 0's replica shard holds and
-        ``weight_sync/bytes_received`` / ``bytes_sent`` what the reshard moved (see `_sync_generation_shards`)."""
-        t0 = time.perf_counter()
-        engine = self._require_rollout("sync_weights")
-        trainer = self._require_engine("sync_weights")  # reloads the trainer if it was offloaded
-        engine.resume_memory(kv_cache=False)  # weights only; the KV cache waits for generation
+        ``weight_sync/load_s`` (gather + load), ``weight_sync/offload_s``. Tensor-parallel replicas
+        (``rollout.tensor_model_parallel_size > 1``) take ``sync_resharded_weights`` instead."""
         if self.rollout_tp > 1:
-            return self._sync_generation_shards(engine, trainer, t0)
+            raise RuntimeError(
+                f"{self.tag}: rollout.tensor_model_parallel_size={self.rollout_tp}: the replicas load "
+                "generation shards (sync_resharded_weights), not full tensors"
+            )
+        return self._load_rollout_weights(
+            "sync_weights", lambda trainer, engine: self.hf_weight_stream(device=rollout_device(engine))
+        )
+
+    @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
+    def sync_resharded_weights(self) -> dict:
+        """``sync_weights`` for tensor-parallel rollout replicas: this rank's generation shards straight from
+        the 3D-HybridEngine reshard (collective over the micro-DP groups; the native engine all-gathers
+        vocabulary shards in its TP group, in the same name order on every rank). ``perf/weight_sync_bytes``
+        is what rank 0's replica shard holds; ``weight_sync/bytes_received`` / ``bytes_sent`` what the
+        reshard moved."""
+        if self.rollout_tp == 1:
+            raise RuntimeError(f"{self.tag}: rollout.tensor_model_parallel_size=1: use sync_weights")
+        metrics = self._load_rollout_weights(
+            "sync_resharded_weights", lambda trainer, engine: trainer.generation_shard_iter(self.rollout_tp)
+        )
+        # counts of the stream just consumed (the engine keeps one Resharder per generation TP size)
+        reshard = self.engine.reshard_stats(self.rollout_tp)  # not _require_engine: it would reload
+        return metrics | {
+            "weight_sync/bytes_received": reshard.bytes_received,  # moved by the reshard (0: shard in place)
+            "weight_sync/bytes_sent": reshard.bytes_sent,
+            "weight_sync/gen_shard_bytes": metrics["perf/weight_sync_bytes"],
+            "weight_sync/held_bytes": reshard.held_bytes,
+            "weight_sync/peak_transient_bytes": reshard.peak_transient_bytes,
+            "weight_sync/rollout_tp": self.rollout_tp,
+        }
+
+    def _load_rollout_weights(self, method: str, stream_of) -> dict:
+        """Load ``stream_of(trainer, rollout engine)`` (collective over the trainer group) into this rank's
+        replica, then offload the trainer for generation; the sync's metrics."""
+        t0 = time.perf_counter()
+        engine = self._require_rollout(method)
+        trainer = self._require_engine(method)  # reloads the trainer if it was offloaded
+        engine.resume_memory(kv_cache=False)  # weights only; the KV cache waits for generation
         stats = {"tensors": 0, "bytes": 0}
-        stream = _counted(self.hf_weight_stream(device=rollout_device(engine)), stats)
+        stream = _counted(stream_of(trainer, engine), stats)
         try:
             load_weights_into(engine, stream)
         finally:
-            for _ in stream:  # a failed load must not leave the other ranks waiting in a gather
+            for _ in stream:  # a failed load must not leave the other ranks waiting in a collective
                 pass
         t_loaded = time.perf_counter()
         offload_s = self._offload_trainer()
@@ -362,42 +335,3 @@ class ActorRolloutWorker(WeightSenderMixin, ActorWorker):
             "weight_sync/offload_s": offload_s,
             "weight_sync/count": self.sync_count,
         }
-
-    def _sync_generation_shards(self, engine, trainer, t0: float) -> dict:
-        """``sync_weights`` for tensor-parallel rollout replicas: this rank's generation shards straight from
-        the 3D-HybridEngine reshard (collective over the micro-DP groups; the native engine all-gathers
-        vocabulary shards in its TP group, in the same name order on every rank)."""
-        stats = {"tensors": 0, "bytes": 0}
-        stream = _counted(trainer.generation_shard_iter(self.rollout_tp), stats)
-        try:
-            load_weights_into(engine, stream)
-        finally:
-            for _ in stream:  # a failed load must not leave the other ranks waiting in a broadcast
-                pass
-        # counts of the stream just consumed (the engine keeps one Resharder per generation TP size)
-        reshard = trainer.reshard_stats(self.rollout_tp)
-        t_loaded = time.perf_counter()
-        offload_s = self._offload_trainer()
-        self.sync_count += 1
-        return {
-            "timing_s/update_weights": time.perf_counter() - t0,
-            "perf/weight_sync_bytes": stats["bytes"],  # loaded into the replica shard, as with tp_g == 1
-            "weight_sync/bytes_received": reshard.bytes_received,  # moved by the reshard (0: shard in place)
-            "weight_sync/bytes_sent": reshard.bytes_sent,
-            "weight_sync/gen_shard_bytes": stats["bytes"],
-            "weight_sync/held_bytes": reshard.held_bytes,
-            "weight_sync/peak_transient_bytes": reshard.peak_transient_bytes,
-            "weight_sync/tensors": stats["tensors"],
-            "weight_sync/rollout_tp": self.rollout_tp,
-            "weight_sync/load_s": t_loaded - t0,
-            "weight_sync/offload_s": offload_s,
-            "weight_sync/count": self.sync_count,
-        }
-
-    @register(Dispatch.ONE_TO_ALL)
-    def rollout_named_weights(self, names: list[str] | None = None) -> dict:
-        """This rank's rollout replica's weights (CPU copies), for tests and debugging; native engine only."""
-        engine = self._require_rollout("rollout_named_weights")
-        if is_sglang(engine):
-            raise NotImplementedError(f"{self.tag}: rollout_named_weights reads the native engine's store")
-        return {n: t.detach().cpu().clone() for n, t in engine.named_weights() if names is None or n in names}

@@ -255,3 +255,57 @@ class WeightSyncGroup:
             f"WeightSyncGroup({self.group_name!r}, rank={self.rank}/{self.world_size}, "
             f"backend={self.backend_name})"
         )
+
+
+def stream_metrics(stats: dict, elapsed_s: float) -> dict:
+    """One member's metrics of a weight stream (the counts ``send``/``receive`` return), as reported to the
+    controller: ``timing_s/update_weights``, ``perf/weight_sync_bytes`` (tensor bytes), ``weight_sync/*``."""
+    return {
+        "timing_s/update_weights": elapsed_s,
+        "perf/weight_sync_bytes": stats["bytes"],
+        "weight_sync/wire_bytes": stats["wire_bytes"],
+        "weight_sync/buckets": stats["buckets"],
+        "weight_sync/tensors": stats["tensors"],
+    }
+
+
+class WeightSyncMemberships:
+    """The weight-sync groups one worker belongs to, by group name, and the stores it hosts for them (the
+    source hosts its group's store before the members join)."""
+
+    def __init__(self):
+        self._groups: dict[str, WeightSyncGroup] = {}
+        self._stores: dict[str, dist.TCPStore] = {}
+
+    def host_store(self, group_name: str, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Host ``group_name``'s store on this process; ``(address, port)`` for the other members to dial."""
+        store, addr, port = host_store(world_size, timeout_s=timeout_s)
+        self._stores[group_name] = store
+        return addr, port
+
+    def join(self, group_name: str, rank: int, world_size: int, **kwargs) -> WeightSyncGroup:
+        """Join ``group_name`` as ``rank`` (leaving an earlier group of that name), through the store hosted
+        here if there is one; ``kwargs`` go to `WeightSyncGroup`. Blocks until every member joined."""
+        old = self._groups.pop(group_name, None)
+        if old is not None:
+            old.destroy()
+        store = self._stores.get(group_name)
+        group = WeightSyncGroup(rank, world_size, store=store, group_name=group_name, **kwargs)
+        self._groups[group_name] = group
+        return group
+
+    def get(self, group_name: str) -> WeightSyncGroup | None:
+        return self._groups.get(group_name)
+
+    def require(self, group_name: str, caller: str) -> WeightSyncGroup:
+        """The group, or a RuntimeError saying that ``caller`` ran before ``init_weight_sync``."""
+        group = self._groups.get(group_name)
+        if group is None:
+            raise RuntimeError(f"{caller} before init_weight_sync (group {group_name!r})")
+        return group
+
+    def leave(self, group_name: str) -> None:
+        group = self._groups.pop(group_name, None)
+        if group is not None:
+            group.destroy()
+        self._stores.pop(group_name, None)

@@ -2,7 +2,7 @@
 joined by a standalone gloo weight-sync group (trainer rank 0 + both rollout ranks).
 
 Checks with numbers: after an SFT step the rollout pool is stale (its log-probs differ from the trainer's by
-far more than ATOL); after ``sync_weights_disaggregated`` both rollout ranks' log-probs of their sampled tokens
+far more than ATOL); after a disaggregated ``WeightSync`` both rollout ranks' log-probs of their sampled tokens
 equal the trainer's ``compute_log_prob`` (fp32, ATOL); the reported bytes equal the model's parameter bytes,
 the bucket count equals what ``iter_buckets`` gives for the bound, and a bound smaller than most tensors
 (each travels alone) gives the same result."""
@@ -13,20 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from controller import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupError
+from controller import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupError, wait_all
 from dataproto import DataProto
 from resource_pools import ResourcePoolManager
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import OptimConfig
 from workers.roles.actor_rollout import DisaggregatedActorWorker
-from workers.roles.rollout import (
-    RolloutWorker,
-    get_weight_sync_link,
-    sync_weights_disaggregated,
-    teardown_weight_sync,
-    wait_all,
-)
-from workers.weight_sync import iter_buckets
+from workers.roles.rollout import RolloutWorker
+from workers.weight_sync import WeightSync, iter_buckets
 
 P, R = 8, 10
 ATOL = 1e-4
@@ -105,14 +99,16 @@ def setup(ray_session, tmp_path_factory):
     inits = [wg.init_model.with_options(blocking=False)() for wg in (actor_wg, rollout_wg)]
     [f.get() for f in inits]
     hf = AutoModelForCausalLM.from_pretrained(path)
+    weight_sync = WeightSync(actor_wg, rollout_wg, "disaggregated")
     yield {
         "actor": actor_wg,
         "rollout": rollout_wg,
+        "weight_sync": weight_sync,
         "vocab": len(tok),
         "pad": tok.pad_token_id,
         "named": [(n, p.detach()) for n, p in hf.named_parameters()],  # tied embedding once
     }
-    teardown_weight_sync(actor_wg, rollout_wg)
+    weight_sync.close()
     actor_wg.shutdown()
     rollout_wg.shutdown()
     mgr.remove()
@@ -141,7 +137,7 @@ def test_disaggregated_sync(setup):
     perturb(actor_wg, rollout_wg, prompts)
     assert check_rollout_matches_trainer(actor_wg, rollout_wg, prompts) > STALE  # rollout is stale
 
-    m = sync_weights_disaggregated(actor_wg, rollout_wg)  # default bucket: rollout.weight_bucket_mb = 64 MiB
+    m = setup["weight_sync"].sync()  # default bucket: rollout.weight_bucket_mb = 64 MiB
     assert m["perf/weight_sync_bytes"] == total_bytes
     assert m["weight_sync/tensors"] == len(named)
     assert m["weight_sync/buckets"] == 1 and m["weight_sync/receivers"] == 2
@@ -154,14 +150,14 @@ def test_disaggregated_sync(setup):
     assert sum(1 for b in expected if len(b) == 1 and b[0][1].numel() * 4 > bound) >= 8
     perturb(actor_wg, rollout_wg, make_prompts(4, setup["vocab"], setup["pad"], seed=1))
     assert check_rollout_matches_trainer(actor_wg, rollout_wg, prompts) > STALE
-    m = sync_weights_disaggregated(actor_wg, rollout_wg, bucket_bytes=bound)
+    m = setup["weight_sync"].sync(bucket_bytes=bound)
     assert m["weight_sync/buckets"] == len(expected)
     assert m["perf/weight_sync_bytes"] == total_bytes and m["weight_sync/tensors"] == len(named)
     assert m["weight_sync/max_bucket_bytes"] == max(sum(t.numel() * 4 for _, t in b) for b in expected)
     assert check_rollout_matches_trainer(actor_wg, rollout_wg, prompts) < ATOL
 
     # the per-rank receive metrics agree with what the trainer sent (the two sides issued by hand)
-    link = get_weight_sync_link(actor_wg, rollout_wg)
+    link = setup["weight_sync"].link
     assert link.syncs == 2 and link.backend == "gloo" and link.world_size == 3
     send = actor_wg.send_weights.with_options(blocking=False)(bucket_bytes=bound, group_name=link.group_name)
     recv = rollout_wg.receive_weights.with_options(blocking=False)(group_name=link.group_name)

@@ -19,13 +19,13 @@ import pytest
 import ray
 import torch
 
-from controller import RayClassWithInitArgs, RayWorkerGroup
+from controller import PAD_ROWS_KEY, RayClassWithInitArgs, RayWorkerGroup, make_nd_split_dataproto_dispatch_fn
 from dataproto import DataProto
 from resource_pools import ResourcePool
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import MegatronConfig, OptimConfig
 from workers.roles.actor_rollout import ActorRolloutWorker, rollout_tp_size
-from workers.roles.rollout import PAD_ROWS_KEY, make_rollout_mesh_dispatch
+from workers.weight_sync import WeightSync
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
 if importlib.util.find_spec("megatron.core") is None:
@@ -138,7 +138,10 @@ def test_rollout_tp_replica_after_update_and_sync(groups, model_dir):
     )
     assert stale > 1e-3
 
-    sync = call_all(groups, "sync_weights")
+    sync = {
+        "tp2": WeightSync(tp2, tp2, "resharded").sync(),
+        "fsdp": WeightSync(fsdp, fsdp, "colocated").sync(),
+    }
     model_bytes = sync["fsdp"]["perf/weight_sync_bytes"]  # full tensors into one full replica
     s = sync["tp2"]
     # tp_g == tp, pp == 1: every rank already holds its generation shard, the resharder moves nothing
@@ -184,7 +187,7 @@ class _Layout(SimpleNamespace):
 def test_rollout_mesh_dispatch_splits_over_replicas(ray_session):
     """4 ranks as 2 TP=2 replicas: prompts split per replica (before repetition), both TP ranks of a replica
     get the same chunk, the collect ranks' outputs are concatenated in replica order."""
-    mode = make_rollout_mesh_dispatch("rollout_test")
+    mode = make_nd_split_dataproto_dispatch_fn("rollout_test")
     wg = _Layout(world_size=4, name="wg", info=[(0, True), (0, False), (1, True), (1, False)])
     data = DataProto.from_dict({"input_ids": torch.arange(3)[:, None]})
     sent = mode.dispatch_fn(wg, data)
