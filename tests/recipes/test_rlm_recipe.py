@@ -62,7 +62,7 @@ def test_rlm_recipe_colocated(ray_session, tmp_path):
 
 
 def test_rlm_recipe_disaggregated_on_oolong(ray_session, tmp_path):
-    """The env role on its own pool (``RLMEnvWorker``), weights broadcast from the training pool, on the
+    """The env role on its own pool (``EnvWorker``), weights broadcast from the training pool, on the
     OOLONG-style aggregation task with the compact prompt."""
     result = rlm.main(
         [

@@ -813,6 +813,18 @@ class Repl:
             pass
         self._sb._restart_zygote(zyg)
 
+    async def _restarted(self, error: str, t0: float, timed_out: bool = False) -> ExecResult:
+        """The result of a block whose REPL process was killed (or died): a fresh process, and ``error`` saying
+        the state is lost (or why the restart failed)."""
+        failed = await self._respawn()
+        return ExecResult(
+            error=error + (STATE_LOST if not failed else f"Restart failed: {failed}"),
+            timed_out=timed_out,
+            killed=True,
+            restarted=not failed,
+            elapsed_s=time.perf_counter() - t0,
+        )
+
     async def _respawn(self) -> str | None:
         """A fresh REPL in this slot; returns None on success, else why it failed."""
         await self._kill()
@@ -956,35 +968,17 @@ class Repl:
                 else:
                     raise _ProtocolError(f"unexpected message {op!r}")
         except _Timeout:
-            failed = await self._respawn()
-            return ExecResult(
-                error=f"TimeoutError: the code block exceeded the {timeout_s:g} s wall-clock limit and the REPL "
-                f"process was killed. " + (STATE_LOST if not failed else f"Restart failed: {failed}"),
+            return await self._restarted(
+                f"TimeoutError: the code block exceeded the {timeout_s:g} s wall-clock limit and the REPL "
+                "process was killed. ",
+                t0,
                 timed_out=True,
-                killed=True,
-                restarted=not failed,
-                elapsed_s=time.perf_counter() - t0,
             )
         except _Died:
-            info = await self._death_info()
-            why = _describe_exit(info, cfg.cpu_s)
-            failed = await self._respawn()
-            return ExecResult(
-                error=f"REPL process died during the block: {why}. "
-                + (STATE_LOST if not failed else f"Restart failed: {failed}"),
-                killed=True,
-                restarted=not failed,
-                elapsed_s=time.perf_counter() - t0,
-            )
+            why = _describe_exit(await self._death_info(), cfg.cpu_s)
+            return await self._restarted(f"REPL process died during the block: {why}. ", t0)
         except _ProtocolError as exc:
-            failed = await self._respawn()
-            return ExecResult(
-                error=f"ProtocolError: {exc}; the REPL process was killed. "
-                + (STATE_LOST if not failed else f"Restart failed: {failed}"),
-                killed=True,
-                restarted=not failed,
-                elapsed_s=time.perf_counter() - t0,
-            )
+            return await self._restarted(f"ProtocolError: {exc}; the REPL process was killed. ", t0)
         except asyncio.CancelledError:
             # The caller gave up mid-block: the REPL's state is unknown, so kill it now (without
             # waiting) and start a fresh one on the next block.
