@@ -32,6 +32,7 @@ import torch
 
 from benchmarks.common import print_table, write_json
 from workers.agents.batch import trajectories_to_dataproto
+from workers.agents.limits import gather_bounded
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.models import load_tokenizer
@@ -66,13 +67,10 @@ def recursive_script(queries: list[str]) -> ReplayScript:
 
 
 async def run_roots(agent: RLMAgent, queries: list[str], context: str, concurrency: int):
-    sem = asyncio.Semaphore(concurrency)
+    def one(job: tuple[int, str]):
+        return agent.run(job[1], context, uid=f"u{job[0]}", seed=job[0])
 
-    async def one(i: int, q: str):
-        async with sem:
-            return await agent.run(q, context, uid=f"u{i}", seed=i)
-
-    return await asyncio.gather(*(one(i, q) for i, q in enumerate(queries)))
+    return await gather_bounded(one, list(enumerate(queries)), concurrency)
 
 
 def measure(name: str, agent: RLMAgent, n: int, concurrency: int, context: str, pad: int) -> dict:
