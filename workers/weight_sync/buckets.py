@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 ALIGN_BYTES = 16  # every tensor starts at a multiple of this offset in a flattened buffer
 MIB = 1 << 20
@@ -188,8 +189,6 @@ def broadcast_bucket(
     ``device`` (default: CUDA for NCCL groups, else CPU). Two collectives: the metadata list
     (``broadcast_object_list``), then the byte buffer.
     """
-    import torch.distributed as dist
-
     rank = dist.get_rank()
     if rank == src and flat is None:
         raise ValueError("the source rank must pass the FlatBucket to broadcast")

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -55,14 +56,8 @@ DEFAULT_GROUP_NAME = "hyflow_weight_sync"
 
 
 def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # outside Ray: loopback
-        pass
-    return "127.0.0.1"
+    """This node's IP as Ray sees it, or loopback outside Ray."""
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def host_store(
@@ -171,15 +166,6 @@ class WeightSyncGroup:
             data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.broadcast_tensor(data, src)
         return obj if self.rank == src else pickle.loads(data.cpu().numpy().tobytes())
-
-    def broadcast_bucket(self, flat: FlatBucket | None, src: int = 0) -> FlatBucket:
-        """One flattened bucket from ``src`` to every member (header, then the byte buffer)."""
-        if self.rank == src and flat is None:
-            raise ValueError(f"{self.label}: the source must pass the bucket to broadcast")
-        header = self.broadcast_object((flat.metas, flat.nbytes) if self.rank == src else None, src)
-        if header is None:
-            raise RuntimeError(f"{self.label}: expected a bucket header, got the end-of-stream marker")
-        return self._bucket_body(flat, header, src)
 
     def _bucket_body(self, flat: FlatBucket | None, header, src: int) -> FlatBucket:
         metas, nbytes = header
