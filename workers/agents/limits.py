@@ -1,5 +1,5 @@
-"""What bounds an agent run: a shared ``Budget`` (sub-calls, generated tokens, wall clock) and
-``gather_bounded`` (at most ``limit`` coroutines in flight at once, results in order)."""
+"""What bounds an agent run: a shared ``Budget`` (sub-calls, generated tokens, wall clock), ``BudgetSpent`` (a
+limit ended a trajectory) and ``gather_bounded`` (at most ``limit`` coroutines in flight at once, results in order)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Budget", "BudgetLimits", "gather_bounded"]
+__all__ = ["Budget", "BudgetLimits", "BudgetSpent", "gather_bounded"]
 
 T = TypeVar("T")
 J = TypeVar("J")
+
+
+class BudgetSpent(Exception):
+    """A limit forbids the trajectory's next turn: it ends with status "budget" and this message."""
 
 
 async def gather_bounded(run_one: Callable[[J], Awaitable[T]], jobs: Iterable[J], limit: int) -> list[T]:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from workers.agents.chat_format import ChatFormat
+from workers.agents.limits import BudgetSpent
 from workers.agents.trajectory import TrajectoryTurn
 from workers.rollout.sampling import GenerationOutput, SamplingParams
 
@@ -38,7 +39,7 @@ GenerateFn = Callable[[list[int], SamplingParams], Awaitable[GenerationOutput | 
 or any function with that contract (a scripted policy in tests)."""
 
 
-class ContextFull(Exception):
+class ContextFull(BudgetSpent):
     """The next request would not fit under the trajectory's (or the engine's) token limit."""
 
 

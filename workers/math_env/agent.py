@@ -9,8 +9,9 @@
         malformed   -> a format-correction observation (the trajectory goes on)
         sequence   += end of turn + user observation + generation prompt          (mask 0)
 
-The conversation and token bookkeeping come from ``workers.agents.llm`` (``EngineLLM``: the model's tokens
-are never re-tokenised), and the records are ``workers.agents.trajectory.Trajectory`` so
+The loop itself is ``workers.agents.turns.run_turns`` (this module supplies the episode: parsing, the tool,
+observations); the conversation and token bookkeeping come from ``workers.agents.llm`` (``EngineLLM``: the
+model's tokens are never re-tokenised), and the records are ``workers.agents.trajectory.Trajectory`` so
 ``workers.agents.batch.trajectories_to_dataproto`` makes the training batch.
 ``trajectory.metadata["steps"]`` holds one record per turn -- ``kind`` (tool / answer / malformed),
 ``action`` (the turn's text), ``observation`` (what the environment answered; "" after the answer) -- the
@@ -19,12 +20,11 @@ PRM judges these. ``final_answer`` is ``\\boxed{<answer>}``, so rule scorers tha
 
 from __future__ import annotations
 
-import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 
-from workers.agents.llm import ContextFull, EngineLLM
-from workers.agents.trajectory import CodeResult, Trajectory
+from workers.agents.llm import EngineLLM, ModelResponse
+from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
+from workers.agents.turns import Episode, Step, run_turns
 from workers.math_env.protocol import (
     TOOL_CLOSE,
     TOOL_OPEN,
@@ -65,13 +65,12 @@ class ToolAgentConfig:
 
 
 @dataclass
-class _Stats:
+class _Stats:  # traj.metadata["tool"]
     tool_calls: int = 0
     tool_errors: int = 0
     timeouts: int = 0
     malformed: int = 0
     empty_output: int = 0
-    timings: dict = field(default_factory=lambda: {"gen_s": 0.0, "exec_s": 0.0})
 
 
 class MathToolAgent:
@@ -106,84 +105,72 @@ class MathToolAgent:
         self, problem: str, *, uid: str = "", traj_id: str = "t0", seed: int | None = None, metadata=None
     ) -> Trajectory:
         """One trajectory to its end; never raises for anything the model or its code does."""
-        c = self.config
         traj = Trajectory(id=traj_id, query=str(problem), root_uid=str(uid or traj_id))
         traj.metadata.update(dict(metadata or {}))
-        steps: list[dict] = []
-        traj.metadata["steps"] = steps
-        stats = _Stats()
-        repl = None
-        t0 = time.perf_counter()
-        try:
-            conv = self.policy.conversation(self.messages(problem), c.max_sequence_tokens)
-            for k in range(c.max_turns):
-                tg = time.perf_counter()
-                try:
-                    resp = await conv.respond(self._params(None if seed is None else seed + 7919 * k))
-                except ContextFull as exc:
-                    traj.status, traj.error = "budget", str(exc)
-                    break
-                stats.timings["gen_s"] += time.perf_counter() - tg
-                turn = resp.turn(k)
-                traj.turns.append(turn)
-                action = parse_action(resp.text)
-                step = {"kind": action.kind, "action": resp.text, "observation": ""}
-                steps.append(step)
-                if action.kind == "answer":
-                    traj.final_answer, traj.status = f"\\boxed{{{action.answer}}}", "finished"
-                    break
-                if action.kind == "tool":
-                    te = time.perf_counter()
-                    if repl is None:
-                        repl = await self.sandbox.acreate()
-                    res = await repl.aexecute(
-                        action.code, timeout_s=c.exec_timeout_s or self.sandbox.config.timeout_s
-                    )
-                    if res.killed and not res.restarted:
-                        raise RuntimeError(res.error or "the REPL died and could not be restarted")
-                    stats.tool_calls += 1
-                    stats.tool_errors += bool(res.error) and not res.timed_out
-                    stats.timeouts += bool(res.timed_out)
-                    stats.empty_output += not (res.stdout.strip() or res.stderr.strip() or res.error)
-                    obs = format_tool_observation(
-                        res.stdout,
-                        res.stderr,
-                        res.error,
-                        res.timed_out,
-                        c.max_observation_chars,
-                        action.problem,
-                    )
-                    turn.code_results = [CodeResult.of_execution(action.code, res)]
-                    stats.timings["exec_s"] += time.perf_counter() - te
-                else:
-                    stats.malformed += 1
-                    obs = format_correction(action)
-                step["observation"] = obs
-                if k == c.max_turns - 1:
-                    traj.status = "max_iterations"
-                    break
-                if k == c.max_turns - 2:
-                    obs += "\nNext turn is the last: give the answer as \\boxed{N}."
-                if not conv.add_user(obs):
-                    traj.status, traj.error = "budget", "the next observation does not fit the token limit"
-                    break
-        except Exception as exc:  # a sandbox or engine failure ends this trajectory, not the batch
-            traj.status = "error"
-            traj.error = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        finally:
-            if traj.status == "running":
-                traj.status, traj.error = "error", traj.error or "the loop ended without a status"
-            if repl is not None:
-                try:
-                    await repl.aclose()
-                except Exception:  # closing a dead REPL must not hide the result
-                    pass
-        traj.timings.update(stats.timings, total_s=time.perf_counter() - t0)
-        traj.metadata["tool"] = {
-            "tool_calls": stats.tool_calls,
-            "tool_errors": stats.tool_errors,
-            "timeouts": stats.timeouts,
-            "malformed": stats.malformed,
-            "empty_output": stats.empty_output,
-        }
+        episode = _ToolEpisode(self, problem, seed)
+        traj.metadata["steps"] = episode.steps
+        await run_turns(traj, episode)
+        traj.metadata["tool"] = asdict(episode.stats)
         return traj
+
+
+class _ToolEpisode(Episode):
+    """One tool-use trajectory's environment: turns parsed as tool call / answer / malformed, the trajectory's
+    REPL created on its first tool call, one ``steps`` record per turn."""
+
+    no_room = "the next observation does not fit the token limit"
+
+    def __init__(self, agent: MathToolAgent, problem: str, seed: int | None):
+        self.agent, self.seed = agent, seed
+        self.problem = problem
+        self.max_turns = agent.config.max_turns
+        self.steps: list[dict] = []
+        self.stats = _Stats()
+        self.repl = None
+
+    async def start(self) -> None:
+        agent = self.agent
+        self.conv = agent.policy.conversation(agent.messages(self.problem), agent.config.max_sequence_tokens)
+
+    async def respond(self, k: int) -> ModelResponse:
+        return await self.conv.respond(
+            self.agent._params(None if self.seed is None else self.seed + 7919 * k)
+        )
+
+    async def step(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> Step:
+        c, sandbox, stats = self.agent.config, self.agent.sandbox, self.stats
+        action = parse_action(response.text)
+        record = {"kind": action.kind, "action": response.text, "observation": ""}
+        self.steps.append(record)
+        if action.kind == "answer":
+            return Step(answer=f"\\boxed{{{action.answer}}}")
+        if action.kind == "tool":
+            if self.repl is None:
+                self.repl = await sandbox.acreate()
+            res = await self.repl.aexecute(
+                action.code, timeout_s=c.exec_timeout_s or sandbox.config.timeout_s
+            )
+            if res.killed and not res.restarted:
+                raise RuntimeError(res.error or "the REPL died and could not be restarted")
+            stats.tool_calls += 1
+            stats.tool_errors += bool(res.error) and not res.timed_out
+            stats.timeouts += bool(res.timed_out)
+            stats.empty_output += not (res.stdout.strip() or res.stderr.strip() or res.error)
+            observation = format_tool_observation(
+                res.stdout, res.stderr, res.error, res.timed_out, c.max_observation_chars, action.problem
+            )
+            turn.code_results = [CodeResult.of_execution(action.code, res)]
+        else:
+            stats.malformed += 1
+            observation = format_correction(action)
+        record["observation"] = observation
+        if k == self.max_turns - 2:
+            observation += "\nNext turn is the last: give the answer as \\boxed{N}."
+        return Step(observation=observation)
+
+    async def close(self) -> None:
+        if self.repl is not None:
+            try:
+                await self.repl.aclose()
+            except Exception:  # closing a dead REPL must not hide the result
+                pass

@@ -1,7 +1,8 @@
 """The RLM agent loop: multi-turn generation, sandboxed code, recursive sub-calls, token-exact records.
 
-The conversation (``workers.agents.llm``), the records (``workers.agents.trajectory``) and the budget
-(``workers.agents.limits``) are the agent layer's; this module holds what is RLM's own.
+The turn loop (``workers.agents.turns.run_turns``), the conversation (``workers.agents.llm``), the records
+(``workers.agents.trajectory``) and the budget (``workers.agents.limits``) are the agent layer's; this module
+holds what is RLM's own (the episode: REPL, parsing, FINAL, observations; sub-calls and children).
 
 One :class:`RLMAgent` drives any number of concurrent trajectories on one asyncio loop (their turns and
 sub-calls batch together in the engine). A root trajectory runs like this::
@@ -48,15 +49,15 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import traceback
 import uuid
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from workers.agents.limits import Budget, BudgetLimits
-from workers.agents.llm import ContextFull
+from workers.agents.limits import Budget, BudgetLimits, BudgetSpent
+from workers.agents.llm import ModelResponse
 from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
+from workers.agents.turns import EnvFailure, Episode, Step, run_turns
 from workers.rlm.prompts import ContextInfo, PromptConfig, build_messages, describe_context
 from workers.rlm.protocol import DEFAULT_LANGUAGES, format_observation, parse_turn, truncate
 from workers.rollout.sampling import SamplingParams
@@ -131,10 +132,6 @@ class _Run:
 @dataclass
 class _State:
     turn: TrajectoryTurn | None = None
-
-
-class _SandboxFailed(Exception):
-    pass
 
 
 @dataclass
@@ -251,103 +248,11 @@ class RLMAgent:
         return await asyncio.wait_for(aw, max(rem, 0.0))
 
     async def _run_trajectory(self, run: _Run, traj: Trajectory, context, context_info=None) -> None:
-        cfg = self.config
-        t0 = time.perf_counter()
-        timings = {"gen_s": 0.0, "exec_s": 0.0}
         info = context_info if context_info is not None else describe_context(context)
         info = info if isinstance(info, ContextInfo) else ContextInfo.from_dict(info)
         traj.context_info = info.to_dict()
-        traj.timings["start_s"] = t0 - run.t0
-        state = _State()
-        repl = None
-        try:
-
-            async def handler(kind: str, payload: dict) -> str:
-                return await self._subcall(run, traj, state, kind, payload)
-
-            try:
-                repl = await self.sandbox.acreate(context=context, handler=handler)
-            except Exception as exc:  # the sandbox cannot give this trajectory a REPL
-                raise _SandboxFailed(f"could not create a REPL: {type(exc).__name__}: {exc}") from None
-            max_it = cfg.iterations(traj.depth)
-            messages = build_messages(
-                traj.query,
-                context_info=info,
-                depth=traj.depth,
-                max_depth=cfg.max_depth,
-                config=replace(cfg.prompt, max_output_chars=cfg.max_observation_chars),
-                max_iterations=max_it,
-            )
-            conv = self.policy.conversation(messages, cfg.max_sequence_tokens)
-            for it in range(max_it):
-                reason = run.budget.exhausted()
-                if reason:
-                    traj.status, traj.error = "budget", reason
-                    break
-                tg = time.perf_counter()
-                try:
-                    resp = await self._bounded(run, conv.respond(self._sampling(run)))
-                except TimeoutError:
-                    traj.status, traj.error = "budget", run.budget.exhausted() or "wall-clock budget spent"
-                    break
-                except ContextFull as exc:
-                    traj.status, traj.error = "budget", str(exc)
-                    break
-                gen_s = time.perf_counter() - tg
-                timings["gen_s"] += gen_s
-                run.budget.tokens += resp.num_tokens
-                turn = resp.turn(it)
-                turn.timings = {"start_s": tg - run.t0, "gen_s": gen_s}
-                if resp.finish_reason == "length":
-                    turn.timings["truncated"] = 1.0
-                traj.turns.append(turn)
-                state.turn = turn
-                parsed = parse_turn(resp.text, cfg.languages)
-                turn.final = parsed.final
-                te = time.perf_counter()
-                results, answer = await self._execute(run, repl, parsed)
-                turn.code_results = results
-                exec_s = time.perf_counter() - te
-                turn.timings["exec_s"] = exec_s
-                timings["exec_s"] += exec_s
-                if answer is not None:
-                    traj.final_answer, traj.status = answer, "finished"
-                    break
-                if it == max_it - 1:
-                    traj.status = "max_iterations"
-                    break
-                obs = format_observation(
-                    results,
-                    cfg.max_observation_chars,
-                    iteration=it + 1,
-                    max_iterations=max_it,
-                    budget=run.budget.left() or None,
-                    turn=parsed,
-                    show_variables=cfg.show_variables,
-                )
-                if not conv.add_user(obs):
-                    traj.status = "budget"
-                    traj.error = "the next observation does not fit under the trajectory's token limit"
-                    break
-        except _SandboxFailed as exc:
-            traj.status, traj.error = "error", f"sandbox: {exc}"
-        except asyncio.CancelledError:
-            traj.status, traj.error = "error", "cancelled"
-            raise
-        except Exception as exc:  # a bug or an engine failure: this trajectory fails, not the run
-            tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            traj.status, traj.error = "error", tb
-        finally:
-            if traj.status == "running":
-                traj.status = "error"
-                traj.error = traj.error or "the agent loop ended without a status"
-            if repl is not None:
-                try:
-                    await repl.aclose()
-                except Exception:  # closing a dead REPL must not hide the trajectory's result
-                    pass
-            timings["total_s"] = time.perf_counter() - t0
-            traj.timings.update(timings)
+        traj.timings["start_s"] = time.perf_counter() - run.t0
+        await run_turns(traj, _RLMEpisode(self, run, traj, context, info), origin=run.t0)
 
     async def _execute(self, run: _Run, repl, parsed) -> tuple[list[CodeResult], str | None]:
         """Run the turn's blocks in order, then apply an outside FINAL/FINAL_VAR line."""
@@ -364,7 +269,7 @@ class RLMAgent:
                 timeout = min(timeout, rem)
             res = await repl.aexecute(code, timeout_s=timeout)
             if res.killed and not res.restarted:
-                raise _SandboxFailed(res.error or "the REPL died and could not be restarted")
+                raise EnvFailure("sandbox: " + (res.error or "the REPL died and could not be restarted"))
             return CodeResult.of_execution(code, res)
 
         for code in parsed.code_blocks:
@@ -450,3 +355,72 @@ class RLMAgent:
             return child.final_answer
         why = child.status + (f": {child.error}" if child.error else "")
         return f"Error: the helper agent ended without a final answer ({why})"
+
+
+class _RLMEpisode(Episode):
+    """One RLM trajectory's environment: its REPL (holding the context, answering sub-calls), turns parsed
+    with the RLM protocol, code run in order, FINAL answers, observations with the budget left."""
+
+    def __init__(self, agent: RLMAgent, run: _Run, traj: Trajectory, context, info: ContextInfo):
+        self.agent, self.run, self.traj, self.context, self.info = agent, run, traj, context, info
+        self.max_turns = agent.config.iterations(traj.depth)
+        self.state = _State()
+        self.repl = None
+
+    async def start(self) -> None:
+        agent, cfg, traj = self.agent, self.agent.config, self.traj
+
+        async def handler(kind: str, payload: dict) -> str:
+            return await agent._subcall(self.run, traj, self.state, kind, payload)
+
+        try:
+            self.repl = await agent.sandbox.acreate(context=self.context, handler=handler)
+        except Exception as exc:  # the sandbox cannot give this trajectory a REPL
+            raise EnvFailure(f"sandbox: could not create a REPL: {type(exc).__name__}: {exc}") from None
+        messages = build_messages(
+            traj.query,
+            context_info=self.info,
+            depth=traj.depth,
+            max_depth=cfg.max_depth,
+            config=replace(cfg.prompt, max_output_chars=cfg.max_observation_chars),
+            max_iterations=self.max_turns,
+        )
+        self.conv = agent.policy.conversation(messages, cfg.max_sequence_tokens)
+
+    async def respond(self, k: int) -> ModelResponse:
+        budget = self.run.budget
+        reason = budget.exhausted()
+        if reason:
+            raise BudgetSpent(reason)
+        try:
+            resp = await self.agent._bounded(self.run, self.conv.respond(self.agent._sampling(self.run)))
+        except TimeoutError:
+            raise BudgetSpent(budget.exhausted() or "wall-clock budget spent") from None
+        budget.tokens += resp.num_tokens
+        return resp
+
+    async def step(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> Step:
+        cfg = self.agent.config
+        self.state.turn = turn
+        parsed = parse_turn(response.text, cfg.languages)
+        turn.final = parsed.final
+        turn.code_results, answer = await self.agent._execute(self.run, self.repl, parsed)
+        if answer is not None:
+            return Step(answer=answer)
+        observation = format_observation(
+            turn.code_results,
+            cfg.max_observation_chars,
+            iteration=k + 1,
+            max_iterations=self.max_turns,
+            budget=self.run.budget.left() or None,
+            turn=parsed,
+            show_variables=cfg.show_variables,
+        )
+        return Step(observation=observation)
+
+    async def close(self) -> None:
+        if self.repl is not None:
+            try:
+                await self.repl.aclose()
+            except Exception:  # closing a dead REPL must not hide the trajectory's result
+                pass

@@ -1,9 +1,9 @@
 """A complete agent environment in one file: count the words of a text, with a ``<count>`` tool.
 
 A model turn is a tool call ``<count>some text</count>`` (the observation is how many words that text has) or an
-answer ``ANSWER: N`` (the trajectory ends). Everything else -- rows to jobs, the policy over the rollout engine,
-concurrency, token-exact records, the training batch, both placements, the reference replay -- comes from the
-agent layer. Use it like any environment::
+answer ``ANSWER: N`` (the trajectory ends). Everything else -- the turn loop, rows to jobs, the policy over the
+rollout engine, concurrency, token-exact records, the training batch, both placements, the reference replay --
+comes from the agent layer. Use it like any environment::
 
     env = WordCountEnvConfig()                      # env.loop names WordCountLoop by module path
     EnvWorker(model, rollout, env)                  # the rollout role on its own pool, or in a recipe:
@@ -17,12 +17,13 @@ import re
 from dataclasses import dataclass, field
 
 from dataproto import DataProto
-from workers.agents.llm import ContextFull
+from workers.agents.llm import EngineLLM, ModelResponse
 from workers.agents.loop import AgentEnvConfig, AgentJob, AgentLoop
-from workers.agents.trajectory import Trajectory
+from workers.agents.trajectory import Trajectory, TrajectoryTurn
+from workers.agents.turns import Episode, Step, run_turns
 from workers.rollout.sampling import SamplingParams
 
-__all__ = ["WordCountAgentConfig", "WordCountEnvConfig", "WordCountLoop"]
+__all__ = ["WordCountAgentConfig", "WordCountEnvConfig", "WordCountEpisode", "WordCountLoop"]
 
 SYSTEM_PROMPT = (
     "Count the words of the text you are given. <count>text</count> counts them; answer ANSWER: N."
@@ -47,43 +48,45 @@ class WordCountEnvConfig(AgentEnvConfig):
     agent: WordCountAgentConfig = field(default_factory=WordCountAgentConfig)
 
 
+class WordCountEpisode(Episode):
+    """The environment side of one trajectory: the model's turns, and what the tool answers to each."""
+
+    def __init__(self, policy: EngineLLM, job: AgentJob, config: WordCountAgentConfig):
+        self.job, self.config, self.max_turns, self.calls = job, config, config.max_turns, 0
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job.query}]
+        self.conv = policy.conversation(messages, config.max_sequence_tokens)
+
+    async def respond(self, k: int) -> ModelResponse:
+        c, seed = self.config, self.job.seed
+        params = SamplingParams(
+            max_new_tokens=c.max_new_tokens,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k,
+            seed=None if seed is None else seed + 7919 * k,
+            logprobs=True,  # the engine's log-probs become the trajectory's rollout log-probs
+        )
+        return await self.conv.respond(params)
+
+    async def step(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> Step:
+        answer = _ANSWER.search(response.text)
+        if answer:
+            return Step(answer=answer.group(1))
+        call = _CALL.search(response.text)
+        if call is None:
+            return Step(observation="Use <count>text</count> or ANSWER: N.")
+        self.calls += 1
+        return Step(observation=f"{len(call.group(1).split())} words")
+
+
 class WordCountLoop(AgentLoop):
+    """One trajectory per job: the shared turn loop (``run_turns``) with this file's episode."""
+
     async def run(self, job: AgentJob, config: WordCountAgentConfig) -> list[Trajectory]:
         traj = Trajectory(id=job.traj_id, query=job.query, root_uid=job.uid)
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job.query}]
-        conv = self.ctx.policy.conversation(messages, config.max_sequence_tokens)
-        calls = 0
-        for k in range(config.max_turns):
-            params = SamplingParams(
-                max_new_tokens=config.max_new_tokens,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                top_k=config.top_k,
-                seed=None if job.seed is None else job.seed + 7919 * k,
-                logprobs=True,
-            )
-            try:
-                resp = await conv.respond(params)
-            except ContextFull as exc:
-                traj.status, traj.error = "budget", str(exc)
-                break
-            traj.turns.append(resp.turn(k))
-            answer = _ANSWER.search(resp.text)
-            if answer:
-                traj.final_answer, traj.status = answer.group(1), "finished"
-                break
-            call = _CALL.search(resp.text)
-            calls += call is not None
-            observation = (
-                f"{len(call.group(1).split())} words" if call else "Use <count>text</count> or ANSWER: N."
-            )
-            if k == config.max_turns - 1:
-                traj.status = "max_iterations"
-                break
-            if not conv.add_user(observation):
-                traj.status, traj.error = "budget", "the next observation does not fit the token limit"
-                break
-        traj.metadata["count_calls"] = calls
+        episode = WordCountEpisode(self.ctx.policy, job, config)
+        await run_turns(traj, episode)
+        traj.metadata["count_calls"] = episode.calls
         return [traj]
 
     def metrics(self, runs: list[list[Trajectory]], elapsed_s: float, batch: DataProto) -> dict[str, float]:

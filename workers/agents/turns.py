@@ -1,0 +1,116 @@
+"""The turn loop every agent environment runs: the model answers, the environment acts, the observation goes back.
+
+``await run_turns(traj, episode)`` drives one trajectory to its end::
+
+    episode.start()                               (e.g. create the trajectory's REPL)
+    for turn k < episode.max_turns:
+        response = episode.respond(k)             the model's turn (raise BudgetSpent when a limit forbids it)
+        record it as traj.turns[k]                (the engine's exact tokens; start_s / gen_s / exec_s timings)
+        step = episode.step(k, response, turn)    the environment acts: an answer ends the trajectory
+        episode.conv.add_user(step.observation)   no room left under the token limit -> "budget"
+    episode.close()                               always, even after an error
+
+and sets ``traj.status``: ``finished`` (an answer), ``max_iterations`` (the last turn gave none), ``budget`` (a
+``BudgetSpent`` -- ``ContextFull`` is one -- or no room for the observation), ``error`` (``EnvFailure``: the
+environment cannot go on, e.g. no REPL; or any other exception: a bug or an engine failure ends this trajectory,
+never the batch). ``traj.timings`` gains ``gen_s``, ``exec_s`` (time in ``step``) and ``total_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from workers.agents.limits import BudgetSpent
+from workers.agents.llm import ModelResponse
+from workers.agents.trajectory import Trajectory, TrajectoryTurn
+
+__all__ = ["EnvFailure", "Episode", "Step", "run_turns"]
+
+
+class EnvFailure(Exception):
+    """The environment cannot go on for this trajectory: it ends with status "error" and this message."""
+
+
+@dataclass
+class Step:
+    """What the environment made of a turn: an ``answer`` ends the trajectory, else ``observation`` follows."""
+
+    observation: str = ""
+    answer: str | None = None
+
+
+class Episode:
+    """One trajectory's environment side; ``run_turns`` calls it. ``conv`` (the model's conversation,
+    ``EngineLLM.conversation(...)``) must be set by ``start`` at the latest."""
+
+    max_turns: int = 1
+    conv: Any = None
+    no_room = "the next observation does not fit under the trajectory's token limit"
+
+    async def start(self) -> None:
+        """Before the first turn; an exception here ends the trajectory with "error"."""
+
+    async def respond(self, k: int) -> ModelResponse:
+        """The model's turn ``k`` (typically ``await self.conv.respond(sampling)``)."""
+        raise NotImplementedError
+
+    async def step(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> Step:
+        """Act on the model's turn (``turn`` is its record: add what the environment ran to it)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """After the last turn, also after an error (e.g. close the REPL); must not raise."""
+
+
+async def run_turns(traj: Trajectory, episode: Episode, origin: float | None = None) -> None:
+    """Run ``episode`` on ``traj`` to its end (module docstring); never raises but for cancellation.
+    ``origin``: the ``perf_counter`` time that turns' ``start_s`` count from (default: now)."""
+    t0 = time.perf_counter()
+    origin = t0 if origin is None else origin
+    timings = {"gen_s": 0.0, "exec_s": 0.0}
+    try:
+        await episode.start()
+        for k in range(episode.max_turns):
+            tg = time.perf_counter()
+            try:
+                response = await episode.respond(k)
+            except BudgetSpent as exc:
+                traj.status, traj.error = "budget", str(exc)
+                break
+            gen_s = time.perf_counter() - tg
+            timings["gen_s"] += gen_s
+            turn = response.turn(k)
+            turn.timings = {"start_s": tg - origin, "gen_s": gen_s}
+            if response.finish_reason == "length":
+                turn.timings["truncated"] = 1.0
+            traj.turns.append(turn)
+            te = time.perf_counter()
+            step = await episode.step(k, response, turn)
+            turn.timings["exec_s"] = exec_s = time.perf_counter() - te
+            timings["exec_s"] += exec_s
+            if step.answer is not None:
+                traj.final_answer, traj.status = step.answer, "finished"
+                break
+            if k == episode.max_turns - 1:
+                traj.status = "max_iterations"
+                break
+            if not episode.conv.add_user(step.observation):
+                traj.status, traj.error = "budget", episode.no_room
+                break
+    except EnvFailure as exc:
+        traj.status, traj.error = "error", str(exc)
+    except asyncio.CancelledError:
+        traj.status, traj.error = "error", "cancelled"
+        raise
+    except Exception as exc:  # a bug or an engine failure: this trajectory fails, not the run
+        traj.status, traj.error = "error", traceback.format_exception_only(type(exc), exc)[-1].strip()
+    finally:
+        if traj.status == "running":
+            traj.status, traj.error = "error", traj.error or "the agent loop ended without a status"
+        await episode.close()
+        timings["total_s"] = time.perf_counter() - t0
+        traj.timings.update(timings)
