@@ -4,7 +4,8 @@
 * ``batch``: trajectories -> the training ``DataProto`` (token-exact loss masks, children as rows);
 * ``chat_format`` / ``llm``: the chat template in segments, the engine-backed token-exact LLM and the
   message-level chat LLM; ``http_chat``: one POST to an OpenAI-compatible endpoint;
-* ``limits``: the shared run ``Budget`` and bounded concurrency (``gather_bounded``);
+* ``turns``: the one turn loop (``run_turns``) an environment's ``Episode`` plugs into;
+* ``limits``: the shared run ``Budget``, ``BudgetSpent`` and bounded concurrency (``gather_bounded``);
 * ``scripted``: a scripted policy (tests, demos, the reference replay);
 * ``loop``: the plugin API (``AgentLoop``, ``AgentEnvConfig``, ``env.loop`` names a plugin);
 * ``env_worker``: ``EnvWorker`` / ``ActorRolloutEnvWorker``, whose ``generate_sequences`` runs the env's loop;
