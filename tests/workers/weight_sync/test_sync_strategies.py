@@ -1,0 +1,47 @@
+"""`WeightSync` picks its strategy from the placement and refuses the inconsistent ones (no Ray needed: the
+groups are stand-ins; the syncs themselves run in tests/recipes/test_weight_sync_roles.py and
+tests/workers/roles/)."""
+
+import pytest
+
+from workers.weight_sync import WeightSync
+
+
+class Group:
+    """Stands in for a RayWorkerGroup whose in-process sync returns rank 0's metrics."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sync_weights(self):
+        self.calls.append("sync_weights")
+        return {"perf/weight_sync_bytes": 12, "timing_s/update_weights": 0.0}
+
+
+def test_strategy_follows_the_placement():
+    hybrid, trainer, rollout = Group(), Group(), Group()
+    assert WeightSync.for_groups(hybrid, hybrid).strategy == "colocated"
+    assert WeightSync.for_groups(hybrid, hybrid, rollout_tp=2).strategy == "resharded"
+    assert WeightSync.for_groups(trainer, rollout, rollout_tp=2).strategy == "disaggregated"
+
+
+def test_inconsistent_strategies_are_refused():
+    a, b = Group(), Group()
+    with pytest.raises(ValueError, match="'disaggregated' needs a separate rollout group"):
+        WeightSync(a, a, "disaggregated")
+    with pytest.raises(ValueError, match="'colocated' needs the actor group as its rollout group"):
+        WeightSync(a, b, "colocated")
+    with pytest.raises(ValueError, match="must be one of"):
+        WeightSync(a, a, "nccl")
+    with pytest.raises(ValueError, match="bucket_bytes applies to the disaggregated"):
+        WeightSync(a, a, "colocated").sync(bucket_bytes=1024)
+    assert a.calls == []
+
+
+def test_colocated_sync_reports_bytes_and_controller_time():
+    group = Group()
+    sync = WeightSync(group, group, "colocated")
+    m = sync.sync()
+    assert group.calls == ["sync_weights"]
+    assert m["perf/weight_sync_bytes"] == 12.0 and m["timing_s/update_weights"] > 0
+    assert sync.syncs == 1 and sync.last == m and sync.link is None
