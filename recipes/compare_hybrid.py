@@ -19,7 +19,6 @@ from pathlib import Path
 
 from recipes import hybrid_rl
 from recipes.config import load_config
-from recipes.hybrid_config import register_schema
 from recipes.trainer import cli, replayed, start_run, warm_start
 from workers.agents.replay import reference_batch
 
@@ -28,7 +27,10 @@ RUNS = {"hybrid": "hybrid_rl.yaml", "grpo": "hybrid_rl_grpo.yaml"}
 
 def warm_model(out: Path, overrides: list[str]) -> str:
     cfg = load_config(hybrid_rl.RECIPE, [*overrides, f"trainer.default_local_dir={out / 'warm'}"])
-    return warm_start(cfg, start_run(cfg, hybrid_rl.RECIPE), replayed(reference_batch, "demonstrations"))
+    run = start_run(cfg, hybrid_rl.RECIPE)
+    if not cfg.sft.enable:
+        return run.model_path
+    return warm_start(cfg, run, replayed(cfg, run, reference_batch, "demonstrations"))
 
 
 def plot_pass_at_k(histories: dict[str, list[tuple[int, dict]]], ks: list[int], path: Path) -> str:
@@ -64,7 +66,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/compare_hybrid", help="output directory")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="applied to both runs")
     args = parser.parse_args(argv)
-    register_schema()
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@ computed here on the controller. Pools, data, metrics, tracking and checkpoints 
 
 from __future__ import annotations
 
-from recipes.config import RecipeConfig
+from recipes.schemas import RecipeConfig
 from recipes.trainer import (
     Run,
     Session,

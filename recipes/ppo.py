@@ -12,7 +12,7 @@ on a WorkerGroup of Ray actors; advantages are computed here on the controller.
 
 from __future__ import annotations
 
-from recipes.config import RecipeConfig
+from recipes.schemas import RecipeConfig
 from recipes.trainer import (
     Run,
     Session,

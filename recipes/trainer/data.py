@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import torch
 
 from dataproto import DataProto
-from recipes.config import ConfigError, RecipeConfig
+from recipes.config import ConfigError
 from recipes.data import PromptDataLoader, PromptDataset, SFTDataset, to_dataproto
 from recipes.data.loader import ResumableLoader
 from recipes.data.prompts import UnknownDataSourceError
+from recipes.schemas import RecipeConfig
 
 
 def scored_data_sources(cfg: RecipeConfig) -> set[str] | None:

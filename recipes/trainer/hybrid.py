@@ -23,7 +23,7 @@ from algorithms import run_adv_estimator
 from algorithms.hybrid import hybrid_advantage_terms
 from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
-from recipes.hybrid_config import HybridConfig
+from recipes.schemas import HybridConfig
 from recipes.trainer.roles import Roles
 from workers.agents.env_worker import ActorRolloutEnvWorker, EnvWorker, env_role_classes
 from workers.math_env.env_loop import MathToolEnvConfig

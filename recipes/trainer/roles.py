@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from dataproto import DataProto
-from recipes.config import RecipeConfig, device_counts, needs_reference
+from recipes.schemas import RecipeConfig
+from recipes.sections import device_counts, needs_reference
 from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
 from resource_pools import InsufficientResourcesError, ResourcePoolManager, alive_nodes, placement_plan

@@ -28,7 +28,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.config import ConfigError, RecipeConfig, device_counts, load_config, save_config
+from recipes.config import ConfigError, load_config, save_config
+from recipes.schemas import RecipeConfig
+from recipes.sections import device_counts
 from workers.engine.checkpoint import CheckpointError
 
 logger = logging.getLogger("recipes")

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from algorithms import apply_kl_penalty, run_adv_estimator
 from dataproto import DataProto
-from recipes.config import AlgorithmConfig, RecipeConfig
+from recipes.schemas import RecipeConfig
+from recipes.sections import AlgorithmConfig
 from recipes.trainer import checkpoint as ckpt
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import Roles

@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from recipes.config import RecipeConfig, as_dict
+from recipes.config import as_dict
+from recipes.schemas import RecipeConfig
 
 logger = logging.getLogger("recipes")
 

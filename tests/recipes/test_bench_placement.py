@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from recipes import bench_placement
-from recipes.config import ConfigError, device_counts, load_config
+from recipes.config import ConfigError, load_config
+from recipes.sections import device_counts
 
 SPLIT = ["trainer.placement=split_critic", "trainer.n_gpus_per_node=3", "trainer.critic_gpus_per_node=1"]
 

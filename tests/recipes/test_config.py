@@ -6,20 +6,10 @@ import importlib.util
 
 import pytest
 
-from recipes.config import (
-    AlgorithmConfig,
-    ConfigError,
-    GRPOConfig,
-    PPOConfig,
-    QuickstartConfig,
-    RecipeConfig,
-    check_actor,
-    data_parallel_sizes,
-    device_counts,
-    load_config,
-    parse_overrides,
-    save_config,
-)
+from recipes.config import ConfigError, load_config, parse_overrides, save_config
+from recipes.schemas import SCHEMAS, GRPOConfig, PPOConfig, QuickstartConfig, RecipeConfig
+from recipes.sections import AlgorithmConfig, check_actor, data_parallel_sizes, device_counts
+from recipes.trainer.run import parse_args, start_run
 from workers.config import ActorConfig, RolloutConfig
 from workers.engine.base import OptimConfig
 
@@ -221,8 +211,6 @@ def test_resolved_config_saved_and_reloaded(tmp_path):
 
 
 def test_start_run_saves_config_and_prepares_data(tmp_path):
-    from recipes.trainer.run import start_run
-
     run_dir = tmp_path / "run"
     cfg = load_config(
         "grpo",
@@ -245,8 +233,6 @@ def test_start_run_saves_config_and_prepares_data(tmp_path):
 
 
 def test_command_line_error_exits_with_the_message(capsys):
-    from recipes.trainer.run import parse_args
-
     with pytest.raises(SystemExit) as exc:
         parse_args("grpo", ["actor.nope=1"])
     assert exc.value.code == 2
@@ -254,9 +240,6 @@ def test_command_line_error_exits_with_the_message(capsys):
 
 
 def test_switching_task_on_the_command_line_drops_the_files_knobs():
-    from recipes.trainer.rlm import register_schema
-
-    register_schema()
     assert load_config("rlm").task.knobs["sloppy_frac"] == 0.8  # rlm.yaml's S-NIAH knobs
     assert load_config("rlm", ["task.name=oolong"]).task.knobs == {}
     assert load_config("rlm", ["task.name=oolong", "task.knobs.lengths=4000"]).task.knobs == {"lengths": 4000}
@@ -308,3 +291,20 @@ def test_batches_divide_among_megatron_replicas_not_devices():
         "actor.megatron.tensor_model_parallel_size * actor.megatron.pipeline_model_parallel_size = 2 * 1 = 2 "
         "must divide the 3 device(s) of the actor's worker group"
     ]
+
+
+def test_every_recipe_schema_is_known_without_registration():
+    assert sorted(SCHEMAS) == ["grpo", "hybrid_rl", "ppo", "quickstart", "rlm"]
+    for recipe, schema in SCHEMAS.items():
+        assert type(load_config(recipe)) is schema
+
+
+def test_recipe_rules_stop_the_command_line_before_ray(capsys):
+    for recipe, override, message in [
+        ("hybrid_rl", "hybrid.w_opd=-1", "hybrid.w_rl and hybrid.w_opd must be >= 0"),
+        ("hybrid_rl", "algorithm.adv_estimator=rloo", "must be hybrid (the method) or grpo (the baseline)"),
+        ("rlm", "algorithm.adv_estimator=gae", "recipes.rlm has no critic"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            parse_args(recipe, [override])
+        assert exc.value.code == 2 and message in capsys.readouterr().err

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from recipes import hybrid_rl
-from recipes.config import ConfigError, load_config
-from recipes.hybrid_config import check, register_schema
+from recipes.config import ConfigError, load_config, validate
 from workers.prm import parse_hint
 
 pytestmark = pytest.mark.e2e
@@ -153,9 +152,8 @@ def test_hybrid_recipe_http_prm_hints_drive_opd(ray_session, tmp_path, placement
 
 
 def test_config_checks_name_keys(tmp_path):
-    register_schema()
     ok = ["trainer.val_before_train=false"]
-    check(load_config("hybrid_rl", ok))
+    validate(load_config("hybrid_rl", ok))
     bad = {
         "prm.enable=false": "prm.enable",
         "hybrid.w_opd=-1": "hybrid.w_rl and hybrid.w_opd",
@@ -166,7 +164,7 @@ def test_config_checks_name_keys(tmp_path):
     }
     for override, key in bad.items():
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            check(load_config("hybrid_rl", [override]))
+            validate(load_config("hybrid_rl", [override]))
     with pytest.raises(ConfigError, match="prm"):
         load_config("hybrid_rl", ["prm.scorer=http"])  # no endpoint
     with pytest.raises(ConfigError, match="prm.voets"):
@@ -175,4 +173,4 @@ def test_config_checks_name_keys(tmp_path):
         "hybrid_rl", [], config_path=hybrid_rl.__file__.replace("hybrid_rl.py", "hybrid_rl_grpo.yaml")
     )
     assert base.algorithm.adv_estimator == "grpo" and not base.prm.enable
-    check(base)
+    validate(base)

@@ -1,0 +1,162 @@
+"""Each recipe's config schema, and ``SCHEMAS``: recipe name -> schema, what ``load_config(recipe)`` reads.
+
+* ``GRPOConfig`` (``grpo``) and ``PPOConfig`` (``ppo``): the shared sections (``RecipeConfig``); PPO trains a
+  critic (``adv_estimator=gae``), GRPO does not.
+* ``QuickstartConfig`` (``quickstart``): GRPO plus ``sft``, the supervised warm start.
+* ``RLMConfig`` (``rlm``): the quickstart's sections plus ``env`` (``workers.rlm.env_loop.RLMEnvConfig``:
+  agent limits, sandbox).
+* ``HybridConfig`` (``hybrid_rl``; the GRPO baseline is ``hybrid_rl_grpo.yaml``): the quickstart's sections plus
+  ``env`` (``workers.math_env.env_loop.MathToolEnvConfig``: turns, tokens per turn, observation size, the
+  Python tool's sandbox), ``prm`` (``workers.prm.worker.PRMConfig``: the judge -- ``reference`` /
+  ``checkpoint`` / ``http`` --, votes per step, hints, placement), ``hybrid`` (the advantage's weights
+  ``w_rl``, ``w_opd``, ``opd_clip``, whether the PRM term is used, how a hint is written into the teacher's
+  context) and ``eval`` (what validation measures -- when is ``trainer.val_before_train`` /
+  ``trainer.test_freq`` --: pass@k for every k in ``eval.pass_k`` from ``max(pass_k)`` samples per held-out
+  problem at ``eval.temperature``).
+
+Each section checks itself (``recipes.sections``); a schema adds the rules of its recipe across sections in
+``check_recipe``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from recipes.sections import (
+    AlgorithmConfig,
+    CustomRewardConfig,
+    DataConfig,
+    RecipeCriticConfig,
+    RecipeModelConfig,
+    SFTConfig,
+    TaskConfig,
+    TrainerConfig,
+)
+from workers.config import ActorConfig, RewardConfig, RolloutConfig
+from workers.math_env.env_loop import MathToolEnvConfig
+from workers.prm.worker import PRMConfig
+from workers.rlm.env_loop import RLMEnvConfig
+
+
+@dataclass
+class RecipeConfig:
+    """The sections every recipe has. A section with a ``check(errors, cfg)`` method (or an entry in
+    ``WORKER_SECTION_CHECKS`` for the workers' own dataclasses) checks itself in ``validate``; the recipe's
+    schema adds its rules in ``check_recipe``."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: RecipeModelConfig = field(default_factory=RecipeModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: RecipeCriticConfig = field(default_factory=RecipeCriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def check_recipe(self, errors: list[str]) -> None:
+        """Rules of one recipe across sections (subclasses); none for the base."""
+
+
+@dataclass
+class GRPOConfig(RecipeConfig):
+    """``recipes/grpo.py``: critic-free estimators."""
+
+    def check_recipe(self, errors: list[str]) -> None:
+        if self.algorithm.adv_estimator == "gae":
+            errors.append("algorithm.adv_estimator=gae needs a critic; use recipes.ppo")
+
+
+@dataclass
+class PPOConfig(RecipeConfig):
+    """``recipes/ppo.py``: actor and critic, GAE."""
+
+    def check_recipe(self, errors: list[str]) -> None:
+        if self.algorithm.adv_estimator != "gae":
+            errors.append(
+                "recipes.ppo trains a critic: algorithm.adv_estimator must be gae, got "
+                f"{self.algorithm.adv_estimator!r}"
+            )
+
+
+@dataclass
+class QuickstartConfig(GRPOConfig):
+    """``recipes/quickstart.py``: GRPO after a supervised warm start (``sft``)."""
+
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+
+@dataclass
+class RLMConfig(QuickstartConfig):
+    """``recipes/rlm.py``: GRPO on RLM trajectories after a warm start on replayed reference solutions."""
+
+    env: RLMEnvConfig = field(default_factory=RLMEnvConfig)
+
+    def check_recipe(self, errors: list[str]) -> None:
+        if self.algorithm.adv_estimator == "gae":
+            errors.append("recipes.rlm has no critic: algorithm.adv_estimator must not be gae")
+
+
+@dataclass
+class HybridWeightsConfig:
+    w_rl: float = 1.0  # weight of the RL term (GRPO outcome + PRM step advantage)
+    w_opd: float = 1.0  # weight of the on-policy distillation term (teacher - old log-prob)
+    opd_clip: float | None = 5.0  # bound on |log pi_teacher - log pi_old| per token (None: none)
+    use_prm_reward: bool = True  # add the normalised PRM step advantage to the RL term
+    hint_template: str = "Hint: {hint}\n"  # what goes between the prompt and the response for the teacher
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if self.w_rl < 0 or self.w_opd < 0:
+            errors.append(f"hybrid.w_rl and hybrid.w_opd must be >= 0, got {self.w_rl}, {self.w_opd}")
+        if self.opd_clip is not None and self.opd_clip <= 0:
+            errors.append(f"hybrid.opd_clip must be > 0 or null, got {self.opd_clip}")
+        if "{hint}" not in self.hint_template:
+            errors.append(f"hybrid.hint_template must contain {{hint}}, got {self.hint_template!r}")
+
+
+@dataclass
+class HybridEvalConfig:
+    pass_k: list[int] = field(default_factory=lambda: [1, 4])
+    temperature: float = 1.0  # sampling temperature of the validation samples
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if not self.pass_k or min(self.pass_k) < 1:
+            errors.append(f"eval.pass_k must be a non-empty list of k >= 1, got {self.pass_k}")
+        if max(self.pass_k or [1]) > 1 and self.temperature <= 0:
+            errors.append(f"eval.pass_k={self.pass_k} needs sampled validation: eval.temperature > 0")
+
+
+@dataclass
+class HybridConfig(QuickstartConfig):
+    """``recipes/hybrid_rl.py``: math-tool trajectories, PRM step rewards and hints, the hybrid advantage."""
+
+    env: MathToolEnvConfig = field(default_factory=MathToolEnvConfig)
+    prm: PRMConfig = field(default_factory=PRMConfig)
+    hybrid: HybridWeightsConfig = field(default_factory=HybridWeightsConfig)
+    eval: HybridEvalConfig = field(default_factory=HybridEvalConfig)
+
+    def check_recipe(self, errors: list[str]) -> None:
+        est = self.algorithm.adv_estimator
+        if est not in ("hybrid", "grpo"):
+            errors.append(
+                f"algorithm.adv_estimator must be hybrid (the method) or grpo (the baseline), got {est!r}"
+            )
+        if est == "hybrid" and not self.prm.enable:
+            errors.append(
+                "algorithm.adv_estimator=hybrid needs prm.enable=true (step scores and hints come from the PRM)"
+            )
+        if self.prm.max_steps < self.env.agent.max_turns:
+            errors.append(
+                f"prm.max_steps={self.prm.max_steps} < env.agent.max_turns={self.env.agent.max_turns}: later "
+                "steps would get no PRM score"
+            )
+
+
+SCHEMAS: dict[str, type[RecipeConfig]] = {
+    "grpo": GRPOConfig,
+    "ppo": PPOConfig,
+    "quickstart": QuickstartConfig,
+    "rlm": RLMConfig,
+    "hybrid_rl": HybridConfig,
+}

@@ -1,0 +1,568 @@
+"""The config sections every recipe shares, each with its checks.
+
+A section dataclass checks itself with ``check(errors, cfg)``: it appends one message per problem, naming the
+keys and numbers, and may read the other sections of ``cfg`` (batch sizes against the data-parallel sizes,
+placement against the estimator). The role sections reuse the workers' own dataclasses
+(``workers/config.py``); their checks are the functions in ``WORKER_SECTION_CHECKS``. ``recipes.config.validate``
+runs them all, then the recipe schema's ``check_recipe`` (``recipes.schemas``).
+
+Sections (verl names inside each): ``data``, ``task`` (generate a dataset with ``recipes.tasks``), ``model``,
+``actor``, ``rollout``, ``critic`` (PPO), ``reward``, ``custom_reward_function``, ``algorithm``
+(``adv_estimator``, ``use_kl_in_reward``, ``kl_ctrl.*``), ``trainer`` (steps, validation/checkpoint frequency,
+resume, loggers, devices and placement), ``sft`` (the supervised warm start of the recipes that have one).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from algorithms import list_adv_estimators
+from recipes.tasks import ALL_TASKS, task_config
+from resource_pools.plans import PLACEMENTS
+from workers.config import CriticConfig, ModelConfig
+from workers.engine.base import OptimConfig
+from workers.models.tiny import TINY_MODEL_SIZES
+
+if TYPE_CHECKING:  # the schemas are made of these sections
+    from recipes.schemas import RecipeConfig
+
+LOGGERS = ("console", "tensorboard", "wandb")
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet; empty: generated from ``task``
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 256  # longer prompts are dropped (rollout.prompt_length must match)
+    max_response_length: int = 256  # rollout.response_length must match
+    train_batch_size: int = 16  # prompts per RL step (each sampled rollout.n times)
+    val_batch_size: int | None = None  # prompts per validation generate call; None: the whole set
+    train_max_samples: int | None = None  # use only the first k training rows
+    val_max_samples: int | None = None
+    shuffle: bool = True
+    seed: int = 0  # data order: permutation per (seed, epoch)
+    # rows whose data_source no reward scorer covers: "error" (name file and row at load time) or "skip" (count)
+    unknown_data_source: str = "error"
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        """The batch against the data-parallel sizes, the lengths, and where the data comes from."""
+        bs, n, dp = self.train_batch_size, samples_per_prompt(cfg), data_parallel_sizes(cfg)
+        if bs < 1:
+            errors.append(f"data.train_batch_size must be >= 1, got {bs}")
+        else:
+            if dp.rollout > 0 and bs % dp.rollout:
+                errors.append(
+                    f"data.train_batch_size={bs} prompts must be divisible by the rollout data-parallel size "
+                    f"{dp.rollout} (each rollout rank generates for an equal share)"
+                )
+            if dp.train > 0 and (bs * n) % dp.train:
+                errors.append(
+                    f"data.train_batch_size * rollout.n = {bs} * {n} = {bs * n} rows is not divisible by the "
+                    f"training data-parallel size {dp.train}"
+                )
+        if self.val_batch_size is not None and self.val_batch_size < 1:
+            errors.append(f"data.val_batch_size must be >= 1 or null, got {self.val_batch_size}")
+        for key in ("max_prompt_length", "max_response_length"):  # rollout.* must agree (its check)
+            if getattr(self, key) < 1:
+                errors.append(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.train_files and not cfg.task.name:
+            errors.append(
+                "no training data: set data.train_files (parquet) or task.name (generate a dataset)"
+            )
+        if self.train_files and not self.val_files and not cfg.task.name:
+            errors.append("data.val_files is empty (validation needs held-out prompts)")
+        for key in ("train_files", "val_files"):
+            missing = [f for f in getattr(self, key) if not os.path.isfile(os.path.expanduser(f))]
+            if missing:
+                errors.append(f"data.{key}: no such file(s) {missing}")
+        if self.unknown_data_source not in ("error", "skip"):
+            errors.append(f"data.unknown_data_source must be error or skip, got {self.unknown_data_source!r}")
+
+
+@dataclass
+class TaskConfig:
+    """Generate ``train.parquet`` / ``val.parquet`` with ``recipes.tasks`` into ``<run dir>/data`` when
+    ``data.train_files`` is empty."""
+
+    name: str | None = None  # a key of recipes.tasks.ALL_TASKS (math tasks and the long-context RLM tasks)
+    n_train: int = 2000
+    n_val: int = 200
+    seed: int = 0
+    knobs: dict[str, Any] = field(default_factory=dict)  # the task config's difficulty knobs
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if not self.name:
+            return
+        if self.name not in ALL_TASKS:
+            errors.append(f"task.name={self.name!r} is not a task; choose one of {sorted(ALL_TASKS)}")
+        else:
+            try:
+                task_config(self.name, **self.knobs)
+            except (ValueError, TypeError) as err:
+                errors.append(f"task.knobs: {err}")
+        bs = cfg.data.train_batch_size
+        if self.n_train < bs:
+            errors.append(
+                f"task.n_train={self.n_train} is smaller than one batch (data.train_batch_size={bs})"
+            )
+        if self.n_val < 1:
+            errors.append(f"task.n_val must be >= 1, got {self.n_val}")
+
+
+@dataclass
+class RecipeModelConfig(ModelConfig):
+    path: str | None = None  # None: build (once, cached) the tiny Qwen2 model of workers/models/tiny.py
+    tiny_size: str = "tiny"  # nano | tiny | small, when path is None
+    tiny_seed: int = 0
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if self.path is not None and not os.path.exists(os.path.expanduser(self.path)):
+            errors.append(f"model.path={self.path!r} does not exist")
+        if self.path is None and self.tiny_size not in TINY_MODEL_SIZES:
+            errors.append(f"model.tiny_size={self.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
+
+
+@dataclass
+class RecipeCriticConfig(CriticConfig):
+    model_path: str | None = None  # None: the policy's model.path (a fresh value head on top)
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        """Checked only when the estimator trains a critic (``gae``), but for ``model_path``."""
+        if self.model_path is not None and not os.path.exists(os.path.expanduser(self.model_path)):
+            errors.append(f"critic.model_path={self.model_path!r} does not exist")
+        if not uses_critic(cfg):
+            return
+        worlds = _device_worlds(cfg)
+        _, error = _megatron_replicas("critic", self, worlds.get("critic", worlds["train"]))
+        if error:
+            errors.append(error)
+        _check_megatron_colocation(errors, cfg)
+        if cfg.data.train_batch_size >= 1:
+            _check_ppo_batches(
+                errors,
+                "critic",
+                self,
+                cfg.data.train_batch_size,
+                samples_per_prompt(cfg),
+                data_parallel_sizes(cfg).critic,
+            )
+
+
+@dataclass
+class CustomRewardConfig:
+    """verl's ``custom_reward_function``: a Python file whose function scores every data source instead of
+    the registered rule scorers (signature ``fn(data_source, solution_str, ground_truth, extra_info=None)``)."""
+
+    path: str | None = None
+    name: str = "compute_score"
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if self.path is not None and not os.path.isfile(self.path):
+            errors.append(f"custom_reward_function.path={self.path!r} is not a file")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # any name in algorithms.list_adv_estimators()
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False  # token_level_rewards = scores - beta * KL(actor || ref)
+    kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        """The estimator against the samples per prompt, the KL controller, gamma and lambda (which estimator a
+        recipe allows is the recipe schema's ``check_recipe``)."""
+        est, n, kl = self.adv_estimator, samples_per_prompt(cfg), self.kl_ctrl
+        if est not in list_adv_estimators():
+            errors.append(f"algorithm.adv_estimator={est!r}; registered: {list_adv_estimators()}")
+        if est in ("grpo", "rloo") and n < 2:
+            errors.append(
+                f"algorithm.adv_estimator={est} compares samples of one prompt: rollout.n must be >= 2, got {n}"
+            )
+        if kl.type not in ("fixed", "adaptive"):
+            errors.append(f"algorithm.kl_ctrl.type must be fixed or adaptive, got {kl.type!r}")
+        if kl.type == "adaptive" and (kl.target_kl <= 0 or kl.horizon <= 0):
+            errors.append(
+                f"algorithm.kl_ctrl (adaptive) needs target_kl > 0 and horizon > 0, got target_kl="
+                f"{kl.target_kl}, horizon={kl.horizon}"
+            )
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            errors.append(
+                f"algorithm.gamma and algorithm.lam must be in [0, 1], got {self.gamma}, {self.lam}"
+            )
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "hyflow"
+    experiment_name: str = "run"
+    # run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, curves.png, hf_model/
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    total_training_steps: int | None = 20  # None: total_epochs over the training set
+    total_epochs: int = 1
+    test_freq: int = 5  # validate every k steps (and at the last step); <= 0: never during training
+    val_before_train: bool = True
+    save_freq: int = -1  # checkpoint every m steps (and at the last step); <= 0: never
+    max_ckpt_to_keep: int | None = None  # delete older checkpoints beyond this many
+    resume_mode: str = "auto"  # auto (latest checkpoint in the run dir) | disable | <path of a step_N dir>
+    # resume_mode=auto and the latest checkpoint fails its content-hash check: resume from the newest intact
+    # earlier one (false: stop with an error naming it)
+    resume_fallback: bool = False
+    critic_warmup: int = 0  # PPO: steps that update only the critic
+    nnodes: int = 1
+    n_gpus_per_node: int = 1  # devices per node (CPU bundles when there is no GPU)
+    device: str = "auto"  # auto | cpu | cuda
+    # colocated: one pool for every role; disaggregated: rollout pool apart; split_critic: critic pool apart
+    placement: str = "colocated"
+    rollout_gpus_per_node: int = 0  # disaggregated: devices per node for the rollout pool (rest: training)
+    critic_gpus_per_node: int = 0  # split_critic: devices per node for the critic pool (rest: actor)
+    export_hf: bool = False  # write <run dir>/hf_model at the end
+    progress_bar: bool = True
+    plot: bool = True  # <run dir>/curves.png at the end
+    ray_num_cpus: int | None = None  # only when the recipe starts Ray itself; None: Ray's default
+    omp_num_threads: int | None = None  # torch threads per worker process; None: cores / devices (own Ray)
+    # every worker-group call: call_timeout_s + call_timeout_per_row_s * (rows of its batch); None: no limit
+    call_timeout_s: float | None = 1800.0
+    call_timeout_per_row_s: float = 1.0
+    # a locally started Ray on CPU: allow more devices (worker processes) than this machine has cores
+    cpu_oversubscribe: bool = False
+    max_consecutive_skipped_updates: int = 5  # abort after this many steps in a row with a non-finite update
+    wandb_mode: str | None = None  # e.g. offline
+
+    def device_errors(self, cfg: RecipeConfig) -> list[str]:
+        """What is wrong with the devices and the placement (no worker group sizes without them right)."""
+        errors = []
+        if self.nnodes < 1:
+            errors.append(f"trainer.nnodes must be >= 1, got {self.nnodes}")
+        if self.n_gpus_per_node < 1:
+            errors.append(f"trainer.n_gpus_per_node must be >= 1, got {self.n_gpus_per_node}")
+        if self.placement not in PLACEMENTS:
+            errors.append(f"trainer.placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
+        elif self.placement == "disaggregated" and not 0 < self.rollout_gpus_per_node < self.n_gpus_per_node:
+            errors.append(
+                f"trainer.placement=disaggregated needs 0 < trainer.rollout_gpus_per_node < "
+                f"trainer.n_gpus_per_node (a rollout pool and a training pool), got rollout_gpus_per_node="
+                f"{self.rollout_gpus_per_node}, n_gpus_per_node={self.n_gpus_per_node}"
+            )
+        elif self.placement == "split_critic":
+            if not 0 < self.critic_gpus_per_node < self.n_gpus_per_node:
+                errors.append(
+                    f"trainer.placement=split_critic needs 0 < trainer.critic_gpus_per_node < "
+                    f"trainer.n_gpus_per_node (a critic pool and an actor pool), got critic_gpus_per_node="
+                    f"{self.critic_gpus_per_node}, n_gpus_per_node={self.n_gpus_per_node}"
+                )
+            if not uses_critic(cfg):
+                errors.append(
+                    f"trainer.placement=split_critic puts the critic on its own pool, but algorithm.adv_estimator="
+                    f"{cfg.algorithm.adv_estimator} trains no critic (use recipes.ppo with adv_estimator=gae)"
+                )
+        if self.placement != "split_critic" and self.critic_gpus_per_node != 0:
+            errors.append(
+                f"trainer.critic_gpus_per_node={self.critic_gpus_per_node} is only used with "
+                f"trainer.placement=split_critic (got placement={self.placement!r})"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            errors.append(f"trainer.device must be auto, cpu or cuda, got {self.device!r}")
+        return errors
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        errors.extend(self.device_errors(cfg))
+        steps = self.total_training_steps
+        if steps is not None and steps < 1:
+            errors.append(f"trainer.total_training_steps must be >= 1 or null, got {steps}")
+        if steps is None and self.total_epochs < 1:
+            errors.append(f"trainer.total_epochs must be >= 1, got {self.total_epochs}")
+        unknown = [lg for lg in self.logger if lg not in LOGGERS]
+        if unknown:
+            errors.append(f"trainer.logger has unknown logger(s) {unknown}; known: {list(LOGGERS)}")
+        if "wandb" in self.logger and importlib.util.find_spec("wandb") is None:
+            errors.append(
+                "trainer.logger includes wandb, but the wandb package is not installed (pip install wandb)"
+            )
+        if self.resume_mode not in ("auto", "disable") and not os.path.isdir(self.resume_mode):
+            errors.append(
+                "trainer.resume_mode must be auto, disable or an existing checkpoint directory, got "
+                f"{self.resume_mode!r}"
+            )
+        if self.resume_fallback and self.resume_mode != "auto":
+            errors.append(
+                f"trainer.resume_fallback=true applies to trainer.resume_mode=auto only, got {self.resume_mode!r}"
+            )
+        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
+            errors.append(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {self.max_ckpt_to_keep}")
+        if self.critic_warmup < 0:
+            errors.append(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
+        if self.call_timeout_s is not None and not self.call_timeout_s > 0:
+            errors.append(f"trainer.call_timeout_s must be > 0 or null (no limit), got {self.call_timeout_s}")
+        if not self.call_timeout_per_row_s >= 0:
+            errors.append(f"trainer.call_timeout_per_row_s must be >= 0, got {self.call_timeout_per_row_s}")
+        if self.max_consecutive_skipped_updates < 1:
+            errors.append(
+                "trainer.max_consecutive_skipped_updates must be >= 1, got "
+                f"{self.max_consecutive_skipped_updates}"
+            )
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm start on the task's demonstration solutions (``extra_info.solution``), run through an
+    ActorWorker group (``sft_step``) before RL; the result is exported and RL starts from it."""
+
+    enable: bool = True
+    total_steps: int = 200  # optimizer steps (a cosine schedule needs sft.optim.total_steps, e.g. the same)
+    batch_size: int = 32  # examples per step
+    max_length: int = 256  # prompt + solution tokens; longer examples are dropped
+    max_samples: int | None = None
+    shuffle: bool = True
+    seed: int = 0
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    log_every: int = 25
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if not self.enable:
+            return
+        dp = data_parallel_sizes(cfg).train
+        if self.batch_size < 1 or self.total_steps < 1:
+            errors.append(
+                f"sft.batch_size and sft.total_steps must be >= 1, got {self.batch_size}, {self.total_steps}"
+            )
+        elif dp > 0 and self.batch_size % dp:
+            errors.append(
+                f"sft.batch_size={self.batch_size} is not divisible by the training data-parallel size {dp}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the sections imply: worker group sizes, and the checks of the workers' own sections
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def device_counts(cfg: RecipeConfig) -> dict[str, int]:
+    """World sizes of the worker groups: ``train`` (actor, ref, critic, reward) and ``rollout``; under
+    ``split_critic`` ``train`` is the actor pool (actor + rollout, ref, reward) and ``critic`` the critic's."""
+    t = cfg.trainer
+    if t.placement == "split_critic":
+        actor = (t.n_gpus_per_node - t.critic_gpus_per_node) * t.nnodes
+        return {
+            "train": actor,
+            "rollout": actor,
+            "critic": t.critic_gpus_per_node * t.nnodes,
+            "total": t.n_gpus_per_node * t.nnodes,
+        }
+    if t.placement == "disaggregated":
+        train = (t.n_gpus_per_node - t.rollout_gpus_per_node) * t.nnodes
+        return {
+            "train": train,
+            "rollout": t.rollout_gpus_per_node * t.nnodes,
+            "total": t.n_gpus_per_node * t.nnodes,
+        }
+    n = t.n_gpus_per_node * t.nnodes
+    return {"train": n, "rollout": n, "total": n}
+
+
+def needs_reference(cfg: RecipeConfig) -> bool:
+    # the hybrid advantage's OPD teacher is the reference model conditioned on a hint
+    return bool(
+        cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward or cfg.algorithm.adv_estimator == "hybrid"
+    )
+
+
+def uses_critic(cfg: RecipeConfig) -> bool:
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def samples_per_prompt(cfg: RecipeConfig) -> int:
+    """``rollout.n`` for the checks of other sections: 1 when it is below 1 (the rollout check says so)."""
+    return max(cfg.rollout.n, 1)
+
+
+class DataParallelSizes(NamedTuple):
+    """Model replicas per worker group, among which batches divide; 0 where the sizes are invalid (the
+    section that holds them reports it, and the batch checks that need them are skipped)."""
+
+    train: int  # actor, ref, reward (Megatron: devices / (tp * pp))
+    rollout: int
+    critic: int
+
+
+def _device_worlds(cfg: RecipeConfig) -> dict[str, int]:
+    """``device_counts`` once the devices and placement are valid, else zeros."""
+    if cfg.trainer.device_errors(cfg):
+        return {"train": 0, "rollout": 0}
+    return device_counts(cfg)
+
+
+def data_parallel_sizes(cfg: RecipeConfig) -> DataParallelSizes:
+    worlds = _device_worlds(cfg)
+    critic = worlds.get("critic", worlds["train"])
+    if uses_critic(cfg):
+        critic = _megatron_replicas("critic", cfg.critic, critic)[0]
+    return DataParallelSizes(
+        _megatron_replicas("actor", cfg.actor, worlds["train"])[0], worlds["rollout"], critic
+    )
+
+
+def _model_parallel(role_cfg) -> tuple[int, int]:
+    m = role_cfg.megatron
+    return m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+
+
+def _megatron_replicas(sec: str, role_cfg, world: int) -> tuple[int, str | None]:
+    """(data-parallel size of a role on ``world`` devices: ``world / (tp * pp)`` under strategy=megatron, and
+    None), or (0, the error) when the strategy is unknown or the world is not a multiple of tp * pp."""
+    if role_cfg.strategy not in ("fsdp", "megatron"):
+        return 0, f"{sec}.strategy must be fsdp or megatron, got {role_cfg.strategy!r}"
+    if role_cfg.strategy != "megatron" or world <= 0:
+        return world, None
+    tp, pp = _model_parallel(role_cfg)
+    if world % (tp * pp):
+        return 0, (
+            f"{sec}.megatron.tensor_model_parallel_size * {sec}.megatron.pipeline_model_parallel_size = "
+            f"{tp} * {pp} = {tp * pp} must divide the {world} device(s) of the {sec}'s worker group"
+        )
+    return world // (tp * pp), None
+
+
+def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: int, dp: int) -> None:
+    mini = role_cfg.ppo_mini_batch_size
+    if mini < 1:
+        errors.append(f"{sec}.ppo_mini_batch_size must be >= 1, got {mini}")
+        return
+    if mini > train_bs or train_bs % mini:
+        errors.append(
+            f"{sec}.ppo_mini_batch_size={mini} must divide data.train_batch_size={train_bs} "
+            f"(prompts per step; each optimizer step takes {mini} of them)"
+        )
+    rows = mini * n
+    if dp > 0 and rows % dp:
+        errors.append(
+            f"{sec}.ppo_mini_batch_size * rollout.n = {mini} * {n} = {rows} rows per optimizer step is not "
+            f"divisible by the training data-parallel size {dp}"
+        )
+    elif dp > 0 and not role_cfg.use_dynamic_bsz:
+        micro = role_cfg.ppo_micro_batch_size_per_gpu
+        per_rank = rows // dp
+        if micro is None or micro < 1:
+            errors.append(f"{sec}.ppo_micro_batch_size_per_gpu must be >= 1 when {sec}.use_dynamic_bsz=false")
+        elif per_rank % micro:
+            errors.append(
+                f"{sec}.ppo_micro_batch_size_per_gpu={micro} must divide the {per_rank} rows each rank gets per "
+                f"optimizer step ({sec}.ppo_mini_batch_size * rollout.n / dp = {mini} * {n} / {dp})"
+            )
+    if role_cfg.ppo_epochs < 1:
+        errors.append(f"{sec}.ppo_epochs must be >= 1, got {role_cfg.ppo_epochs}")
+
+
+def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
+    """``rollout.tensor_model_parallel_size``: TP rollout replicas resharded from a colocated Megatron actor."""
+    tp_g, a = cfg.rollout.tensor_model_parallel_size, cfg.actor
+    if not isinstance(tp_g, int) or tp_g < 1:
+        errors.append(f"rollout.tensor_model_parallel_size must be an int >= 1, got {tp_g!r}")
+        return
+    if tp_g == 1:
+        return
+    if a.strategy != "megatron":
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} needs actor.strategy=megatron: the 3D-HybridEngine "
+            f"reshards the trainer's Megatron TP shards into the rollout replicas, and an FSDP trainer "
+            f"(actor.strategy={a.strategy!r}) has no TP layout to reshard from; use 1"
+        )
+    elif a.megatron.tensor_model_parallel_size % tp_g:
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} must divide actor.megatron.tensor_model_parallel_size="
+            f"{a.megatron.tensor_model_parallel_size} (a generation shard is a union of whole training shards)"
+        )
+    if cfg.trainer.placement == "disaggregated":
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} is for the colocated actor-rollout worker; "
+            "trainer.placement=disaggregated runs full rollout replicas on their own pool: use 1"
+        )
+    if cfg.rollout.name != "native":
+        errors.append(
+            f"rollout.tensor_model_parallel_size={tp_g} is for rollout.name=native, got "
+            f"{cfg.rollout.name!r} (SGLang: rollout.tensor_parallel_size)"
+        )
+
+
+def _check_rollout_engine(errors: list[str], cfg: RecipeConfig) -> None:
+    """``rollout.name``: a known engine, and for SGLang the package installed (checked before Ray starts)."""
+    name = cfg.rollout.name
+    if name not in ("native", "sglang"):
+        errors.append(f"rollout.name must be 'native' or 'sglang', got {name!r}")
+    elif name == "sglang" and importlib.util.find_spec("sglang") is None:
+        errors.append(
+            "rollout.name=sglang needs the sglang package: `make sglang-cpu` (CPU engine, for tests and CI) "
+            "or `pip install hyflow[sglang]` on a CUDA machine"
+        )
+
+
+def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
+    """Megatron's parallel state is per process: a colocated actor and critic (one process per device) that
+    both use Megatron must use the same TP/PP sizes."""
+    a, c = cfg.actor, cfg.critic
+    if cfg.trainer.placement == "split_critic" or a.strategy != "megatron" or c.strategy != "megatron":
+        return
+    if _model_parallel(a) != _model_parallel(c):
+        errors.append(
+            f"actor.megatron (tp, pp) = {_model_parallel(a)} and critic.megatron (tp, pp) = {_model_parallel(c)} "
+            f"differ, but trainer.placement={cfg.trainer.placement} runs both in one process per device, which "
+            "holds one Megatron parallel state; use the same sizes or trainer.placement=split_critic"
+        )
+
+
+def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
+    """``actor``: its strategy and Megatron sizes against its devices, and its PPO batches."""
+    _, error = _megatron_replicas("actor", cfg.actor, _device_worlds(cfg)["train"])
+    if error:
+        errors.append(error)
+    if cfg.data.train_batch_size >= 1:
+        _check_ppo_batches(
+            errors,
+            "actor",
+            cfg.actor,
+            cfg.data.train_batch_size,
+            samples_per_prompt(cfg),
+            data_parallel_sizes(cfg).train,
+        )
+
+
+def check_rollout(errors: list[str], cfg: RecipeConfig) -> None:
+    """``rollout``: samples per prompt, lengths that follow ``data.*``, the engine and its tensor parallelism."""
+    r, d = cfg.rollout, cfg.data
+    if r.n < 1:
+        errors.append(f"rollout.n must be >= 1, got {r.n}")
+    for data_key, roll_key in (
+        ("max_prompt_length", "prompt_length"),
+        ("max_response_length", "response_length"),
+    ):
+        dv, rv = getattr(d, data_key), getattr(r, roll_key)
+        if dv >= 1 and dv != rv:  # dv < 1: the data check reports it
+            errors.append(
+                f"rollout.{roll_key}={rv} differs from data.{data_key}={dv}; set data.{data_key} "
+                f"(the YAML makes rollout.{roll_key} follow it)"
+            )
+    _check_rollout_tp(errors, cfg)
+    _check_rollout_engine(errors, cfg)
+
+
+# The checks of the sections whose dataclasses are the workers' own (workers/config.py).
+WORKER_SECTION_CHECKS: dict[str, Callable[[list[str], RecipeConfig], None]] = {
+    "actor": check_actor,
+    "rollout": check_rollout,
+}
