@@ -59,7 +59,7 @@ def main(argv: list[str]) -> dict:
     base = load_config("quickstart", [*argv, f"trainer.default_local_dir={out_dir}/sft"])
     run = start_run(base, "quickstart")  # tiny model, task data, Ray
     t0 = time.perf_counter()
-    sft_model = warm_start(base, run, demonstrations(base, run)) if base.sft.enable else run.model_path
+    sft_model = warm_start(base, run, demonstrations)
     sft_s = time.perf_counter() - t0
     rows = []
     for engine in ("native", "sglang"):

@@ -86,8 +86,9 @@ def wait_all(futures: Sequence[DataProtoFuture], timeout_s: float | None = None)
     waiting on the others. ``timeout_s`` bounds the whole wait (default: the longest of the calls' own
     limits, none if any call has none)."""
     pending = [f for f in futures if not f.resolved]
-    if timeout_s is None and pending and all(f._timeout_s is not None for f in pending):
-        timeout_s = max(f._timeout_s for f in pending)
+    limits = [f._timeout_s for f in pending if f._timeout_s is not None]
+    if timeout_s is None and limits and len(limits) == len(pending):
+        timeout_s = max(limits)
     refs = [ref for f in pending for ref in f.refs]
     calls = [RankCall(f.role, f.method, rank) for f in pending for rank in f.ranks]
     started = min((f._started for f in pending), default=None)

@@ -76,6 +76,7 @@ def wait_for_calls(
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         if not ready:
+            assert timeout_s is not None  # without a deadline ray.wait returns only once a ref is ready
             first = calls[position[pending[0]]]
             same_call = [c for c in (calls[position[ref]] for ref in pending) if c.role == first.role]
             stuck = sorted(c.rank for c in same_call if c.method == first.method)

@@ -1,4 +1,4 @@
-"""GRPO (group-relative policy optimisation), driven by a single controller.
+"""GRPO (group-relative policy optimisation), driven by a single controller; with a critic, PPO.
 
     python -m recipes.grpo                                        # recipes/grpo.yaml
     python -m recipes.grpo rollout.n=8 trainer.total_training_steps=50 model.path=/path/to/hf_model
@@ -8,11 +8,15 @@ Each step samples ``rollout.n`` responses per prompt, scores them with the rule 
 towards the responses that beat their group's mean (advantage = (score - group mean) / group std), with a KL
 loss to the frozen reference. Every call on ``roles.*`` runs on a WorkerGroup of Ray actors; advantages are
 computed here on the controller. Pools, data, metrics, tracking and checkpoints live in ``recipes/trainer``.
+
+``rl_step`` is also PPO's step (``recipes/ppo.py``): a session with a critic adds the critic's values, GAE
+advantages and the critic update; ``recipes/rlm.py`` runs it with an environment generating.
 """
 
 from __future__ import annotations
 
-from recipes.schemas import RecipeConfig
+from dataproto import DataProto
+from recipes.config import RecipeConfig
 from recipes.trainer import (
     Run,
     Session,
@@ -27,30 +31,41 @@ from recipes.trainer import (
 )
 
 
+def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataProto:
+    """One step on a batch of prompts; returns the batch with every column the step computed."""
+    cfg, roles = s.cfg, s.roles
+    # 1. rollout: rollout.n samples per prompt (rows a,a,..,b,b,..), seeded by the step
+    with timer("gen", timings):
+        batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    # 2. reward (the rule verifier's score on each response's last token), then log-probs of the sampled
+    #    tokens under the current policy and the frozen reference (and PPO: the critic's values)
+    batch = score_and_log_probs(cfg, roles, batch, timings)
+    if roles.critic is not None:
+        with timer("values", timings):
+            batch = batch.union(roles.critic.compute_values(batch))
+    # 3. advantages, here on the controller: group-relative (GRPO), or rewards minus the KL penalty and GAE
+    with timer("adv", timings):
+        metrics |= compute_advantage(batch, cfg.algorithm, s.kl_ctrl)
+    # 4. PPO: the critic's update towards the returns
+    if roles.critic is not None:
+        with timer("update_critic", timings):
+            metrics |= metrics_of(roles.critic.update_critic(batch))
+    # 5. policy update (clipped surrogate + KL loss) once a critic has warmed up, then the new weights to the
+    #    rollout engine
+    if s.state.step > cfg.trainer.critic_warmup:
+        with timer("update_actor", timings):
+            metrics |= metrics_of(roles.actor.update_actor(batch))
+        with timer("update_weights", timings):
+            metrics |= roles.sync_weights()
+    return batch
+
+
 def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo", **role_classes) -> dict:
     """``role_classes``: the workers that generate (``build_roles``' hook), e.g. an environment's."""
     session = Session(cfg, run, recipe, **role_classes)  # data, pools + WorkerGroups, KL controller, resume
-    roles = session.roles
-    with session:  # weights -> rollout engine, validation before training; on exit: export, plot, shutdown
-        for batch in session.steps():
-            metrics, timings = {}, {}
-            with timer("step", timings):
-                # 1. rollout: rollout.n samples per prompt (rows a,a,..,b,b,..), seeded by the step
-                with timer("gen", timings):
-                    batch = roles.generate(batch, rollout_meta(cfg, session.state.step))
-                # 2. reward (the rule verifier's score on each response's last token), then log-probs of the
-                #    sampled tokens under the current policy and the frozen reference
-                batch = score_and_log_probs(cfg, roles, batch, timings)
-                # 3. group-relative advantages, here on the controller
-                with timer("adv", timings):
-                    metrics |= compute_advantage(batch, cfg.algorithm, session.kl_ctrl)
-                # 4. policy update (clipped surrogate + KL loss), then the new weights to the rollout engine
-                with timer("update_actor", timings):
-                    metrics |= metrics_of(roles.actor.update_actor(batch))
-                with timer("update_weights", timings):
-                    metrics |= roles.sync_weights()
-            session.end_step(batch, metrics, timings)  # metrics; validation / checkpoint when due; logging
-    return session.result()
+    # weights -> rollout engine, validation before training; rl_step, then metrics, validation and
+    # checkpoint when due, per step; at the end: export, plot, shutdown
+    return session.train(rl_step)
 
 
 def main(argv: list[str] | None = None) -> dict:

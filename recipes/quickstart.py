@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 
 from recipes import grpo
-from recipes.trainer import cli, demonstrations, parse_args, start_run, warm_start
+from recipes.trainer import (
+    cli,
+    demonstrations,
+    parse_args,
+    print_accuracy_change,
+    print_summary,
+    start_run,
+    warm_start,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -24,30 +32,15 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args("quickstart", argv)  # recipes/quickstart.yaml + overrides, validated before Ray starts
     run = start_run(cfg, "quickstart")  # tiny model + task data built, config saved, Ray started
     print(f"[quickstart] run dir {run.dir}; model {run.model_path}; data {run.train_files[0]}")
-    if cfg.sft.enable:
-        # GRPO (policy and reference) starts from the SFT model
-        run.model_path = warm_start(cfg, run, demonstrations(cfg, run))
+    run.model_path = warm_start(cfg, run, demonstrations)  # GRPO (policy and reference) starts from it
     result = grpo.train(cfg, run, recipe="quickstart")
-
-    vals = result["val_history"]
-    before, after = (vals[0][1]["val/accuracy"], vals[-1][1]["val/accuracy"]) if vals else (float("nan"),) * 2
-    wall = time.perf_counter() - t0
     print()
-    if vals:
-        n = int(vals[-1][1]["val/num_samples"])
-        print(f"validation accuracy {before:.2f} -> {after:.2f}  (greedy, {n} held-out problems, "
-              f"GRPO step {vals[0][0]} -> step {vals[-1][0]})")  # fmt: skip
-    else:
-        print("no validation ran (trainer.val_before_train=false and trainer.test_freq <= 0)")
-    print(f"exported model:  {result['hf_model']}")
-    print(f"curves:          {result['plot']}")
-    print(f"TensorBoard:     tensorboard --logdir {result['tensorboard']}")
-    print(f"wall time:       {wall:.0f}s")
+    before, after = print_accuracy_change(result["val_history"], "validation accuracy")
     return {
         **result,
         "val_before": before,
         "val_after": after,
-        "wall_s": wall,
+        "wall_s": print_summary(result, t0),
         "sft_model": str(Path(run.model_path)),
     }
 

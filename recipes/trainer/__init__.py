@@ -37,7 +37,7 @@ from recipes.trainer.metrics import (
 )
 from recipes.trainer.roles import Roles, build_actor_group, build_roles, metrics_of
 from recipes.trainer.run import Run, cli, init_ray, model_config, parse_args, start_run
-from recipes.trainer.session import Session
+from recipes.trainer.session import Session, print_summary
 from recipes.trainer.steps import (
     TrainerState,
     compute_advantage,
@@ -48,7 +48,7 @@ from recipes.trainer.steps import (
     score_and_log_probs,
 )
 from recipes.trainer.tracking import Tracker, console_line, plot_curves
-from recipes.trainer.validation import PassAtK, greedy_accuracy, pass_at_k, val_meta
+from recipes.trainer.validation import PassAtK, greedy_accuracy, pass_at_k, print_accuracy_change, val_meta
 from recipes.trainer.warm_start import demonstrations, replayed, warm_start
 
 __all__ = [
@@ -76,6 +76,8 @@ __all__ = [
     "parse_args",
     "pass_at_k",
     "plot_curves",
+    "print_accuracy_change",
+    "print_summary",
     "prompt_batches",
     "replayed",
     "resume",

@@ -1,13 +1,21 @@
 """A training session: what every RL recipe sets up around its step, so the script holds only the algorithm.
 
-s = Session(cfg, run, "grpo")             # data, pools + WorkerGroups, KL controller, resume, tracker
-with s:                                   # weights -> rollout, validation before training; on exit:
-    for batch in s.steps():               #   export, plot, shut the workers down
-        metrics, timings = {}, {}
-        with timer("step", timings):
-            ...                           # the algorithm: generate, reward, log-probs, advantages, updates
-        s.end_step(batch, metrics, timings)   # metrics, validation every test_freq, checkpoint every save_freq
-return s.result()
+    def rl_step(s: Session, batch, metrics, timings) -> DataProto:
+        ...                               # the algorithm: generate, reward, log-probs, advantages, updates
+        return batch
+
+    s = Session(cfg, run, "grpo")         # data, pools + WorkerGroups, KL controller, resume, tracker
+    return s.train(rl_step)               # the loop below; returns s.result()
+
+``train(step)`` is this loop, for a recipe that wants to write it itself::
+
+    with s:                               # weights -> rollout, validation before training; on exit:
+        for batch in s.steps():           #   export, plot, shut the workers down
+            metrics, timings = {}, {}
+            with timer("step", timings):
+                batch = step(s, batch, metrics, timings)
+            s.end_step(batch, metrics, timings)   # metrics, validation / checkpoint when due, logging
+    return s.result()
 
 Validation is the session's: ``should_validate(step)`` says when (before training with
 ``trainer.val_before_train``, every ``trainer.test_freq`` steps and at the last step), the recipe's
@@ -18,11 +26,12 @@ kept in ``result()["val_history"]``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from algorithms import get_kl_controller
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.config import RecipeConfig
 from recipes.trainer.checkpoint import hold_interrupts
 from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_batches
 from recipes.trainer.metrics import compute_data_metrics, compute_throughput, timer, timing_metrics
@@ -33,6 +42,9 @@ from recipes.trainer.tracking import Tracker
 from recipes.trainer.validation import Validator, greedy_accuracy
 
 logger = logging.getLogger("recipes")
+
+# one step of a recipe's algorithm: (session, prompt batch, metrics, timings) -> the batch with what it computed
+Step = Callable[["Session", DataProto, dict, dict], DataProto]
 
 
 class Session:
@@ -93,6 +105,17 @@ class Session:
             self.plot = self.tracker.close()
             self.roles.shutdown()
 
+    def train(self, step: Step) -> dict:
+        """Train: ``step(self, batch, metrics, timings)`` on every remaining prompt batch (timed as ``step``),
+        each followed by ``end_step``; returns ``result()``."""
+        with self:
+            for batch in self.steps():
+                metrics, timings = {}, {}
+                with timer("step", timings):
+                    batch = step(self, batch, metrics, timings)
+                self.end_step(batch, metrics, timings)
+        return self.result()
+
     def steps(self) -> Iterator[DataProto]:
         """The prompt batch of each remaining step (``self.state.step`` is the step being run)."""
         batches = prompt_batches(self.loader)
@@ -152,3 +175,20 @@ class Session:
             "tensorboard": str(self.tracker.tensorboard_dir),
             "metrics_file": str(self.tracker.metrics_path),
         }
+
+
+def print_summary(result: dict, t0: float) -> float:
+    """The end of a recipe's command: where the exported model, the curves, the metrics and the TensorBoard logs
+    of ``result`` (``Session.result()``) are, and the wall time since ``t0`` (``time.perf_counter()``), returned."""
+    wall = time.perf_counter() - t0
+    lines = {
+        "exported model": result["hf_model"],
+        "curves": result["plot"],
+        "metrics": result["metrics_file"],
+        "TensorBoard": f"tensorboard --logdir {result['tensorboard']}",
+        "wall time": f"{wall:.0f}s",
+    }
+    for what, where in lines.items():
+        if where:
+            print(f"{what + ':':<16} {where}")
+    return wall

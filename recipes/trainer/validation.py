@@ -20,11 +20,20 @@ from math import comb
 import numpy as np
 
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.config import RecipeConfig
 from recipes.trainer.metrics import validation_metrics
 from recipes.trainer.roles import Roles, metrics_of
 
-__all__ = ["PassAtK", "Validator", "ValRollouts", "greedy_accuracy", "pass_at_k", "val_meta", "val_rollouts"]
+__all__ = [
+    "PassAtK",
+    "Validator",
+    "ValRollouts",
+    "greedy_accuracy",
+    "pass_at_k",
+    "print_accuracy_change",
+    "val_meta",
+    "val_rollouts",
+]
 
 Validator = Callable[[Roles, list[DataProto], RecipeConfig], dict[str, float]]
 
@@ -114,3 +123,18 @@ class PassAtK:
             hits = [pass_at_k(len(s), sum(x >= 1.0 for x in s), k) for s in correct.values() if len(s) >= k]
             m[f"val/pass@{k}"] = float(np.mean(hits)) if hits else float("nan")
         return m | v.env
+
+
+def print_accuracy_change(val_history: list[tuple[int, dict]], what: str) -> tuple[float, float]:
+    """Print ``<what> before -> after`` (``val/accuracy`` of the first and the last validation, with the number
+    of held-out samples and their steps); returns (before, after), NaN when no validation ran."""
+    if not val_history:
+        print("no validation ran (trainer.val_before_train=false and trainer.test_freq <= 0)")
+        return float("nan"), float("nan")
+    (first_step, first), (last_step, last) = val_history[0], val_history[-1]
+    before, after = first["val/accuracy"], last["val/accuracy"]
+    print(
+        f"{what} {before:.2f} -> {after:.2f}  (greedy, {int(last['val/num_samples'])} held-out problems, "
+        f"step {first_step} -> step {last_step})"
+    )
+    return before, after

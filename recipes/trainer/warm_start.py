@@ -1,12 +1,14 @@
-"""The supervised warm start every recipe with ``sft.enable`` runs before RL: ``cfg.sft.total_steps``
+"""The supervised warm start a recipe runs before RL when ``sft.enable``: ``cfg.sft.total_steps``
 ``ActorWorker.sft_step`` calls (loss on ``response_mask`` tokens only) with an actor WorkerGroup of its own,
-then the model exported as the HF directory ``<run dir>/sft_model`` that the RL phase starts from.
+then the model exported as the HF directory ``<run dir>/sft_model`` that the RL phase starts from::
 
-Where the SFT batches come from is the recipe's choice:
+    run.model_path = warm_start(cfg, run, demonstrations)
+
+Where the SFT batches come from is the recipe's choice, an ``SFTData`` (``(cfg, run) -> batches``):
 
 * ``demonstrations``: the training split's single-turn demonstrations (``extra_info.solution``; quickstart);
-* ``replayed``: the rows' reference solutions replayed as multi-turn trajectories in the real sandbox (RLM and
-  tool environments), random minibatches of them.
+* ``replayed(replay, what)``: the rows' reference solutions replayed as multi-turn trajectories in the real
+  sandbox (RLM and tool environments), random minibatches of them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 
 import pandas as pd
 import torch
 
 from dataproto import DataProto
-from recipes.schemas import QuickstartConfig
+from recipes.config import QuickstartConfig
 from recipes.trainer.data import sft_batches, sft_loader
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import build_actor_group, metrics_of
@@ -28,11 +31,17 @@ from recipes.trainer.run import Run
 
 # rows, tokenizer, env config -> trajectories in the rollout layout
 Replay = Callable[[Sequence[Mapping], object, object], DataProto]
+# cfg, run -> endless SFT batches
+SFTData = Callable[[QuickstartConfig, Run], Iterator[DataProto]]
 
 
-def warm_start(cfg: QuickstartConfig, run: Run, batches: Iterator[DataProto]) -> str:
-    """Train on ``batches`` (``cfg.sft``: steps, optimiser, logging) with an ActorWorker group; TensorBoard
-    under ``<run dir>/tensorboard/sft`` when ``trainer.logger`` has it. Returns the exported HF directory."""
+def warm_start(cfg: QuickstartConfig, run: Run, data: SFTData) -> str:
+    """Train on ``data(cfg, run)`` (``cfg.sft``: steps, optimiser, logging) with an ActorWorker group;
+    TensorBoard under ``<run dir>/tensorboard/sft`` when ``trainer.logger`` has it. Returns the exported HF
+    directory, or ``run.model_path`` as it is without ``sft.enable``."""
+    if not cfg.sft.enable:
+        return run.model_path
+    batches = data(cfg, run)
     writer = None
     if "tensorboard" in cfg.trainer.logger:
         from torch.utils.tensorboard import SummaryWriter  # heavy (pulls in TensorBoard); only when logging
@@ -70,10 +79,14 @@ def demonstrations(cfg: QuickstartConfig, run: Run) -> Iterator[DataProto]:
     return sft_batches(loader)
 
 
-def replayed(cfg, run: Run, replay: Replay, what: str) -> Iterator[DataProto]:
+def replayed(replay: Replay, what: str) -> SFTData:
     """The training rows' reference solutions (at most ``cfg.sft.max_samples`` rows) replayed with
     ``replay(rows, tokenizer, cfg.env)``; random minibatches of ``cfg.sft.batch_size`` of them (seed
-    ``cfg.sft.seed``), endlessly."""
+    ``cfg.sft.seed``), endlessly. ``what`` names them in the printed line."""
+    return partial(_replayed, replay=replay, what=what)
+
+
+def _replayed(cfg, run: Run, *, replay: Replay, what: str) -> Iterator[DataProto]:
     rows = pd.read_parquet(run.train_files[0]).to_dict("records")
     if cfg.sft.max_samples:
         rows = rows[: cfg.sft.max_samples]
