@@ -125,6 +125,17 @@ def test_union_merges_and_rejects_conflicts():
         data.union(DataProto.from_dict({"new": torch.zeros(2)}))
 
 
+def test_union_combines_the_metrics_of_each_call():
+    data = make(2)
+    data.meta_info["metrics"] = {"env/turns": 2.0, "reward/errors": 1.0}
+    update = DataProto(meta_info={"metrics": {"actor/pg_loss": 0.5, "reward/errors": 0.0}})
+    data.union(update)
+    assert data.meta_info["metrics"] == {"env/turns": 2.0, "reward/errors": 0.0, "actor/pg_loss": 0.5}
+    assert update.meta_info["metrics"] == {"actor/pg_loss": 0.5, "reward/errors": 0.0}  # other is not changed
+    fresh = make(2).union(update)  # no metrics before: taken as they are
+    assert fresh.meta_info["metrics"] == update.meta_info["metrics"]
+
+
 # ---------------------------------------------------------------- split and join
 def test_chunk_split_concat_roundtrip():
     data = make(6)
