@@ -27,10 +27,7 @@ RUNS = {"hybrid": "hybrid_rl.yaml", "grpo": "hybrid_rl_grpo.yaml"}
 
 def warm_model(out: Path, overrides: list[str]) -> str:
     cfg = load_config(hybrid_rl.RECIPE, [*overrides, f"trainer.default_local_dir={out / 'warm'}"])
-    run = start_run(cfg, hybrid_rl.RECIPE)
-    if not cfg.sft.enable:
-        return run.model_path
-    return warm_start(cfg, run, replayed(cfg, run, reference_batch, "demonstrations"))
+    return warm_start(cfg, start_run(cfg, hybrid_rl.RECIPE), replayed(reference_batch, "demonstrations"))
 
 
 def plot_pass_at_k(histories: dict[str, list[tuple[int, dict]]], ks: list[int], path: Path) -> str:

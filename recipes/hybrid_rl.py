@@ -25,7 +25,9 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
+from dataproto import DataProto
 from recipes.schemas import HybridConfig
 from recipes.trainer import (
     PassAtK,
@@ -35,6 +37,7 @@ from recipes.trainer import (
     compute_advantage,
     metrics_of,
     parse_args,
+    print_summary,
     replayed,
     rollout_meta,
     score_and_log_probs,
@@ -48,51 +51,53 @@ from workers.agents.replay import reference_batch
 RECIPE = "hybrid_rl"
 
 
+def hybrid_step(
+    s: Session, batch: DataProto, metrics: dict, timings: dict, *, prm: PRMRole | None
+) -> DataProto:
+    """One step on a batch of prompts; returns the batch with every column the step computed."""
+    cfg, roles = s.cfg, s.roles
+    hybrid = cfg.algorithm.adv_estimator == "hybrid"  # else the GRPO baseline
+    # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox
+    with timer("gen", timings):
+        batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    # 2. outcome reward (the \boxed{} answer), log-probs under the policy and the reference
+    batch = score_and_log_probs(cfg, roles, batch, timings)
+    # 3. process reward model: step votes and bridge thoughts
+    if prm is not None:
+        with timer("prm", timings):
+            batch = batch.union(prm.score(batch))
+    # 4. the hint-conditioned teacher's log-probs of the policy's tokens (OPD)
+    if hybrid:
+        with timer("teacher", timings):
+            add_teacher_hints(batch, cfg.hybrid.hint_template)
+            batch = batch.union(roles.ref.compute_teacher_log_prob(batch))
+    # 5. advantages on the controller
+    with timer("adv", timings):
+        if hybrid:
+            metrics |= hybrid_advantage(batch, cfg)
+        else:
+            metrics |= compute_advantage(batch, cfg.algorithm, s.kl_ctrl)
+    # 6. PPO update, then the new weights to the rollout engine
+    with timer("update_actor", timings):
+        metrics |= metrics_of(roles.actor.update_actor(batch))
+    with timer("update_weights", timings):
+        metrics |= roles.sync_weights()
+    return batch
+
+
 def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:
-    hybrid = cfg.algorithm.adv_estimator == "hybrid"
     validator = PassAtK(cfg.eval.pass_k, cfg.eval.temperature)
     session = Session(cfg, run, recipe, validator=validator, **role_classes(cfg))  # tool env generates
-    roles = session.roles
     try:
-        prm = PRMRole(cfg, run, roles) if cfg.prm.enable else None  # own pool, or the rollout group
+        prm = PRMRole(cfg, run, session.roles) if cfg.prm.enable else None  # own pool, or the rollout group
     except BaseException:
-        roles.shutdown()
+        session.roles.shutdown()
         raise
     try:
-        with session:  # weights -> rollout engine, validation before training; on exit: plot, shutdown
-            for batch in session.steps():
-                metrics, timings = {}, {}
-                with timer("step", timings):
-                    # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox
-                    with timer("gen", timings):
-                        batch = roles.generate(batch, rollout_meta(cfg, session.state.step))
-                    # 2. outcome reward (the \boxed{} answer), log-probs under the policy and the reference
-                    batch = score_and_log_probs(cfg, roles, batch, timings)
-                    # 3. process reward model: step votes and bridge thoughts
-                    if prm is not None:
-                        with timer("prm", timings):
-                            batch = batch.union(prm.score(batch))
-                    # 4. the hint-conditioned teacher's log-probs of the policy's tokens (OPD)
-                    if hybrid:
-                        with timer("teacher", timings):
-                            add_teacher_hints(batch, cfg.hybrid.hint_template)
-                            batch = batch.union(roles.ref.compute_teacher_log_prob(batch))
-                    # 5. advantages on the controller
-                    with timer("adv", timings):
-                        if hybrid:
-                            metrics |= hybrid_advantage(batch, cfg)
-                        else:
-                            metrics |= compute_advantage(batch, cfg.algorithm, session.kl_ctrl)
-                    # 6. PPO update, then the new weights to the rollout engine
-                    with timer("update_actor", timings):
-                        metrics |= metrics_of(roles.actor.update_actor(batch))
-                    with timer("update_weights", timings):
-                        metrics |= roles.sync_weights()
-                session.end_step(batch, metrics, timings)  # metrics; validation / checkpoint when due; log
+        return session.train(partial(hybrid_step, prm=prm))  # per step; validation / checkpoint when due
     finally:
         if prm is not None:
             prm.close()
-    return session.result()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,12 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(RECIPE, argv)
     run = start_run(cfg, RECIPE)
     print(f"[{RECIPE}] run dir {run.dir}; model {run.model_path}; advantage {cfg.algorithm.adv_estimator}")
-    if cfg.sft.enable:
-        run.model_path = warm_start(cfg, run, replayed(cfg, run, reference_batch, "demonstrations"))
+    run.model_path = warm_start(cfg, run, replayed(reference_batch, "demonstrations"))
     result = train(cfg, run)
     vals = result["val_history"]
     k = max(cfg.eval.pass_k)
-    wall = time.perf_counter() - t0
     print()
     if vals:
         first, last = vals[0][1], vals[-1][1]
@@ -115,9 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{last[f'val/pass@{k}']:.3f}  ({int(last['val/num_problems'])} held-out problems, step "
             f"{vals[0][0]} -> {vals[-1][0]})"
         )
-    print(f"metrics:     {result['metrics_file']}")
-    print(f"wall time:   {wall:.0f}s")
-    return {**result, "wall_s": wall, "model_path": run.model_path}
+    return {**result, "wall_s": print_summary(result, t0), "model_path": run.model_path}
 
 
 if __name__ == "__main__":

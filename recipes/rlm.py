@@ -23,7 +23,16 @@ import time
 
 from recipes import grpo
 from recipes.schemas import RLMConfig
-from recipes.trainer import Run, cli, parse_args, replayed, start_run, warm_start
+from recipes.trainer import (
+    Run,
+    cli,
+    parse_args,
+    print_accuracy_change,
+    print_summary,
+    replayed,
+    start_run,
+    warm_start,
+)
 from workers.agents.env_worker import env_role_classes
 from workers.agents.replay import reference_batch
 
@@ -37,21 +46,11 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args("rlm", argv)
     run = start_run(cfg, "rlm")
     print(f"[rlm] run dir {run.dir}; model {run.model_path}; data {run.train_files[0]}")
-    if cfg.sft.enable:
-        run.model_path = warm_start(cfg, run, replayed(cfg, run, reference_batch, "reference trajectories"))
+    run.model_path = warm_start(cfg, run, replayed(reference_batch, "reference trajectories"))
     result = train(cfg, run)
-    vals = result["val_history"]
-    before, after = (vals[0][1]["val/accuracy"], vals[-1][1]["val/accuracy"]) if vals else (float("nan"),) * 2
-    wall = time.perf_counter() - t0
     print()
-    if vals:
-        n = int(vals[-1][1]["val/num_samples"])
-        print(f"RLM success rate {before:.2f} -> {after:.2f}  (greedy, {n} held-out problems, "
-              f"step {vals[0][0]} -> step {vals[-1][0]})")  # fmt: skip
-    print(f"curves:      {result['plot']}")
-    print(f"metrics:     {result['metrics_file']}")
-    print(f"wall time:   {wall:.0f}s")
-    return {**result, "val_before": before, "val_after": after, "wall_s": wall}
+    before, after = print_accuracy_change(result["val_history"], "RLM success rate")
+    return {**result, "val_before": before, "val_after": after, "wall_s": print_summary(result, t0)}
 
 
 if __name__ == "__main__":

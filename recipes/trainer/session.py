@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 from algorithms import get_kl_controller
 from dataproto import DataProto
-from recipes.config import RecipeConfig
+from recipes.schemas import RecipeConfig
 from recipes.trainer.checkpoint import hold_interrupts
 from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_batches
 from recipes.trainer.metrics import compute_data_metrics, compute_throughput, timer, timing_metrics

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from dataproto import DataProto
-from recipes.config import QuickstartConfig
+from recipes.schemas import QuickstartConfig
 from recipes.trainer.data import sft_batches, sft_loader
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import build_actor_group, metrics_of
