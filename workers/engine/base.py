@@ -132,11 +132,15 @@ class TrainEngine(Protocol):
     device: torch.device
     dp_size: int
     dp_rank: int
+    dp_group: dist.ProcessGroup | None  # None: one replica, nothing to reduce over
     is_value_model: bool
     global_step: int  # applied optimizer steps
     skipped_steps: int  # steps dropped for a non-finite gradient norm
     hf_config: Any  # the model's transformers config; ``architectures`` names the class it was loaded as
     generation_config: Any  # transformers GenerationConfig of a causal LM, None for a critic
+
+    def dp_all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``t`` reduced over ``dp_group`` (identity without one), on CPU."""
 
     def compute_log_prob(self, data, **kwargs) -> dict[str, torch.Tensor]: ...
 

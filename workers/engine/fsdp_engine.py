@@ -165,11 +165,9 @@ class FSDPEngine(EngineSteps):
 
     # -- small helpers --------------------------------------------------------------------------------------
 
-    def _dp_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.use_fsdp:
-            t = t.to(self.device)
-            dist.all_reduce(t, op=op, group=self.device_mesh.get_group())
-        return t
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.device_mesh.get_group() if self.use_fsdp else None
 
     def _autocast(self):
         if self.mixed_precision and not self.use_fsdp and self.device.type == "cuda":
@@ -181,7 +179,7 @@ class FSDPEngine(EngineSteps):
     ) -> list[list[int]]:
         """Micro-batches for this rank, padded with empty ones so that every DP rank runs the same count."""
         parts = plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
-        k = int(self._dp_reduce(torch.tensor(len(parts)), dist.ReduceOp.MAX).item())
+        k = int(self.dp_all_reduce(torch.tensor(len(parts)), dist.ReduceOp.MAX).item())
         if k > len(parts):
             parts = plan_micro_batches(
                 lengths,
@@ -293,7 +291,7 @@ class FSDPEngine(EngineSteps):
         if grads:
             norms = torch._foreach_norm([g.float() for g in grads])
             sq = torch.stack(norms).pow(2).sum().to(self.device)
-        return float(self._dp_reduce(sq).sqrt())
+        return float(self.dp_all_reduce(sq).sqrt())
 
     # -- weights out ----------------------------------------------------------------------------------------
 
@@ -348,7 +346,7 @@ class FSDPEngine(EngineSteps):
     # -- checkpoints (workers/engine/checkpoint.py) ----------------------------------------------------------
 
     def checkpoint_group(self) -> dist.ProcessGroup | None:
-        return self.device_mesh.get_group() if self.use_fsdp else None
+        return self.dp_group
 
     def checkpoint_layout(self) -> dict:
         return {"value_head": self.is_value_model}  # DCP reshards FSDP shards to any DP size

@@ -3,7 +3,7 @@ them ``compute_log_prob`` / ``compute_values`` / ``train_step`` (the mini-batch 
 that skips a non-finite gradient norm, the metrics) and ``state_dict`` / ``load_state_dict``, plus the pieces
 of a step: the loss mask, the seeded mini-batch order, the global token/sequence counts a loss normalises by,
 and the checked call of the user's ``loss_fn``. An engine supplies the passes themselves (`_forward`,
-`_backward_mini_batch`), its data-parallel reduction, its gradients and their norm, and its model state."""
+`_backward_mini_batch`), its data-parallel group, its gradients and their norm, and its model state."""
 
 from __future__ import annotations
 
@@ -136,6 +136,7 @@ class EngineSteps:
     skipped_steps: int
     dp_size: int
     dp_rank: int
+    device: torch.device
     is_value_model: bool
     _offloaded: bool  # parameters moved off the device (train_step refuses until reload)
 
@@ -153,10 +154,6 @@ class EngineSteps:
         Returns this rank's summed loss (float64) and the metrics of each micro-batch."""
         raise NotImplementedError
 
-    def _dp_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """``t`` reduced over the data-parallel ranks (identity with one)."""
-        raise NotImplementedError
-
     def _grads(self) -> list[torch.Tensor]:
         """This rank's gradient tensors (clipping scales them in place)."""
         raise NotImplementedError
@@ -171,6 +168,20 @@ class EngineSteps:
 
     def _load_model_state(self, state: dict) -> None:
         raise NotImplementedError
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel process group; None where there is nothing to reduce over (one replica)."""
+        raise NotImplementedError
+
+    def dp_all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``t`` reduced over the data-parallel group (on the device: NCCL reduces CUDA tensors only); the
+        result on CPU. Identity with one replica."""
+        group = self.dp_group
+        if group is not None:
+            t = t.to(self.device)
+            dist.all_reduce(t, op=op, group=group)
+        return t.cpu()
 
     # -- forward --------------------------------------------------------------------------------------------
 
@@ -253,7 +264,7 @@ class EngineSteps:
         if n % mbs:
             raise ValueError(f"train_step: {n} rows on this rank is not a multiple of mini_batch_size={mbs}")
         num_mini = n // mbs
-        check = self._dp_reduce(torch.tensor([num_mini, -num_mini]), dist.ReduceOp.MAX)
+        check = self.dp_all_reduce(torch.tensor([num_mini, -num_mini]), dist.ReduceOp.MAX)
         if int(check[0]) != -int(check[1]):
             raise ValueError(
                 f"train_step: DP ranks have different numbers of mini-batches (max {int(check[0])}, min "
@@ -270,7 +281,7 @@ class EngineSteps:
             )
             for mi in range(num_mini):
                 rows = order[mi * mbs : (mi + 1) * mbs].tolist()
-                counts = self._dp_reduce(mask_counts(loss_mask[rows]))
+                counts = self.dp_all_reduce(mask_counts(loss_mask[rows]))
                 context = functools.partial(
                     LossContext,
                     global_num_tokens=float(counts[0]),
@@ -288,7 +299,7 @@ class EngineSteps:
                 for m in micro_metrics:
                     for k, v in m.items():
                         extra.setdefault(k, []).append(v)
-                losses.append(float(self._dp_reduce(step_loss)))
+                losses.append(float(self.dp_all_reduce(step_loss)))
                 lrs.append(self.optimizer.param_groups[0]["lr"])
                 grad_norm, applied = self._clip_and_step()
                 grad_norms.append(grad_norm)

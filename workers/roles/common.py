@@ -22,7 +22,6 @@ import os
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from algorithms import LOSS_AGG_MODES
 from controller import Dispatch, Worker, register
@@ -35,6 +34,7 @@ from workers.engine import (
     LossContext,
     MegatronConfig,
     OptimConfig,
+    TrainEngine,
     export_hf,
     load_checkpoint,
     save_checkpoint,
@@ -155,18 +155,6 @@ def token_share(mean_value: torch.Tensor | float, mask: torch.Tensor, ctx: LossC
     return float(mean_value) * local_tokens / max(float(ctx.global_num_tokens), 1.0)
 
 
-def all_reduce_sum(engine: FSDPEngine, t: torch.Tensor) -> torch.Tensor:
-    """SUM ``t`` over the engine's data-parallel group (identity for an unsharded engine); returns it on CPU."""
-    if hasattr(engine, "dp_group"):  # MegatronEngine: its DP group (None with one DP rank)
-        group = engine.dp_group
-    else:
-        group = engine.device_mesh.get_group() if engine.use_fsdp else None
-    if group is not None:
-        t = t.to(engine.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t.cpu()
-
-
 class StepMetrics:
     """Per-optimizer-step sums of metric contributions from a loss function, reduced over the DP group.
 
@@ -187,8 +175,8 @@ class StepMetrics:
         for name, value in values.items():
             self.sums[row, self._index[name]] += float(value)
 
-    def reduce(self, engine: FSDPEngine) -> dict[str, float]:
-        total = all_reduce_sum(engine, self.sums.clone())
+    def reduce(self, engine: TrainEngine) -> dict[str, float]:
+        total = engine.dp_all_reduce(self.sums.clone())
         return {name: float(total[:, i].mean()) for name, i in self._index.items()}
 
 

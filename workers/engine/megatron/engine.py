@@ -296,8 +296,7 @@ class MegatronEngine(EngineSteps):
             yield name, tensor.to(device=device, dtype=dtype or tensor.dtype, copy=True)
 
     @property
-    def dp_group(self):
-        """The data-parallel process group (None with one DP rank): role workers reduce metrics over it."""
+    def dp_group(self) -> dist.ProcessGroup | None:
         return self.ps.get_data_parallel_group() if self.dp_size > 1 else None
 
     @property
@@ -444,13 +443,6 @@ class MegatronEngine(EngineSteps):
         return {k: torch.cat([r[k] for r in results]) for k in results[0]}
 
     # -- training ------------------------------------------------------------------------------------------
-
-    def _dp_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Reduced over the data-parallel group (on the device: NCCL reduces CUDA tensors only); CPU result."""
-        if self.dp_size > 1:
-            t = t.to(self.device)
-            dist.all_reduce(t, op=op, group=self.ps.get_data_parallel_group())
-        return t.cpu()
 
     def _backward_mini_batch(
         self, call: EngineCall, rows: list[int], loss_fn: LossFn, context, calculate_entropy: bool

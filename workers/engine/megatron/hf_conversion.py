@@ -34,23 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.models.shape import DecoderShape
 from workers.weight_sync.reshard_plan import ParamSpec, hf_param_specs, stage_of_layer
 
 
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(DecoderShape):
     """The HF config facts the conversion needs."""
 
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
     value_head: bool = False  # critic: HF score.weight/bias [1, hidden] instead of lm_head
@@ -63,7 +56,6 @@ class ModelShape:
             raise ValueError(
                 f"Megatron conversion supports Qwen2/Llama/Mistral configs, got model_type={model_type!r} ({arch})"
             )
-        heads = cfg.num_attention_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         rope_type = rope.get("rope_type", "default")
@@ -72,16 +64,9 @@ class ModelShape:
                 f"Megatron conversion: rope_type {rope_type!r} is not supported (only 'default')"
             )
         return cls(
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
+            **DecoderShape.sizes_from_hf_config(cfg),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) and not value_head,
             qkv_bias=model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=float(theta),
             max_position_embeddings=cfg.max_position_embeddings,
             value_head=value_head,

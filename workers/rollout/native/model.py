@@ -41,22 +41,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from workers.models.shape import DecoderShape
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(DecoderShape):
     """The shape facts of a decoder-only LM that the forward pass needs."""
 
     model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
     hidden_act: str
     qkv_bias: bool
     o_bias: bool
@@ -94,17 +88,9 @@ def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
         raise NotImplementedError(f"RoPE type {rope_type!r} depends on the sequence length")
     layer0 = model.model.layers[0]
     attn, mlp = layer0.self_attn, layer0.mlp
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return ModelSpec(
+        **DecoderShape.sizes_from_hf_config(cfg),
         model_type=cfg.model_type,
-        num_layers=cfg.num_hidden_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size,
-        rms_norm_eps=cfg.rms_norm_eps,
         hidden_act=cfg.hidden_act,
         qkv_bias=attn.q_proj.bias is not None,
         o_bias=attn.o_proj.bias is not None,
