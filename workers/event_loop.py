@@ -1,4 +1,5 @@
-"""``LoopThread``: a private asyncio event loop on a daemon thread, for synchronous code that drives async code.
+"""Two ways synchronous code drives async code: ``LoopThread``, a private asyncio event loop on a daemon thread,
+and ``CallerLoop``, a loop that the calling thread runs (an engine's own loop).
 
 Shared by the REPL sandbox (its synchronous API) and the agent environments (engines and sandboxes stay bound
 to one loop across calls); it lives here, beside both, so neither imports the other for it.
@@ -11,7 +12,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread"]
+__all__ = ["CallerLoop", "LoopThread"]
 
 T = TypeVar("T")
 
@@ -46,3 +47,18 @@ class LoopThread:
             self.thread.join(timeout=10)
         if not self.thread.is_alive() and not self.loop.is_closed():
             self.loop.close()
+
+
+class CallerLoop:
+    """An event loop that the calling thread drives (``run`` = ``run_until_complete``), for an engine whose replies
+    are read on its own loop between calls: SGLang's adapter (its async calls must run on ``engine.loop``, where
+    SGLang's reply reader lives; a loop on another thread would send requests whose replies nobody reads)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def stop(self) -> None:  # the engine owns the loop
+        pass

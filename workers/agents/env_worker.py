@@ -35,12 +35,10 @@ building an engine.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 import uuid
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -52,37 +50,13 @@ from workers.agents.llm import EngineLLM
 from workers.agents.loop import AgentEnvConfig, AgentJob, AgentLoop, LoopContext, agent_loop_class
 from workers.agents.trajectory import Trajectory
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
-from workers.event_loop import LoopThread
+from workers.event_loop import CallerLoop, LoopThread
 from workers.models import load_tokenizer
 from workers.roles.actor_rollout import ActorRolloutWorker
 from workers.roles.rollout import RolloutWorker, is_sglang, rollout_sampling_meta
 from workers.sandbox import ReplSandbox
 
-__all__ = [
-    "ActorRolloutEnvWorker",
-    "CallerLoop",
-    "EnvWorker",
-    "EnvWorkerMixin",
-    "env_role_classes",
-    "query_of",
-]
-
-T = TypeVar("T")
-
-
-class CallerLoop:
-    """An event loop that the calling thread drives (``run`` = ``run_until_complete``), for an engine whose replies
-    are read on its own loop between calls: SGLang's adapter (its async calls must run on ``engine.loop``, where
-    SGLang's reply reader lives; a loop on another thread would send requests whose replies nobody reads)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.loop.run_until_complete(coro)
-
-    def stop(self) -> None:  # the engine owns the loop
-        pass
+__all__ = ["ActorRolloutEnvWorker", "EnvWorker", "EnvWorkerMixin", "env_role_classes", "query_of"]
 
 
 def query_of(raw_prompt, extra_info) -> str:
