@@ -36,6 +36,10 @@ def test_rlm_recipe_colocated(ray_session, tmp_path):
     result = rlm.main([*TINY, f"trainer.default_local_dir={tmp_path}"])
     assert result["step"] == 1
     assert [s for s, _ in result["val_history"]] == [0, 1]  # success rate before and after
+    # the session validated (rlm.yaml: trainer.val_before_train, trainer.test_freq) through the env role
+    assert result["history"][0]["step"] == 0 and "val/accuracy" in result["history"][0]
+    for _, val in result["val_history"]:
+        assert val["val/num_samples"] == 2 and "val-env/turns/mean" in val and "val-env/finished_frac" in val
     assert 0.0 <= result["val_before"] <= 1.0 and 0.0 <= result["val_after"] <= 1.0
 
     batch = result["last_batch"]
