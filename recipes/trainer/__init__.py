@@ -3,20 +3,22 @@
 
 * ``run``: command line -> validated config; run directory, resolved config saved, tiny model and task data
   prepared, Ray started (``parse_args``, ``start_run``, ``cli``)
-* ``session``: ``Session`` -- data, roles, KL controller, resume, tracker around the step loop; validation
-  (``should_validate``, the recipe's validator), checkpoints, export
+* ``session``: ``Session`` -- data, roles, KL controller, resume, tracker; ``Session.train(step)`` runs a
+  recipe's step function with validation (``should_validate``, the recipe's validator), checkpoints, export;
+  ``print_summary`` of a finished run
 * ``roles``: resource pools and WorkerGroups for ``trainer.placement`` colocated / disaggregated
   (``build_roles``; ``Roles.generate``, ``Roles.sync_weights``), ``metrics_of`` a worker call
 * ``steps``: sampling settings with per-step seeds, reward + log-probs, advantages on the controller, ``due``,
   trainer state + checkpoint save/resume
-* ``validation``: one generate -> score loop on the held-out prompts; ``greedy_accuracy``, ``PassAtK``
+* ``validation``: one generate -> score loop on the held-out prompts; ``greedy_accuracy``, ``PassAtK``,
+  ``print_accuracy_change``
 * ``warm_start``: the supervised warm start on demonstrations or replayed trajectories, exported for RL
 * ``data``: resumable prompt batches, validation batches, SFT batches
 * ``metrics``: verl-named data / timing / throughput / validation metrics, ``timer``
 * ``tracking``: console line, tqdm bar, metrics.jsonl, TensorBoard, wandb, curves.png
 * ``checkpoint``: checkpoint layout, ``latest_step`` marker, Ctrl-C-safe saves
-* ``reward``, ``rlm``, ``hybrid``: the reward worker with the tasks' scorers; the RLM and tool-environment
-  recipes' pieces (imported from their modules, not re-exported here)
+* ``reward``, ``hybrid``: the reward worker with the tasks' scorers; the hybrid recipe's PRM role, teacher
+  hints and advantage (imported from their modules, not re-exported here)
 """
 
 from recipes.trainer.checkpoint import hold_interrupts, latest_step
