@@ -125,7 +125,8 @@ class TrainEngine(Protocol):
     what checkpointing (`workers.engine.checkpoint`) saves, like torchtitan's ``Stateful`` components.
 
     ``state_dict()`` / ``load_state_dict()`` round-trip the whole training state (model, optimizer, LR
-    schedule, step counters) in DCP form: keys are unique per distinct shard, replicas share keys. Methods
+    schedule, step counters) in DCP form: keys are unique per distinct shard, replicas share keys, and every
+    entry exists before the first step (DCP loads in place; `train_steps.module_state` gives that). Methods
     that run the model, `full_state_dict_iter` and the state dict are collective over the engine's ranks."""
 
     config: EngineConfig
