@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.models.tp_split import LAYER_TP_SPLIT
+
 
 @dataclass(frozen=True)
 class TrainLayout:
@@ -133,23 +135,6 @@ class ParamSpec:
 # ------------------------------------------------------------------ HF Qwen2 / Llama parameter specs
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# TP split dimension of the per-layer HF weights (Megatron: column parallel = 0, row parallel = 1)
-_LAYER_SPLIT = {
-    "self_attn.q_proj.weight": 0,
-    "self_attn.q_proj.bias": 0,
-    "self_attn.k_proj.weight": 0,
-    "self_attn.k_proj.bias": 0,
-    "self_attn.v_proj.weight": 0,
-    "self_attn.v_proj.bias": 0,
-    "self_attn.o_proj.weight": 1,
-    "mlp.gate_proj.weight": 0,
-    "mlp.up_proj.weight": 0,
-    "mlp.down_proj.weight": 1,
-    "input_layernorm.weight": None,
-    "post_attention_layernorm.weight": None,
-    "self_attn.q_norm.weight": None,  # Qwen3: per-head norms, replicated
-    "self_attn.k_norm.weight": None,
-}
 _TOP_SPLIT = {
     "model.embed_tokens.weight": 0,
     "lm_head.weight": 0,
@@ -185,9 +170,9 @@ def hf_param_specs(
         match = _LAYER.match(name)
         if match:
             layer, rest = int(match.group(1)), match.group(2)
-            if rest not in _LAYER_SPLIT:
+            if rest not in LAYER_TP_SPLIT:
                 raise ValueError(f"parameter {name!r}: no tensor-parallel rule for {rest!r}")
-            split, stage = _LAYER_SPLIT[rest], stage_of_layer(layer, num_layers, pp)
+            split, stage = LAYER_TP_SPLIT[rest], stage_of_layer(layer, num_layers, pp)
             if rest.startswith("self_attn.q_proj"):
                 units = num_heads
             elif rest.startswith(("self_attn.k_proj", "self_attn.v_proj")):

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from workers.models.shape import DecoderShape
+from workers.models.tp_split import LAYER_TP_SPLIT
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -100,23 +101,6 @@ def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
     )
 
 
-# Tensor-parallel split dimension of each per-layer HF parameter (absent: replicated). Column parallel = 0,
-# row parallel = 1; the same rules as reshard_plan.py's _LAYER_SPLIT. o_proj / down_proj biases are
-# replicated: they are added once, after the all_reduce.
-TP_SPLIT_DIM = {
-    "self_attn.q_proj.weight": 0,
-    "self_attn.q_proj.bias": 0,
-    "self_attn.k_proj.weight": 0,
-    "self_attn.k_proj.bias": 0,
-    "self_attn.v_proj.weight": 0,
-    "self_attn.v_proj.bias": 0,
-    "self_attn.o_proj.weight": 1,
-    "mlp.gate_proj.weight": 0,
-    "mlp.gate_proj.bias": 0,
-    "mlp.up_proj.weight": 0,
-    "mlp.up_proj.bias": 0,
-    "mlp.down_proj.weight": 1,
-}
 VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -124,7 +108,7 @@ def tp_split_dim(name: str) -> int | None:
     """The dimension tensor parallelism cuts HF parameter ``name`` along (None: replicated)."""
     if not name.startswith("model.layers."):
         return None
-    return TP_SPLIT_DIM.get(name.split(".", 3)[3])
+    return LAYER_TP_SPLIT.get(name.split(".", 3)[3])
 
 
 def tp_local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
