@@ -365,6 +365,7 @@ def verify_checkpoint(path: str | os.PathLike, group: dist.ProcessGroup | None =
     except CheckpointError as e:
         err = e
     _raise_any(group, err)
+    assert manifest is not None  # _raise_any raised otherwise
     files = manifest["files"]
     hashes = _hash_share(group, path, sorted(files))
     for rel in sorted(files):

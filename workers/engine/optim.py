@@ -21,7 +21,7 @@ def lr_lambda_for(cfg: OptimConfig) -> Callable[[int], float]:
             return (step + 1) / warmup
         if cfg.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warmup) / max(1, cfg.total_steps - warmup))
+        progress = min(1.0, (step - warmup) / max(1, (cfg.total_steps or 0) - warmup))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return fn
@@ -36,6 +36,10 @@ def build_optimizer(
         model.requires_grad_(False)
         return None, None
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        model.parameters(),
+        lr=cfg.lr,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(cfg))

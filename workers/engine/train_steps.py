@@ -310,17 +310,19 @@ class EngineSteps:
     def _clip_and_step(self) -> tuple[float, bool]:
         """Clip to ``optim.grad_clip`` and step; a non-finite norm drops the gradients instead (the optimizer
         and the LR schedule do not advance; ``skipped_steps`` counts it). Returns (pre-clip norm, applied)."""
+        optimizer, schedule, optim = self.optimizer, self.lr_scheduler, self.config.optim
+        assert optimizer is not None and schedule is not None and optim is not None  # train_step checked it
         norm = self.grad_norm()
         if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             return norm, False
-        clip = self.config.optim.grad_clip
+        clip = optim.grad_clip
         if clip and clip > 0 and norm > clip:
             torch._foreach_mul_(self._grads(), clip / (norm + 1e-6))
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         return norm, True
 
