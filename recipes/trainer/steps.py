@@ -1,5 +1,6 @@
-"""The pieces of one RL step that every recipe shares: sampling settings, advantages on the controller, when a
-periodic action is due, reward-error checks, and the trainer state kept in checkpoints."""
+"""The pieces of one RL step that every recipe shares: sampling settings, reward and log-probs
+(``score_and_log_probs``), advantages on the controller, when a periodic action is due, reward-error checks,
+and the trainer state kept in checkpoints."""
 
 from __future__ import annotations
 
