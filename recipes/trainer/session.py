@@ -110,7 +110,8 @@ class Session:
         each followed by ``end_step``; returns ``result()``."""
         with self:
             for batch in self.steps():
-                metrics, timings = {}, {}
+                metrics: dict[str, float] = {}
+                timings: dict[str, float] = {}
                 with timer("step", timings):
                     batch = step(self, batch, metrics, timings)
                 self.end_step(batch, metrics, timings)
