@@ -26,6 +26,7 @@ kept in ``result()["val_history"]``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -186,7 +187,9 @@ def print_summary(result: dict, t0: float) -> float:
         "exported model": result["hf_model"],
         "curves": result["plot"],
         "metrics": result["metrics_file"],
-        "TensorBoard": f"tensorboard --logdir {result['tensorboard']}",
+        "TensorBoard": f"tensorboard --logdir {result['tensorboard']}"
+        if os.path.isdir(result["tensorboard"])
+        else None,
         "wall time": f"{wall:.0f}s",
     }
     for what, where in lines.items():
