@@ -25,6 +25,9 @@ import sys
 import time
 
 from benchmarks.common import print_table, write_json
+from recipes import grpo
+from recipes.config import load_config
+from recipes.trainer import demonstrations, start_run, warm_start
 
 
 def _summary(engine: str, result: dict, wall_s: float, load: tuple) -> dict:
@@ -51,10 +54,6 @@ def _summary(engine: str, result: dict, wall_s: float, load: tuple) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    from recipes import grpo
-    from recipes.config import load_config
-    from recipes.trainer import demonstrations, start_run, warm_start
-
     out_dir = "outputs/bench_sglang_vs_native"
     base = load_config("quickstart", [*argv, f"trainer.default_local_dir={out_dir}/sft"])
     run = start_run(base, "quickstart")  # tiny model, task data, Ray

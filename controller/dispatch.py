@@ -66,6 +66,7 @@ class DispatchMode:
 
     def collect(self, wg, outputs: list):
         if self.chunk_ranks_fn is None:
+            assert self.collect_fn is not None  # every mode has a collect_fn or a chunk_ranks_fn
             return self.collect_fn(wg, outputs)
         ranks = self.chunk_ranks_fn(wg)
         return concat_chunks(wg, [outputs[r] for r in ranks], ranks, self.name)

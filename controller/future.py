@@ -37,7 +37,7 @@ class DataProtoFuture:
         self._chunk_positions = None if chunk_positions is None else list(chunk_positions)
         self._timeout_s = timeout_s
         self._started = time.perf_counter() if started is None else started
-        self._result = None
+        self._result: object = None
         self.resolved = False  # True once the controller fetched and collected the outputs
 
     @property

@@ -244,7 +244,7 @@ class RayWorkerGroup:
             ranks,
             collect=partial(mode.collect, self),
             pad_size=dispatched.pad_size,
-            chunk_positions=mode.chunk_ranks_fn(self) if mode.chunked else None,
+            chunk_positions=mode.chunk_ranks_fn(self) if mode.chunk_ranks_fn is not None else None,
             timeout_s=gm.timeout_s if gm.timeout_s is not None else self._default_timeout(args, kwargs),
             started=started,
         )

@@ -21,7 +21,7 @@ import copy
 import os
 import pickle
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +70,7 @@ class DataProto:
     def __init__(
         self,
         batch: dict[str, torch.Tensor] | None = None,
-        non_tensor_batch: dict[str, np.ndarray] | None = None,
+        non_tensor_batch: Mapping[str, np.ndarray | list | tuple] | None = None,
         meta_info: dict | None = None,
     ):
         self.batch: dict[str, torch.Tensor] = dict(batch or {})
