@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 
 from recipes import placement_cost_model as cm
+from recipes import ppo
 from recipes.config import ConfigError, load_config
+from recipes.trainer.run import resolve_device, start_run
 from resource_pools.plans import PlacementPlan, placement_plan
 
 STAGES = list(cm.STAGE_ROLES) + ["adv"]
@@ -187,9 +189,6 @@ def mean_workload(works: list[cm.Workload]) -> cm.Workload:
 
 
 def run_placement(plan: PlacementPlan, args, out_dir: Path) -> dict:
-    from recipes import ppo
-    from recipes.trainer.run import start_run
-
     name = cm.describe(plan)
     run_dir = out_dir / "runs" / name.replace("(", "_").replace(")", "").replace(",", "_").replace("=", "")
     overrides = [
@@ -392,8 +391,6 @@ def main(argv: list[str] | None = None) -> dict:
         if own_ray:
             ray.shutdown()
     cfg = next(iter(runs.values()))["cfg"]
-    from recipes.trainer.run import resolve_device
-
     use_gpu = resolve_device(cfg)
     limit = args.parallel_limit or (math.inf if use_gpu else float(os.cpu_count() or 1))
     report = {

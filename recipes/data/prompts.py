@@ -10,6 +10,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
+from dataproto import DataProto
 from recipes.data.loader import ResumableLoader
 from recipes.data.reading import read_rows, render_prompt, tokenize_texts
 
@@ -201,9 +202,5 @@ class PromptDataLoader(ResumableLoader):
 
 
 def to_dataproto(batch: dict):
-    """Build a ``dataproto.DataProto`` from a ``collate_prompts`` dict (needs the dataproto package)."""
-    try:
-        from dataproto import DataProto
-    except ImportError as e:
-        raise ImportError("to_dataproto needs the dataproto package (dataproto.DataProto)") from e
+    """Build a ``DataProto`` from a ``collate_prompts`` dict."""
     return DataProto.from_dict(batch["tensors"], batch["non_tensors"], batch["meta_info"])

@@ -25,6 +25,7 @@ from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from recipes.schemas import HybridConfig
 from recipes.trainer.roles import Roles
+from resource_pools import ResourcePoolManager
 from workers.agents.env_worker import ActorRolloutEnvWorker, EnvWorker, env_role_classes
 from workers.math_env.env_loop import MathToolEnvConfig
 from workers.prm.worker import PRMConfig, PRMMixin, PRMWorker
@@ -78,8 +79,6 @@ class PRMRole:
         if not self.own:
             self.wg = roles.rollout
             return
-        from resource_pools import ResourcePoolManager
-
         self.manager = ResourcePoolManager({"prm_pool": [1]}, {"prm": "prm_pool"}, use_gpu=run.use_gpu)
         self.manager.create_resource_pools()
         try:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from controller import Dispatch, register
 from dataproto import DataProto
+from recipes.tasks import DATA_SOURCES, compute_score
 from workers.reward import SCORERS, register_scorer
 from workers.roles import RewardWorker
 from workers.roles.reward import RM_SCORE_INPUTS
@@ -25,8 +26,6 @@ from workers.roles.reward import RM_SCORE_INPUTS
 
 def register_task_scorers() -> list[str]:
     """Register ``recipes.tasks.compute_score`` for every task data source without a scorer; returns them."""
-    from recipes.tasks import DATA_SOURCES, compute_score
-
     added = []
     for source in DATA_SOURCES:
         if source not in SCORERS:

@@ -28,10 +28,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.config import ConfigError, load_config, save_config
+import ray
+
+from recipes.config import ConfigError, load_config, save_config, to_yaml
 from recipes.schemas import RecipeConfig
 from recipes.sections import device_counts
+from recipes.tasks import make_dataset
+from workers.config import ModelConfig
 from workers.engine.checkpoint import CheckpointError
+from workers.models import load_tokenizer
+from workers.models.tiny import ensure_tiny_model
 
 logger = logging.getLogger("recipes")
 
@@ -70,8 +76,6 @@ def parse_args(recipe: str, argv: list[str] | None = None) -> RecipeConfig:
     except ConfigError as err:
         parser.exit(2, f"config error: {err}\n")
     if args.print_config:
-        from recipes.config import to_yaml
-
         print(to_yaml(cfg))
         sys.exit(0)
     return cfg
@@ -111,8 +115,6 @@ def resolve_model(cfg: RecipeConfig) -> str:
         if not Path(cfg.model.path).expanduser().exists():
             raise ConfigError(f"model.path={cfg.model.path!r} does not exist")
         return str(Path(cfg.model.path).expanduser())
-    from workers.models.tiny import ensure_tiny_model
-
     return ensure_tiny_model(cfg.model.tiny_size, seed=cfg.model.tiny_seed)
 
 
@@ -128,8 +130,6 @@ def resolve_data(cfg: RecipeConfig, run_dir: Path) -> tuple[list[str], list[str]
     paths = {"train": str(out / "train.parquet"), "val": str(out / "val.parquet")}
     have = json.loads(marker.read_text()) if marker.is_file() else None
     if have != want or not all(os.path.isfile(p) for p in paths.values()):
-        from recipes.tasks import make_dataset
-
         paths = make_dataset(t.name, out, n_train=t.n_train, n_val=t.n_val, seed=t.seed, **t.knobs)
         marker.write_text(json.dumps(want, indent=1) + "\n")
     val = list(cfg.data.val_files) or [paths["val"]]
@@ -213,10 +213,6 @@ def write_run_config(cfg: RecipeConfig, run_dir: Path) -> None:
 
 def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
     """Create the run directory, save the resolved config, prepare model and data, start Ray."""
-    import ray
-
-    from workers.models import load_tokenizer
-
     use_gpu = resolve_device(cfg)
     if start_ray and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         check_local_capacity(cfg, use_gpu)  # before anything is written or started
@@ -233,8 +229,6 @@ def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
 
 def model_config(cfg: RecipeConfig, path: str):
     """The workers' ModelConfig (workers/config.py) for ``path`` with the model section's settings."""
-    from workers.config import ModelConfig
-
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     kwargs = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k in names}
     kwargs["path"] = path
