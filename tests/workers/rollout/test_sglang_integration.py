@@ -308,6 +308,24 @@ def test_shutdown_stops_exactly_the_engine_processes(tiny):
         bystander.wait()
 
 
+def test_shutdown_closes_this_process_zmq_channels(tiny):
+    """The engine's sockets in this process (RPC, tokenizer <-> scheduler/detokenizer) are closed at shutdown,
+    their contexts terminated: left to the garbage collector, a context whose socket still holds a message for
+    the killed engine blocks the collecting thread in ``Context.term`` forever (a test session hung so)."""
+    import zmq
+
+    from workers.rollout.sglang import SGLangRollout
+
+    path, tokenizer, _ = tiny
+    engine = SGLangRollout(make_config(path, tokenizer))
+    owners = (engine.life.engine, engine.life.engine.tokenizer_manager)
+    sockets = [v for o in owners for v in vars(o).values() if isinstance(v, zmq.Socket)]
+    assert len(sockets) >= 3 and not any(sock.closed for sock in sockets)
+    engine.shutdown()
+    assert all(sock.closed for sock in sockets)
+    assert all(sock.context.closed for sock in sockets)
+
+
 def test_dead_engine_raises_naming_engine_and_request(tiny):
     """The scheduler is killed while a batch decodes: the call raises instead of hanging, and this process
     (SGLang's handler would kill it) lives on; the engine's other processes are cleaned up."""

@@ -183,6 +183,13 @@ class EngineLifecycle:
         if self._in_sync_call and loop is not None:  # the blocking call would wait forever for its answer
             loop.call_soon_threadsafe(loop.stop)
 
+    def _close_ipc(self) -> None:
+        """Close this process's ends of the engine's zmq channels without lingering. Left to the garbage
+        collector, a context whose socket still holds a message for the killed engine blocks the collecting
+        thread in ``Context.term`` forever (seen: a test session hung in a later test's model construction)."""
+        for context in _zmq_contexts(self.engine, getattr(self.engine, "tokenizer_manager", None)):
+            context.destroy(linger=0)
+
     def _stop_watchdog(self) -> None:
         watchdog = getattr(getattr(self.engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
         if watchdog is not None:
@@ -211,9 +218,17 @@ class EngineLifecycle:
         atexit.unregister(self.shutdown)
         self._stop_watchdog()
         self._kill_processes()
+        self._close_ipc()
         loop = getattr(self.engine, "loop", None)
         if self.processes and loop is not None and threading.current_thread() is threading.main_thread():
             loop.remove_signal_handler(signal.SIGQUIT)
+
+
+def _zmq_contexts(*owners: Any) -> set:
+    """The zmq contexts of the sockets the engine keeps in this process (its RPC and tokenizer channels)."""
+    import zmq  # a dependency of sglang, only present where SGLang is installed
+
+    return {v.context for o in owners if o is not None for v in vars(o).values() if isinstance(v, zmq.Socket)}
 
 
 def _launch_failed(*_signal_args) -> None:
