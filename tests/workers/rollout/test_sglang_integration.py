@@ -368,3 +368,26 @@ def test_engine_that_fails_to_start_raises_and_leaves_no_processes(tiny, monkeyp
     time.sleep(1)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert _alive([p.pid for p in left if "resource_tracker" not in " ".join(p.cmdline())]) == []
+
+
+def test_engine_that_fails_to_start_leaves_no_open_zmq_sockets(tiny, monkeypatch):
+    """The half-built engine's channels in this process are closed when its start fails (the garbage
+    collector would otherwise block forever terminating their context)."""
+    import gc
+
+    import zmq
+
+    from workers.rollout.sglang import SGLangRollout
+
+    if DEVICE != "cpu":
+        pytest.skip("the start failure used here (SGLANG_CPU_OMP_THREADS_BIND) is the CPU engine's")
+
+    def open_sockets() -> set[int]:
+        return {id(o) for o in gc.get_objects() if isinstance(o, zmq.Socket) and not o.closed}
+
+    path, tokenizer, _ = tiny
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0")  # one entry for two ranks
+    before = open_sockets()
+    with pytest.raises(RuntimeError, match="died during initialization"):
+        SGLangRollout(make_config(path, tokenizer, tp_size=2))
+    assert open_sockets() - before == set()

@@ -78,8 +78,9 @@ class EngineLifecycle:
         before = set(_children())
         try:
             engine = make_engine(custom_sigquit_handler=_launch_failed)
-        except BaseException:
+        except BaseException as err:
             cls._kill([p for pid, p in _children().items() if pid not in before], name)
+            _close_zmq(_traceback_locals(err.__traceback__))  # the half-built engine's channels
             raise
         started = [p for pid, p in _children().items() if pid not in before]
         return cls(engine, name, started)
@@ -183,13 +184,6 @@ class EngineLifecycle:
         if self._in_sync_call and loop is not None:  # the blocking call would wait forever for its answer
             loop.call_soon_threadsafe(loop.stop)
 
-    def _close_ipc(self) -> None:
-        """Close this process's ends of the engine's zmq channels without lingering. Left to the garbage
-        collector, a context whose socket still holds a message for the killed engine blocks the collecting
-        thread in ``Context.term`` forever (seen: a test session hung in a later test's model construction)."""
-        for context in _zmq_contexts(self.engine, getattr(self.engine, "tokenizer_manager", None)):
-            context.destroy(linger=0)
-
     def _stop_watchdog(self) -> None:
         watchdog = getattr(getattr(self.engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
         if watchdog is not None:
@@ -218,17 +212,35 @@ class EngineLifecycle:
         atexit.unregister(self.shutdown)
         self._stop_watchdog()
         self._kill_processes()
-        self._close_ipc()
+        _close_zmq([self.engine, getattr(self.engine, "tokenizer_manager", None)])
         loop = getattr(self.engine, "loop", None)
         if self.processes and loop is not None and threading.current_thread() is threading.main_thread():
             loop.remove_signal_handler(signal.SIGQUIT)
 
 
-def _zmq_contexts(*owners: Any) -> set:
-    """The zmq contexts of the sockets the engine keeps in this process (its RPC and tokenizer channels)."""
-    import zmq  # a dependency of sglang, only present where SGLang is installed
+def _close_zmq(objects) -> None:
+    """Close the zmq sockets among ``objects`` and their attributes (the engine's channels in this process),
+    with their contexts, without lingering. Left to the garbage collector, a context whose socket still holds
+    a message for a dead engine blocks the collecting thread in ``Context.term`` forever (seen: a test session
+    hung in a later test's model construction)."""
+    import zmq  # sglang's dependency: present wherever an engine ran
 
-    return {v.context for o in owners if o is not None for v in vars(o).values() if isinstance(v, zmq.Socket)}
+    contexts = set()
+    for obj in objects:
+        for value in [obj, *(vars(obj).values() if hasattr(obj, "__dict__") else ())]:
+            if isinstance(value, zmq.Socket):
+                contexts.add(value.context)
+    for context in contexts:
+        context.destroy(linger=0)
+
+
+def _traceback_locals(tb) -> list:
+    """The local variables of every frame of a traceback (a constructor's half-built ``self`` among them)."""
+    out = []
+    while tb is not None:
+        out += list(tb.tb_frame.f_locals.values())
+        tb = tb.tb_next
+    return out
 
 
 def _launch_failed(*_signal_args) -> None:
