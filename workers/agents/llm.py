@@ -8,8 +8,8 @@
 
 ``conversation(messages, limit)`` starts a conversation: ``await respond(params)`` -> `ModelResponse`,
 ``add_user(text)`` appends an observation (False when it would not fit under the token limit);
-``complete(prompt, params)`` is one plain ``[user: prompt]`` completion. A request that cannot fit raises
-`ContextFull`.
+``complete(prompt, params)`` is one plain ``[user: prompt]`` completion (a `Completion`: text and token usage).
+A request that cannot fit raises `ContextFull`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "ChatConversation",
     "ChatFn",
     "ChatLLM",
+    "Completion",
     "ContextFull",
     "EngineLLM",
     "GenerateFn",
@@ -44,6 +45,17 @@ class ContextFull(BudgetSpent):
 
 
 @dataclass
+class Completion:
+    """One model call's text and token usage (``prompt_tokens``: the whole request; 0 where a client does not
+    report it)."""
+
+    text: str
+    completion_tokens: int
+    prompt_tokens: int = 0
+    model: str = ""
+
+
+@dataclass
 class ModelResponse:
     text: str
     token_ids: list[int]
@@ -52,6 +64,8 @@ class ModelResponse:
     prompt_ids: list[int]  # tokens appended since the previous response (the whole prompt for turn 0)
     prompt_text: str
     num_tokens: int  # generated tokens (for budgets)
+    prompt_tokens: int = 0  # the whole request's prompt (usage accounting), not only ``prompt_ids``
+    model: str = ""  # the LLM's name
 
     def turn(self, index: int) -> TrajectoryTurn:
         """The record of this response as turn ``index`` of a trajectory (its environment part still empty)."""
@@ -92,8 +106,8 @@ class EngineLLM:
     def conversation(self, messages, limit: int | None) -> TokenConversation:
         return TokenConversation(self, messages, limit)
 
-    async def complete(self, prompt: str, params: SamplingParams) -> tuple[str, int]:
-        """One plain completion of ``[user: prompt]``: (text, generated tokens)."""
+    async def complete(self, prompt: str, params: SamplingParams) -> Completion:
+        """One plain completion of ``[user: prompt]``."""
         ids = self.format.prompt_ids([{"role": "user", "content": prompt}])
         if self.max_model_len is not None:
             room = self.max_model_len - len(ids)
@@ -105,7 +119,7 @@ class EngineLLM:
             if params.max_new_tokens > room:
                 params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
         out = await self._generate(ids, params)
-        return self.format.decode(out.token_ids), len(out.token_ids)
+        return Completion(self.format.decode(out.token_ids), len(out.token_ids), len(ids), self.name)
 
 
 class TokenConversation:
@@ -141,6 +155,8 @@ class TokenConversation:
             prompt_ids=self.pending_ids,
             prompt_text=self.pending_text,
             num_tokens=len(ids),
+            prompt_tokens=len(self.ids),
+            model=self.llm.name,
         )
         self.ids = self.ids + ids
         self.pending_ids, self.pending_text = [], ""
@@ -161,8 +177,8 @@ class TokenConversation:
         return True
 
 
-ChatFn = Callable[..., Awaitable[tuple[str, int]]]
-"""``async chat(messages, max_tokens=, temperature=, top_p=, seed=, stop=) -> (text, completion tokens)``."""
+ChatFn = Callable[..., Awaitable[Completion]]
+"""``async chat(messages, max_tokens=, temperature=, top_p=, seed=, stop=) -> Completion``."""
 
 
 class ChatLLM:
@@ -178,7 +194,7 @@ class ChatLLM:
     def conversation(self, messages, limit: int | None) -> ChatConversation:
         return ChatConversation(self, messages)
 
-    async def complete(self, prompt: str, params: SamplingParams) -> tuple[str, int]:
+    async def complete(self, prompt: str, params: SamplingParams) -> Completion:
         return await self.chat([{"role": "user", "content": prompt}], **_chat_kwargs(params))
 
 
@@ -202,9 +218,19 @@ class ChatConversation:
         return 0
 
     async def respond(self, params: SamplingParams) -> ModelResponse:
-        text, n = await self.llm.chat(list(self.messages), **_chat_kwargs(params))
-        self.messages.append({"role": "assistant", "content": text})
-        resp = ModelResponse(text, [], [], "stop", [], self.pending_text, int(n))
+        out = await self.llm.chat(list(self.messages), **_chat_kwargs(params))
+        self.messages.append({"role": "assistant", "content": out.text})
+        resp = ModelResponse(
+            out.text,
+            [],
+            [],
+            "stop",
+            [],
+            self.pending_text,
+            int(out.completion_tokens),
+            prompt_tokens=int(out.prompt_tokens),
+            model=out.model or self.llm.name,
+        )
         self.pending_text = ""
         return resp
 

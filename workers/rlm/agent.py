@@ -320,10 +320,10 @@ class RLMAgent:
                         if model not in self.sub_llms:
                             raise ValueError(f"unknown model {model!r}; available: {sorted(self.sub_llms)}")
                         llm = self.sub_llms[model]
-                    text, n = await self._bounded(run, llm.complete(prompt, self._sampling(run, sub=True)))
-                    run.budget.tokens += n
-                    record["tokens"] = n
-                    result = text
+                    out = await self._bounded(run, llm.complete(prompt, self._sampling(run, sub=True)))
+                    run.budget.tokens += out.completion_tokens
+                    record["tokens"] = out.completion_tokens
+                    result = out.text
             except asyncio.CancelledError:
                 raise
             except TimeoutError:

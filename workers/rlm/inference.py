@@ -32,7 +32,7 @@ from typing import Any
 
 from workers.agents.batch import trajectory_json
 from workers.agents.http_chat import post_json
-from workers.agents.llm import ChatLLM, EngineLLM
+from workers.agents.llm import ChatLLM, Completion, EngineLLM
 from workers.agents.trajectory import Trajectory
 from workers.event_loop import LoopThread
 from workers.rlm.agent import AgentConfig, RLMAgent
@@ -129,7 +129,12 @@ class OpenAIChatLLM(ChatLLM):
         except (KeyError, IndexError, TypeError):
             raise RuntimeError(f"{self.url}: unexpected response {str(data)[:300]}") from None
         usage = data.get("usage") or {}
-        return text, int(usage.get("completion_tokens") or max(1, len(text) // 4))
+        return Completion(
+            text,
+            int(usage.get("completion_tokens") or max(1, len(text) // 4)),
+            int(usage.get("prompt_tokens") or 0),
+            self.model,
+        )
 
 
 # --------------------------------------------------------------------------------------------------
