@@ -76,6 +76,12 @@ class ModelResponse:
             prompt_token_ids=list(self.prompt_ids),
             response_token_ids=list(self.token_ids),
             response_logprobs=list(self.log_probs),
+            usage={
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.num_tokens,
+                "model": self.model,
+            },
+            finish_reason=self.finish_reason,
         )
 
 

@@ -113,6 +113,9 @@ class TrajectoryTurn:
     final: FinalCall | None = None  # the answer line outside code, if any (RLM)
     child_ids: list[str] = field(default_factory=list)  # child agents started by this turn (RLM)
     timings: dict[str, float] = field(default_factory=dict)  # e.g. gen_s, exec_s
+    # the call's usage: {"prompt_tokens": whole request, "completion_tokens": response, "model": name}
+    usage: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = ""  # the engine's: "stop", "length" (the response was cut at max_new_tokens), ...
 
     def to_dict(self) -> dict:
         d = asdict(self)
