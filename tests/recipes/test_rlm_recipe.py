@@ -1,12 +1,18 @@
 """recipes/rlm.py end to end on CPU (nano model, short S-NIAH): reference trajectories replayed in the sandbox
-for the warm start, then one GRPO step on RLM trajectories; loss mask 0 on observations, finite metrics."""
+for the warm start, then one GRPO step on RLM trajectories; loss mask 0 on observations, finite metrics; the
+README's RLM inference snippet run against the run's exported model."""
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 
 from recipes import rlm
+from recipes.config import load_config
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +38,16 @@ TINY = [
 ]
 
 
-def test_rlm_recipe_colocated(ray_session, tmp_path):
-    result = rlm.main([*TINY, f"trainer.default_local_dir={tmp_path}"])
+@pytest.fixture(scope="module")
+def colocated(ray_session, tmp_path_factory):
+    """One colocated run of the brief recipe in ``<tmp>/runs/rlm`` (where README's snippet looks from ``<tmp>``):
+    ``(result, tmp)``."""
+    root = tmp_path_factory.mktemp("rlm_recipe")
+    return rlm.main([*TINY, f"trainer.default_local_dir={root / 'runs' / 'rlm'}"]), root
+
+
+def test_rlm_recipe_colocated(colocated):
+    result, _ = colocated
     assert result["step"] == 1
     assert [s for s, _ in result["val_history"]] == [0, 1]  # success rate before and after
     # the session validated (rlm.yaml: trainer.val_before_train, trainer.test_freq) through the env role
@@ -63,6 +77,31 @@ def test_rlm_recipe_colocated(ray_session, tmp_path):
         assert key in final, key
     bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)]
     assert not bad, bad
+
+
+def readme_rlm_snippet() -> str:
+    """The README's Python block that loads the RLM recipe's exported model."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    found = [b for b in blocks if "hf_model" in b and "RLM(" in b]
+    assert len(found) == 1, "README.md: expected one python block loading the RLM recipe's hf_model"
+    return found[0]
+
+
+def test_readme_snippet_answers_with_the_exported_model(colocated, monkeypatch):
+    """README's inference block, run as written from the directory holding the recipe's ``runs/rlm``: it loads
+    ``hf_model`` (exported by ``trainer.export_hf`` in rlm.yaml) and answers a held-out problem to a status;
+    its agent settings are exactly ``env.agent`` of recipes/rlm.yaml (what the recipe trains with)."""
+    result, root = colocated
+    assert result["hf_model"] == str(root / "runs" / "rlm" / "hf_model")
+    monkeypatch.chdir(root)
+    namespace: dict = {}
+    exec(compile(readme_rlm_snippet(), "README.md", "exec"), namespace)
+    res = namespace["res"]
+    assert res.status in ("finished", "max_iterations", "budget") and 1 <= len(res.root.turns) <= 3
+    assert all(t.response_token_ids for t in res.root.turns)  # the exported weights generated every turn
+    assert namespace["tree"]["id"] == res.root.id
+    assert (root / "outputs" / "rlm.jsonl").is_file()
+    assert namespace["trained"] == load_config("rlm").env.agent
 
 
 def test_rlm_recipe_disaggregated_on_oolong(ray_session, tmp_path):
