@@ -24,6 +24,7 @@ import io
 import json
 import linecache
 import os
+import re
 import select
 import signal
 import socket
@@ -52,6 +53,7 @@ RESERVED_NAMES = (
     "FINAL_VAR",
     "SHOW_VARS",
 )
+CONTEXT_NAME = re.compile(r"context_[0-9]+")  # several contexts: context_0, context_1, ... (also reserved)
 MAX_FRAME = 64 << 20  # bytes; a bigger frame from a REPL is a protocol violation
 MAX_VARS_LISTED = 200
 _HDR = struct.Struct("!I")
@@ -240,27 +242,67 @@ class _Repl:
         self.real_out, self.real_err = sys.__stdout__, sys.__stderr__
         self.main_pid = os.getpid()
         self.ns: dict = {}
-        self.reserved: dict = {}
-        self.context = None
-        self.context_copy = None
+        self.reserved: dict = {}  # helpers and tool stubs, rebound after every block
+        self.reserved_values: dict = {}  # e.g. context = None when no context was given
+        self.contexts: list = []  # the original of each context (never handed to the code)
+        self.live: list = []  # what the code sees, a copy of each original sharing its immutable leaves
+        self.context_names: list[list[str]] = []  # names bound to each context
 
     # -- helpers injected into the namespace -------------------------------------------------
 
-    def _subcall(self, kind: str, payloads: list) -> list:
+    def _channel(self, kind: str, payloads: list) -> list:
+        """Send one call frame to the host and wait for its reply's results (one per payload); raises
+        _ChannelError with the reason when the call cannot be made."""
         if os.getpid() != self.main_pid:
-            return ["Error: sub-calls are only available in the REPL's main process"] * len(payloads)
+            raise _ChannelError("sub-calls are only available in the REPL's main process")
         with self.call_lock:
             if not self.in_step:
-                return ["Error: sub-calls are only available while a code block is running"] * len(payloads)
+                raise _ChannelError("sub-calls are only available while a code block is running")
             try:
                 send_frame(self.sock, {"op": "call", "kind": kind, "payloads": payloads})
                 reply = recv_frame(self.sock)
             except Exception as exc:  # the host went away or the socket was tampered with
-                return [f"Error: sub-call channel failed: {type(exc).__name__}: {exc}"] * len(payloads)
+                raise _ChannelError(f"sub-call channel failed: {type(exc).__name__}: {exc}") from None
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list) or len(results) != len(payloads):
-            return ["Error: malformed sub-call reply"] * len(payloads)
+            raise _ChannelError("malformed sub-call reply")
+        return results
+
+    def _subcall(self, kind: str, payloads: list) -> list:
+        """llm_query / rlm_query: strings only; a failure is an "Error: ..." string, never an exception."""
+        try:
+            results = self._channel(kind, payloads)
+        except _ChannelError as exc:
+            return [f"Error: {exc}"] * len(payloads)
         return [r if isinstance(r, str) else str(r) for r in results]
+
+    def _tool_call(self, name: str, args: tuple, kwargs: dict):
+        """A custom tool, run by the host: JSON arguments out, a JSON result back; a failure raises
+        ToolError naming the tool."""
+        payload = {"name": name, "args": list(args), "kwargs": kwargs}
+        try:
+            json.dumps(payload)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"tool {name!r}: arguments must be JSON-able ({exc})") from None
+        try:
+            (reply,) = self._channel("tool", [payload])
+        except _ChannelError as exc:
+            raise ToolError(f"tool {name!r}: {exc}") from None
+        if isinstance(reply, dict) and isinstance(reply.get("error"), str):
+            raise ToolError(reply["error"])
+        if not isinstance(reply, dict) or "ok" not in reply:
+            raise ToolError(f"tool {name!r}: malformed reply from the host")
+        return reply["ok"]
+
+    def _make_tool(self, name: str, doc: str):
+        call = self._tool_call
+
+        def tool(*args, **kwargs):
+            return call(name, args, kwargs)
+
+        tool.__name__ = tool.__qualname__ = name
+        tool.__doc__ = doc
+        return tool
 
     def _make_helpers(self) -> dict:
         subcall = self._subcall
@@ -336,53 +378,80 @@ class _Repl:
         out = []
         for name, value in list(self.ns.items()):
             kind = type(value)  # never value.__class__: a hostile property must not run here
-            if name.startswith("_") or name in self.reserved or issubclass(kind, types.ModuleType):
+            reserved = name in self.reserved or any(name in names for names in self.context_names)
+            if name.startswith("_") or reserved or issubclass(kind, types.ModuleType):
                 continue
             out.append((name, kind.__name__))
         return out
 
     def _restore_reserved(self) -> None:
+        """Rebind every reserved name; a context the code rebound or changed in place (at any depth of
+        its lists and dicts) gets a fresh copy of the original."""
         for name, value in self.reserved.items():
-            if name == "context":
-                continue
             self.ns[name] = value
-        current = self.ns.get("context", _MISSING)
-        if isinstance(self.context_copy, list):
-            # Identity checks only: no __eq__ of whatever the code put into the list gets called.
-            same = (
-                current is self.context
-                and type(current) is list
-                and len(current) == len(self.context_copy)
-                and all(a is b for a, b in zip(current, self.context_copy))
-            )
-            if not same:
-                self.context = list(self.context_copy)
-        elif current is not self.context:
-            self.context = self.context_copy
-        self.ns["context"] = self.context
+        for i, pristine in enumerate(self.contexts):
+            live = self.live[i]
+            names = self.context_names[i]
+            if not all(self.ns.get(n, _MISSING) is live for n in names) or not _unchanged(live, pristine):
+                live = self.live[i] = _fresh(pristine)
+            for n in names:
+                self.ns[n] = live
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def setup(self, init: dict) -> None:
-        context = init.get("context")
-        if isinstance(context, list):
-            context = [c if isinstance(c, str) else str(c) for c in context]
-            self.context_copy = list(context)
+    def setup(self, init: dict) -> dict:
+        """Build the namespace from the init message (contexts, setup variables, tool stubs), then run the
+        setup code; returns what the ready message reports (its error, the variables it defined)."""
+        contexts = init.get("contexts")
+        if isinstance(contexts, list):  # several: context_0, context_1, ... and context = context_0
+            self.contexts = contexts
+            self.context_names = [[f"context_{i}"] for i in range(len(contexts))]
+            if contexts:
+                self.context_names[0].append("context")
+            else:
+                self.reserved_values = {"context": None}
         else:
-            self.context_copy = context
-        self.context = context
+            self.contexts = [init.get("context")]
+            self.context_names = [["context"]]
+        self.live = [_fresh(c) for c in self.contexts]
         self.ns = {"__name__": "__main__", "__builtins__": builtins}
-        for name, value in (init.get("setup_vars") or {}).items():
-            if isinstance(name, str) and name.isidentifier() and name not in RESERVED_NAMES:
-                self.ns[name] = value
         self.reserved = self._make_helpers()
-        self.reserved["context"] = context
+        for spec in init.get("tools") or ():
+            name, doc = spec.get("name"), spec.get("doc")
+            ok = isinstance(name, str) and name.isidentifier() and not CONTEXT_NAME.fullmatch(name)
+            if ok and name not in self.reserved and name != "context":
+                self.reserved[name] = self._make_tool(name, doc if isinstance(doc, str) else "")
+        self.reserved.update(self.reserved_values)
+        reserved = set(self.reserved).union(*self.context_names)
+        for name, value in (init.get("setup_vars") or {}).items():
+            if isinstance(name, str) and name.isidentifier() and name not in reserved:
+                self.ns[name] = value
         self._restore_reserved()
+        code = init.get("setup_code")
+        if not isinstance(code, str) or not code.strip():
+            return {}
+        out = _Capture(self.max_output, 1)
+        sys.stdout, sys.stderr = out, out
+        error = None
+        try:
+            filename = "<repl-setup_code>"
+            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+            exec(compile(code, filename, "exec", dont_inherit=True), self.ns)
+        except BaseException as exc:  # noqa: B036 - reported to the host, which fails the REPL's start
+            error = _format_exception(exc)
+        finally:
+            sys.stdout, sys.stderr = self.real_out, self.real_err
+        for fd, stream in ((1, self.real_out), (2, self.real_err)):
+            _drain(_Capture(0, fd), stream, 0)  # setup output is not shown: empty the fds for the first block
+        self._restore_reserved()
+        if error is not None:
+            return {"setup_error": _truncate(error, len(error), self.max_output)}
+        return {"variables": [[n, t] for n, t in self.user_variables()[:MAX_VARS_LISTED]]}
 
     def serve(self) -> None:
         init = recv_frame(self.sock)
-        self.setup(init)
-        send_frame(self.sock, {"op": "ready", "pid": os.getpid()})
+        report = self.setup(init)
+        send_frame(self.sock, {"op": "ready", "pid": os.getpid(), **report})
         while True:
             try:
                 msg = recv_frame(self.sock)
@@ -467,6 +536,59 @@ class _Repl:
 
 
 _MISSING = object()
+
+
+class _ChannelError(Exception):
+    pass
+
+
+class ToolError(RuntimeError):
+    """Raised in REPL code when a custom tool fails, times out or returns something that is not JSON."""
+
+
+def _unchanged(live, pristine) -> bool:
+    """Is ``live`` still an untouched copy of ``pristine`` (a JSON value)? Identity and exact-type checks
+    only, so no method of whatever the code put there runs; iterative, so depth costs no stack."""
+    stack = [(live, pristine)]
+    while stack:
+        a, b = stack.pop()
+        if a is b:
+            continue
+        kind = type(b)
+        if kind is list:
+            if type(a) is not list or len(a) != len(b):
+                return False
+            stack.extend(zip(a, b))
+        elif kind is dict:
+            if type(a) is not dict or len(a) != len(b):
+                return False
+            for (ka, va), (kb, vb) in zip(a.items(), b.items()):
+                if ka is not kb:
+                    return False
+                stack.append((va, vb))
+        else:
+            return False
+    return True
+
+
+def _fresh(pristine):
+    """A copy of a JSON value's lists and dicts that shares its immutable leaves (strings, numbers)."""
+    if type(pristine) not in (list, dict):
+        return pristine
+    root = [] if type(pristine) is list else {}
+    stack = [(pristine, root)]
+    while stack:
+        src, dst = stack.pop()
+        items = enumerate(src) if type(src) is list else src.items()
+        for key, value in items:
+            copy = [] if type(value) is list else {} if type(value) is dict else value
+            if copy is not value:
+                stack.append((value, copy))
+            if type(dst) is list:
+                dst.append(copy)
+            else:
+                dst[key] = copy
+    return root
 
 
 def _drain(capture: _Capture, stream, limit: int) -> tuple[str, int]:

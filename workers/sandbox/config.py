@@ -110,6 +110,8 @@ class ExecResult:
     restarted: this block ran in a fresh REPL (after a kill/death), so earlier variables are lost.
     variables: (name, type name) of the user variables after the block (if ``show_vars``).
     final_answer: set by ``FINAL(answer)`` / ``FINAL_VAR(name)`` during this block.
+    tool_calls: one record per custom-tool call of this block, in completion order: ``name``, ``args``
+        and ``result`` (JSON text, cut) or ``error``, ``started`` (host ``perf_counter``), ``elapsed_s``.
     """
 
     stdout: str = ""
@@ -121,6 +123,7 @@ class ExecResult:
     variables: list[tuple[str, str]] = field(default_factory=list)
     final_answer: str | None = None
     elapsed_s: float = 0.0
+    tool_calls: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)

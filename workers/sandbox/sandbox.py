@@ -27,18 +27,21 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from workers.event_loop import LoopThread
 from workers.sandbox import _child, _seccomp
 from workers.sandbox.config import ExecResult, SandboxConfig
+from workers.sandbox.tools import Tool, as_tools, tool_record
 
 SubcallHandler = Callable[[str, dict], Awaitable[str] | str]
 """``handler(kind, payload) -> str``: kind is "llm_query" or "rlm_query"; payload holds "prompt",
 "model" and, for rlm_query, "context". Batched calls from the REPL reach the handler as concurrent
 single calls. May be a coroutine function (awaited on the caller's loop) or a plain function (run in
-a thread). An exception becomes an "Error: ..." string in the REPL."""
+a thread). An exception becomes an "Error: ..." string in the REPL. (Custom tools do not go through the
+handler: the REPL runs them itself, see ``workers.sandbox.tools``.)"""
 
 CHILD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child.py")
 SECCOMP_MODULE = os.path.join(os.path.dirname(CHILD_SCRIPT), "_seccomp.py")
@@ -202,6 +205,16 @@ class _FrameBuffer:
         if not isinstance(msg, dict):
             raise _ProtocolError("the REPL sent a message that is not an object")
         return msg
+
+
+def _variables(raw: Any) -> list[tuple[str, str]]:
+    """(name, type) pairs from a REPL's (untrusted) variable listing."""
+    out = []
+    if isinstance(raw, list):
+        for item in raw[: _child.MAX_VARS_LISTED]:
+            if isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item):
+                out.append((item[0][:200], item[1][:200]))
+    return out
 
 
 FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT, signal.SIGSYS)
@@ -527,29 +540,51 @@ class ReplSandbox:
 
     def create(
         self,
-        context: str | list[str] | None = None,
+        context: Any = None,
         setup_vars: dict[str, Any] | None = None,
         handler: SubcallHandler | None = None,
+        **kwargs: Any,
     ) -> "Repl":
-        return self._sync(self.acreate(context, setup_vars, handler))
+        """:meth:`acreate` from sync code."""
+        return self._sync(self.acreate(context, setup_vars, handler, **kwargs))
 
     async def acreate(
         self,
-        context: str | list[str] | None = None,
+        context: Any = None,
         setup_vars: dict[str, Any] | None = None,
         handler: SubcallHandler | None = None,
+        *,
+        contexts: list | None = None,
+        tools: Mapping[str, Tool | Callable[..., Any]] | None = None,
+        setup_code: str | None = None,
     ) -> "Repl":
-        """A fresh REPL holding ``context`` (a str or list of str) as ``context`` and the JSON-able
-        ``setup_vars`` as ordinary variables. ``handler`` overrides the sandbox's sub-call handler."""
-        if context is not None and not isinstance(context, str):
-            context = [c if isinstance(c, str) else str(c) for c in context]
+        """A fresh REPL holding ``context`` (any JSON value: a str, a list of documents, a dict ...) as
+        ``context``, or several ``contexts`` as ``context_0``, ``context_1``, ... (``context`` is
+        ``context_0``), and the JSON-able ``setup_vars`` as ordinary variables; ``tools`` are host functions
+        callable from its code (``workers.sandbox.tools``); ``setup_code`` runs before the first block (and
+        again in a REPL restarted after a kill). ``handler`` overrides the sandbox's sub-call handler.
+        Raises ValueError for a context that is not JSON-able or a bad tool name, and SandboxError when
+        the REPL cannot start or ``setup_code`` raises or runs past ``start_timeout_s``."""
+        if contexts is not None:
+            if context is not None:
+                raise ValueError("pass context= (one context) or contexts= (several), not both")
+            contexts = list(contexts)
+        for i, c in enumerate([context] if contexts is None else contexts):
+            try:
+                json.dumps(c)
+            except (TypeError, ValueError) as exc:
+                where = "context" if contexts is None else f"contexts[{i}]"
+                raise ValueError(f"{where} must be JSON-able (str, list, dict, numbers): {exc}") from None
+        if setup_code is not None and not isinstance(setup_code, str):
+            raise ValueError(f"setup_code must be a str, got {type(setup_code).__name__}")
+        spec = _ReplSpec(context, contexts, dict(setup_vars or {}), as_tools(tools), setup_code)
         with self._lock:
             if self._closed:
                 raise SandboxError("the sandbox is closed")
             if not self._free:
                 raise SandboxError(f"all {self.config.max_repls} REPL slots of this sandbox are in use")
             slot = self._free.pop()
-        repl = Repl(self, slot, context, dict(setup_vars or {}), handler)
+        repl = Repl(self, slot, spec, handler)
         with self._lock:
             self._repls[slot] = repl
         try:
@@ -710,15 +745,44 @@ class ReplSandbox:
             self._free.append(slot)
 
 
+@dataclass(frozen=True)
+class _ReplSpec:
+    """What a REPL is created with (and re-created with after a kill)."""
+
+    context: Any
+    contexts: list | None
+    setup_vars: dict
+    tools: dict[str, Tool]
+    setup_code: str | None
+
+    def init_message(self) -> dict:
+        return {
+            "op": "init",
+            "context": self.context,
+            "contexts": self.contexts,
+            "setup_vars": self.setup_vars,
+            "tools": [
+                {"name": n, "doc": f"{t.signature(n)}\n\n{t.doc()}".strip()} for n, t in self.tools.items()
+            ],
+            "setup_code": self.setup_code,
+        }
+
+    @property
+    def tool_context(self) -> Any:
+        """What a ``pass_context`` tool gets: the context, or the list of contexts."""
+        return self.contexts if self.contexts is not None else self.context
+
+
 class Repl:
     """One persistent sandboxed Python REPL (a process of its own). Use it from one task at a time."""
 
-    def __init__(self, sandbox: ReplSandbox, slot: int, context, setup_vars: dict, handler):
+    def __init__(self, sandbox: ReplSandbox, slot: int, spec: _ReplSpec, handler):
         self._sb = sandbox
         self.slot = slot
-        self._context = context
-        self._setup_vars = setup_vars
+        self._spec = spec
         self._handler = handler
+        self.setup_variables: list[tuple[str, str]] = []  # (name, type) of what setup_code defined
+        self._tool_calls: list[dict] = []  # the running block's tool calls
         self._gen = 0
         self._sock: socket.socket | None = None
         self._buf = _FrameBuffer()
@@ -770,11 +834,20 @@ class Repl:
         self.scratch_dir = reply.get("scratch")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.start_timeout_s
-        init = {"op": "init", "context": self._context, "setup_vars": self._setup_vars}
-        await self._send(init, deadline)
-        msg = await self._recv(deadline)
+        await self._send(self._spec.init_message(), deadline)
+        try:
+            msg = await self._recv(deadline)
+        except _Timeout:
+            if not self._spec.setup_code:
+                raise
+            raise SandboxError(
+                f"setup_code did not finish within start_timeout_s ({cfg.start_timeout_s:g} s)"
+            ) from None
         if msg.get("op") != "ready":
             raise _ProtocolError(f"unexpected first message {msg.get('op')!r}")
+        if msg.get("setup_error") is not None:
+            raise SandboxError(f"setup_code failed:\n{str(msg['setup_error'])[: cfg.max_output_chars]}")
+        self.setup_variables = _variables(msg.get("variables"))
         self.pid = msg.get("pid")
 
     def _on_exit(self, gen: int, info: dict) -> None:
@@ -823,6 +896,7 @@ class Repl:
             killed=True,
             restarted=not failed,
             elapsed_s=time.perf_counter() - t0,
+            tool_calls=self._tool_calls,
         )
 
     async def _respawn(self) -> str | None:
@@ -883,8 +957,30 @@ class Repl:
 
     # -- sub-calls --------------------------------------------------------------------------------
 
-    async def _answer_calls(self, msg: dict) -> list[str]:
+    async def _answer_tools(self, payloads: list) -> list[dict]:
+        """Run the REPL's tool calls here, on the host; each result is {"ok": json} or {"error": text}."""
+        tools = self._spec.tools
+
+        async def one(payload) -> dict:
+            started = time.perf_counter()
+            if not isinstance(payload, dict):
+                return {"error": "malformed tool call"}
+            name, args, kwargs = payload.get("name"), payload.get("args"), payload.get("kwargs")
+            if not isinstance(name, str) or name not in tools:
+                return {"error": f"no tool named {str(name)[:100]!r}"}
+            if not isinstance(args, list) or not isinstance(kwargs, dict):
+                outcome = {"error": f"tool {name!r}: malformed arguments"}
+            else:
+                outcome = await tools[name].acall(name, args, kwargs, self._spec.tool_context)
+            self._tool_calls.append(tool_record(name, args, kwargs, outcome, started))
+            return outcome
+
+        return list(await asyncio.gather(*(one(p) for p in payloads)))
+
+    async def _answer_calls(self, msg: dict) -> list:
         kind, payloads = msg.get("kind"), msg.get("payloads")
+        if kind == "tool" and isinstance(payloads, list):
+            return await self._answer_tools(payloads)
         if kind not in ("llm_query", "rlm_query") or not isinstance(payloads, list):
             return ["Error: malformed sub-call"] * (len(payloads) if isinstance(payloads, list) else 1)
         handler = self._handler or self._sb.handler
@@ -938,6 +1034,7 @@ class Repl:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         notice = None
+        self._tool_calls = []
         if self._sock is None or self._exit_info is not None:
             if self._exit_info is not None:
                 why = f"the REPL process had died since the last block ({_describe_exit(self._exit_info, cfg.cpu_s)})"
@@ -964,6 +1061,7 @@ class Repl:
                 elif op == "result":
                     res = self._result(msg, notice)
                     res.elapsed_s = time.perf_counter() - t0
+                    res.tool_calls = self._tool_calls
                     return res
                 else:
                     raise _ProtocolError(f"unexpected message {op!r}")
@@ -1004,12 +1102,7 @@ class Repl:
                 v = v.encode("utf-8", "replace").decode("utf-8")
             return v
 
-        variables = []
-        raw_vars = msg.get("variables")
-        if isinstance(raw_vars, list):
-            for item in raw_vars[: _child.MAX_VARS_LISTED]:
-                if isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item):
-                    variables.append((item[0][:200], item[1][:200]))
+        variables = _variables(msg.get("variables"))
         error = msg.get("error")
         error = text("error", limit) if isinstance(error, str) else None
         answer = msg.get("final_answer")
