@@ -73,6 +73,7 @@ __all__ = [
     "code_calls_final",
     "format_observation",
     "parse_turn",
+    "scan_fences",
     "truncate",
 ]
 
@@ -118,8 +119,10 @@ def _clean_code(lines: list[str]) -> str:
     return textwrap.dedent("".join(lines)).strip("\n").rstrip()
 
 
-def _scan_fences(text: str, languages: Sequence[str]):
-    """Yield ("text", str) / ("code", str) / ("other", str) / ("open", str) segments in order."""
+def scan_fences(text: str, languages: Sequence[str] = DEFAULT_LANGUAGES):
+    """Yield the segments of ``text`` in order: ``("text", str)`` outside fences, ``("code", str)`` a closed
+    block of one of ``languages`` (its code as it runs), ``("open", str)`` such a block left unterminated,
+    ``("other", str)`` the raw lines inside any other fence. ``parse_turn`` and the viewer read turns with it."""
     langs = {lang.lower() for lang in languages}
     outside: list[str] = []
     block: list[str] = []
@@ -242,7 +245,7 @@ def parse_turn(text: str, languages: Sequence[str] = DEFAULT_LANGUAGES) -> Turn:
     outside: list[str] = list(thoughts)
     final: FinalCall | None = None
     unterminated: str | None = None
-    for kind, seg in _scan_fences(body, languages):
+    for kind, seg in scan_fences(body, languages):
         if kind == "code":
             if seg.strip():
                 blocks.append(seg)
