@@ -279,10 +279,8 @@ def test_headless_chromium_renders_tree_code_and_outputs(jsonl, tmp_path):
     turn2 = f"Turn 2 in {t2.usage['prompt_tokens']:,} tok ({len(t2.prompt_token_ids):,} new) / out {t2.usage['completion_tokens']}"
     positions = [everything.index(x) for x in (turn1, "[Turn 1 of 4 done; 3 left", turn2)]
     assert positions == sorted(positions) and turn1 in shown
-    # per sub-call token counts, and the run's totals (every turn and sub-LM call of both roots)
+    # the run's totals: every turn and sub-LM call of both roots
     trajs = load_jsonl(jsonl)
-    sub = next(c for c in root.metadata["subcalls"] if c["kind"] == "llm_query")["usage"]
-    assert f"{sub['prompt_tokens']} in / {sub['completion_tokens']} out" in shown
     calls = [t.usage for tr in trajs for t in tr.turns]
     calls += [c["usage"] for tr in trajs for c in tr.metadata.get("subcalls", []) if "usage" in c]
     prompt, completion = sum(u["prompt_tokens"] for u in calls), sum(u["completion_tokens"] for u in calls)
