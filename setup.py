@@ -28,6 +28,10 @@ setup(
         "tqdm>=4.66",
         "tensorboard>=2.15",
         "matplotlib>=3.8",
+        # LM clients of the RLM inference API (workers/agents/clients.py): the official libraries
+        "openai>=1.40",
+        "anthropic>=0.40",
+        "rich>=13",  # RLM(verbose=True) console output
     ],
     extras_require={
         # GPU cluster only: SGLang's kernels are CUDA wheels.

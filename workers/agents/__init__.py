@@ -3,7 +3,8 @@
 * ``trajectory``: the run record (``Trajectory``, ``TrajectoryTurn``, ``CodeResult``), JSONL in and out;
 * ``batch``: trajectories -> the training ``DataProto`` (token-exact loss masks, children as rows);
 * ``chat_format`` / ``llm``: the chat template in segments, the engine-backed token-exact LLM and the
-  message-level chat LLM; ``http_chat``: one POST to an OpenAI-compatible endpoint;
+  message-level chat LLM; ``clients``: ``make_llm(backend, backend_kwargs)`` -- OpenAI-compatible and Anthropic
+  servers through their official libraries, our native and SGLang engines;
 * ``turns``: the one turn loop (``run_turns``) an environment's ``Episode`` plugs into;
 * ``limits``: the shared run ``Budget``, ``BudgetSpent`` and bounded concurrency (``gather_bounded``);
 * ``scripted``: a scripted policy (tests, demos, the reference replay);

@@ -47,12 +47,13 @@ class ContextFull(BudgetSpent):
 @dataclass
 class Completion:
     """One model call's text and token usage (``prompt_tokens``: the whole request; 0 where a client does not
-    report it)."""
+    report it) and why it stopped (``"stop"``, or ``"length"`` when cut at ``max_tokens``)."""
 
     text: str
     completion_tokens: int
     prompt_tokens: int = 0
     model: str = ""
+    finish_reason: str = "stop"
 
 
 @dataclass
@@ -230,7 +231,7 @@ class ChatConversation:
             out.text,
             [],
             [],
-            "stop",
+            out.finish_reason,
             [],
             self.pending_text,
             int(out.completion_tokens),

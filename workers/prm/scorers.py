@@ -4,20 +4,21 @@
   its initial weights -- or any other checkpoint), each prompt rendered as one user chat turn with the
   model's template; the n samples of a prompt are drawn with seeds ``seed, seed + 1, ...``.
 * `HTTPScorer`: an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint (vLLM, SGLang,
-  hosted APIs); ``n`` choices per request (requests repeated when the server returns fewer), prompts
-  sent concurrently from a thread pool, the API key from an environment variable.
+  hosted APIs) through the RLM's ``openai`` client (`workers.agents.clients.OpenAIChat`: retries with
+  backoff, errors naming the endpoint); ``n`` choices per request (requests repeated when the server returns
+  fewer), at most ``max_workers`` prompts in flight, the API key from an environment variable.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from workers.agents.chat_format import ChatFormat
-from workers.agents.http_chat import post_json
+from workers.agents.clients import OpenAIChat
 from workers.engine.distributed import default_device
+from workers.event_loop import LoopThread
 from workers.models import load_tokenizer
 from workers.rollout.native import EngineConfig, NativeEngine
 from workers.rollout.sampling import SamplingParams
@@ -93,18 +94,11 @@ class HTTPScorer(Scorer):
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"prm.endpoint must be an http(s) URL, got {base_url!r}")
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model = model
-        self.api_key = os.environ.get(api_key_env) if api_key_env else None
-        if api_key_env and not self.api_key:
-            raise ValueError(f"prm.api_key_env={api_key_env!r}: that environment variable is not set")
-        self.timeout_s = timeout_s
+        self.chat = OpenAIChat(model, base_url=base_url, api_key_env=api_key_env, timeout=timeout_s)
         self.max_workers = max_workers
+        self._loop: LoopThread | None = None  # the client's requests run on this scorer's own loop thread
 
-    def _post(self, body: dict) -> dict:
-        return post_json(self.url, body, api_key=self.api_key, timeout_s=self.timeout_s, label="PRM endpoint")
-
-    def _one(
+    async def _one(
         self, prompt: str, n: int, max_new_tokens: int, temperature: float, seed: int | None
     ) -> list[str]:
         texts: list[str] = []
@@ -112,30 +106,28 @@ class HTTPScorer(Scorer):
         while len(texts) < n:
             tries += 1
             if tries > n + 2:
-                raise RuntimeError(f"PRM endpoint {self.url} returned {len(texts)} of {n} completions")
-            body = {
-                "model": self.model,
-                "messages": [{"role": "user", "content": prompt}],
-                "n": n - len(texts),
-                "max_tokens": max_new_tokens,
-                "temperature": temperature,
-            }
-            if seed is not None:
-                body["seed"] = seed + len(texts)
-            out = self._post(body)
-            try:
-                texts += [c["message"]["content"] or "" for c in out["choices"]]
-            except (KeyError, TypeError):
-                raise RuntimeError(
-                    f"PRM endpoint {self.url}: not a chat completion: {str(out)[:300]}"
-                ) from None
+                raise RuntimeError(f"PRM endpoint {self.chat.url} returned {len(texts)} of {n} completions")
+            texts += await self.chat.choices(
+                [{"role": "user", "content": prompt}],
+                n - len(texts),
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=None if seed is None else seed + len(texts),
+            )
         return texts[:n]
 
     def _complete(
         self, prompts: Sequence[str], n: int, max_new_tokens: int, temperature: float, seeds: list[int | None]
     ) -> list[list[str]]:
-        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(prompts))) as pool:
-            futs = [
-                pool.submit(self._one, p, n, max_new_tokens, temperature, s) for p, s in zip(prompts, seeds)
-            ]
-            return [f.result() for f in futs]
+        async def all_prompts() -> list[list[str]]:
+            room = asyncio.Semaphore(self.max_workers)
+
+            async def one(prompt: str, seed: int | None) -> list[str]:
+                async with room:
+                    return await self._one(prompt, n, max_new_tokens, temperature, seed)
+
+            return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds))))
+
+        if self._loop is None:
+            self._loop = LoopThread(name="prm-http")
+        return self._loop.run(all_prompts())
