@@ -258,8 +258,8 @@ def _subcalls(t: Trajectory) -> list[dict]:
 
 
 def _call_name(rec: Mapping) -> str:
-    name = rec.get("name") or rec.get("tool")
-    return f"{rec.get('kind')} {name}" if name else str(rec.get("kind"))
+    """``llm_query``, ``rlm_query``, ... or ``tool <name>``."""
+    return f"{rec.get('kind')} {rec['name']}" if rec.get("name") else str(rec.get("kind"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -484,12 +484,12 @@ def _subcall_table(calls: list[dict]) -> str:
             else "&ndash;"
         )
         cut = sum(_cut_chars(c.get(k), _RECORD_CUT) for k in ("prompt", "response"))
-        response = c.get("response", c.get("result"))
+        response = c.get("response")
         error = c.get("error")
         rows.append(
             f"<tr data-kind='{_e(c.get('kind'))}'><td>{_e(_call_name(c))}"
             + (_badge(f"record cut ({cut:,} chars)", "cut") if cut else "")
-            + f"</td><td><pre>{_e(c.get('prompt', c.get('args')))}</pre></td>"
+            + f"</td><td><pre>{_e(c.get('prompt'))}</pre></td>"
             f"<td><pre>{_e(response)}</pre>"
             + (f"<pre class='error'>{_e(error)}</pre>" if error and error != response else "")
             + f"</td><td>{tokens}</td><td>{_secs(c.get('elapsed_s'))}</td><td>{_link(c.get('child_id'))}</td></tr>"

@@ -138,7 +138,7 @@ def hand_built() -> list[Trajectory]:
         ),
     ]
     subcalls = [
-        {"kind": "tool", "name": "lookup", "turn": 0, "args": '{"args": ["alpha"]}', "result": '"ALPHA"'},
+        {"kind": "tool", "name": "lookup", "turn": 0, "prompt": '{"args": ["alpha"]}', "response": '"ALPHA"'},
         {
             "kind": "llm_query",
             "turn": 0,
