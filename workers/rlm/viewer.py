@@ -346,7 +346,10 @@ class _Page:
             )
         for turn, tok in zip(t.turns, tokens):
             parts.append(self.seen(turn, tok[1]))
-            calls = [s for s in subcalls if s.get("turn") == turn.index]
+            # records are appended as calls end; show them in the order they started
+            calls = sorted(
+                (s for s in subcalls if s.get("turn") == turn.index), key=lambda s: s.get("start_s", 0.0)
+            )
             parts.append(self.turn(turn, tok, calls, open_))
         leftover = [c for c in t.children if c in self.by_id and c not in self.rendered]
         for c in leftover:
