@@ -8,9 +8,13 @@
         record it as traj.turns[k]                (the engine's exact tokens; start_s / gen_s / exec_s timings)
         step = episode.step(k, response, turn)    the environment acts: an answer ends the trajectory
         episode.conv.add_user(step.observation)   no room left under the token limit -> "budget"
+    the last turn gave no answer and episode.final_request(observation) is a message:
+        one more model turn (recorded like the others, timings["forced_final"] = 1.0) answers it;
+        episode.final_answer(...) makes its answer
     episode.close()                               always, even after an error
 
-and sets ``traj.status``: ``finished`` (an answer), ``max_iterations`` (the last turn gave none), ``budget`` (a
+and sets ``traj.status``: ``finished`` (an answer), ``max_iterations`` (the last turn gave none; a
+``final_answer`` then came from the extra turn that asked for it, if the episode asks), ``budget`` (a
 ``BudgetSpent`` -- ``ContextFull`` is one -- or no room for the observation), ``error`` (``EnvFailure``: the
 environment cannot go on, e.g. no REPL; or any other exception: a bug or an engine failure ends this trajectory,
 never the batch). ``traj.timings`` gains ``gen_s``, ``exec_s`` (time in ``step``) and ``total_s``.
@@ -62,6 +66,15 @@ class Episode:
         """Act on the model's turn (``turn`` is its record: add what the environment ran to it)."""
         raise NotImplementedError
 
+    def final_request(self, observation: str) -> str | None:
+        """When the last turn gave no answer: the user message (it holds ``observation``, the last turn's) that
+        asks the model for a final answer in one more turn; None (the default): ask nothing."""
+        return None
+
+    async def final_answer(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> str | None:
+        """The answer in the reply to ``final_request`` (turn ``k``; ``turn`` is its record)."""
+        raise NotImplementedError
+
     async def close(self) -> None:
         """After the last turn, also after an error (e.g. close the REPL); must not raise."""
 
@@ -75,19 +88,11 @@ async def run_turns(traj: Trajectory, episode: Episode, origin: float | None = N
     try:
         await episode.start()
         for k in range(episode.max_turns):
-            tg = time.perf_counter()
             try:
-                response = await episode.respond(k)
+                response, turn = await _model_turn(traj, episode, k, origin, timings)
             except BudgetSpent as exc:
                 traj.status, traj.error = "budget", str(exc)
                 break
-            gen_s = time.perf_counter() - tg
-            timings["gen_s"] += gen_s
-            turn = response.turn(k)
-            turn.timings = {"start_s": tg - origin, "gen_s": gen_s}
-            if response.finish_reason == "length":
-                turn.timings["truncated"] = 1.0
-            traj.turns.append(turn)
             te = time.perf_counter()
             step = await episode.step(k, response, turn)
             turn.timings["exec_s"] = exec_s = time.perf_counter() - te
@@ -97,6 +102,7 @@ async def run_turns(traj: Trajectory, episode: Episode, origin: float | None = N
                 break
             if k == episode.max_turns - 1:
                 traj.status = "max_iterations"
+                await _ask_final_answer(traj, episode, k + 1, step.observation, origin, timings)
                 break
             if not episode.conv.add_user(step.observation):
                 traj.status, traj.error = "budget", episode.no_room
@@ -114,3 +120,42 @@ async def run_turns(traj: Trajectory, episode: Episode, origin: float | None = N
         await episode.close()
         timings["total_s"] = time.perf_counter() - t0
         traj.timings.update(timings)
+
+
+async def _model_turn(
+    traj: Trajectory, episode: Episode, k: int, origin: float, timings: dict[str, float]
+) -> tuple[ModelResponse, TrajectoryTurn]:
+    """The model's turn ``k``, recorded on ``traj`` (``BudgetSpent`` from ``respond`` passes through)."""
+    tg = time.perf_counter()
+    response = await episode.respond(k)
+    gen_s = time.perf_counter() - tg
+    timings["gen_s"] += gen_s
+    turn = response.turn(k)
+    turn.timings = {"start_s": tg - origin, "gen_s": gen_s}
+    if response.finish_reason == "length":
+        turn.timings["truncated"] = 1.0
+    traj.turns.append(turn)
+    return response, turn
+
+
+async def _ask_final_answer(
+    traj: Trajectory, episode: Episode, k: int, observation: str, origin: float, timings: dict[str, float]
+) -> None:
+    """The turns are spent without an answer: ask once more, if the episode wants to (status stays
+    ``max_iterations``; a limit that forbids the extra turn is noted in ``traj.error``)."""
+    request = episode.final_request(observation)
+    if request is None:
+        return
+    if not episode.conv.add_user(request):
+        traj.error = f"no extra turn for a final answer: {episode.no_room}"
+        return
+    try:
+        response, turn = await _model_turn(traj, episode, k, origin, timings)
+    except BudgetSpent as exc:
+        traj.error = f"no extra turn for a final answer: {exc}"
+        return
+    turn.timings["forced_final"] = 1.0
+    te = time.perf_counter()
+    traj.final_answer = await episode.final_answer(k, response, turn)
+    turn.timings["exec_s"] = exec_s = time.perf_counter() - te
+    timings["exec_s"] += exec_s

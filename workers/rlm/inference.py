@@ -36,6 +36,7 @@ from workers.agents.llm import ChatLLM, Completion, EngineLLM
 from workers.agents.trajectory import Trajectory
 from workers.event_loop import LoopThread
 from workers.rlm.agent import AgentConfig, RLMAgent
+from workers.rlm.usage import Usage
 from workers.sandbox import ReplSandbox
 
 __all__ = ["RLM", "OpenAIChatLLM", "RLMResult", "trajectory_tree"]
@@ -68,6 +69,8 @@ class RLMResult:
     root: Trajectory
     trajectories: list[Trajectory] = field(default_factory=list)  # root first, children in start order
     elapsed_s: float = 0.0
+    # tokens (and cost under a price table) of every model call of the tree: total, by_depth, by_model
+    usage: Usage = field(default_factory=Usage)
 
     @property
     def trajectory_tree(self) -> dict:
@@ -159,7 +162,18 @@ def _llm(backend, tokenizer, model: str | None, name: str):
 class RLM:
     """A Recursive Language Model for inference. See the module docstring.
 
-    Keyword arguments left as None keep ``agent_config``'s values (``AgentConfig`` defaults otherwise).
+    Keyword arguments left as None keep ``agent_config``'s values (``AgentConfig`` defaults otherwise), but
+    ``final_answer_on_exhaustion`` is True without an ``agent_config``: when the turns run out without an
+    answer, one more model turn asks for it (status stays ``"max_iterations"``, with that answer).
+
+    Accounting (per root, shared by the whole tree; reaching a limit ends the run with status ``"budget"``):
+    ``max_total_tokens`` -- prompt + completion tokens of every model call (rlms' ``max_tokens``; not
+    ``AgentConfig.max_tokens``, which counts generated tokens only); ``max_cost_usd`` -- US dollars (rlms'
+    ``max_budget``), which needs ``prices={model: (usd_per_million_prompt, usd_per_million_completion)}``
+    (``"*"``: any other model; prices also give ``RLMResult.usage`` its ``cost_usd``); ``max_errors`` -- turns in
+    a row whose code raised, per trajectory (status ``"error"``). System prompt: ``prompt_style`` ("full",
+    "compact"), ``custom_system_prompt`` (every depth) and ``system_prompts={depth: prompt}``
+    (``workers.rlm.prompts`` lists their placeholders, e.g. ``{context_info}``).
     """
 
     def __init__(
@@ -175,6 +189,14 @@ class RLM:
         max_iterations: int | None = None,
         temperature: float | None = None,
         max_new_tokens: int | None = None,
+        max_total_tokens: int | None = None,
+        max_cost_usd: float | None = None,
+        prices: dict[str, tuple[float, float]] | None = None,
+        max_errors: int | None = None,
+        final_answer_on_exhaustion: bool | None = None,
+        custom_system_prompt: str | None = None,
+        system_prompts: dict[int, str] | None = None,
+        prompt_style: str | None = None,
         agent_config: AgentConfig | None = None,
         sandbox_config=None,
         sandbox=None,
@@ -197,6 +219,26 @@ class RLM:
                 "max_iterations": max_iterations,
                 "temperature": temperature,
                 "max_new_tokens": max_new_tokens,
+                "max_total_tokens": max_total_tokens,
+                "max_cost_usd": max_cost_usd,
+                "prices": {m: list(p) for m, p in prices.items()} if prices is not None else None,
+                "max_errors": max_errors,
+                # inference asks for a last answer when the turns run out unless told otherwise (training: off)
+                "final_answer_on_exhaustion": final_answer_on_exhaustion
+                if final_answer_on_exhaustion is not None or agent_config is not None
+                else True,
+                "prompt": replace(
+                    cfg.prompt,
+                    **{
+                        k: v
+                        for k, v in {
+                            "custom_system_prompt": custom_system_prompt,
+                            "system_prompts": system_prompts,
+                            "style": prompt_style,
+                        }.items()
+                        if v is not None
+                    },
+                ),
             }.items()
             if v is not None
         }
@@ -229,7 +271,12 @@ class RLM:
         t0 = time.perf_counter()
         res = await agent.run(prompt, context, uid=uid, seed=seed, metadata=metadata)
         out = RLMResult(
-            res.root.final_answer, res.root.status, res.root, res.trajectories, time.perf_counter() - t0
+            res.root.final_answer,
+            res.root.status,
+            res.root,
+            res.trajectories,
+            time.perf_counter() - t0,
+            usage=Usage.from_dict(res.root.metadata["usage"]),
         )
         if self.log_path:
             self._log(out.trajectories)

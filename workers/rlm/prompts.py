@@ -8,6 +8,14 @@ a plain one-shot sub-LM call, like ``llm_query``, and the prompt says so.
 
     msgs = build_messages("What is the magic number for quiet-harbor?", context=text,
                           depth=0, max_depth=1, max_iterations=12)
+
+Beside the built-in styles ("full", "compact"), ``PromptConfig`` takes your own system prompt:
+``custom_system_prompt`` replaces it at every depth, ``system_prompts={depth: prompt}`` per depth (an agent
+uses the entry of the largest depth <= its own, so ``{0: root_prompt, 1: child_prompt}`` covers every child;
+a depth below the smallest key uses ``custom_system_prompt`` or the style). A custom prompt is used as
+written, except these placeholders, replaced where they occur (other braces stay as they are):
+``{context_info}`` (the context's description: type and sizes), ``{tools}`` (the REPL functions at this
+depth, one per line), ``{depth}`` and ``{max_iterations}``. ``extra_instructions`` is appended to it too.
 """
 
 from __future__ import annotations
@@ -75,10 +83,23 @@ class PromptConfig:
     # "full": the whole protocol with strategy advice; "compact": the same rules in a few lines, for small
     # models and short context windows (the full prompt is ~1,300 tokens of the tiny tokenizer)
     style: str = "full"
+    # your own system prompt for every depth (replaces the style's; placeholders in the module docstring)
+    custom_system_prompt: str | None = None
+    # your own system prompt per depth: the entry of the largest depth <= the agent's wins (module docstring)
+    system_prompts: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.style not in PROMPT_STYLES:
             raise ValueError(f"PromptConfig.style must be one of {PROMPT_STYLES}, got {self.style!r}")
+        if any(not isinstance(d, int) or d < 0 for d in self.system_prompts):
+            raise ValueError(
+                f"PromptConfig.system_prompts keys must be depths >= 0, got {list(self.system_prompts)}"
+            )
+
+    def custom_prompt(self, depth: int) -> str | None:
+        """The user's system prompt template for an agent at ``depth``, or None (use the style)."""
+        depths = [d for d in self.system_prompts if d <= depth]
+        return self.system_prompts[max(depths)] if depths else self.custom_system_prompt
 
 
 PROMPT_STYLES = ("full", "compact")
@@ -141,6 +162,9 @@ def system_prompt(
     if depth < 0 or max_depth < 0:
         raise ValueError(f"depth and max_depth must be >= 0, got {depth}, {max_depth}")
     cfg = config or PromptConfig()
+    custom = cfg.custom_prompt(depth)
+    if custom is not None:
+        return _fill_custom(custom, context_info, depth, max_depth, cfg)
     if cfg.style == "compact":
         return _compact_prompt(context_info, depth, max_depth, cfg)
     role = _ROOT_ROLE if depth == 0 else _CHILD_ROLE.format(depth=depth)
@@ -171,6 +195,20 @@ def system_prompt(
     if cfg.extra_instructions:
         parts.append(cfg.extra_instructions.strip())
     return "\n\n".join(parts)
+
+
+def _fill_custom(template: str, info: ContextInfo, depth: int, max_depth: int, cfg: PromptConfig) -> str:
+    # str.replace, not str.format: a prompt may hold code with braces of its own
+    values = {
+        "{context_info}": info.describe(),
+        "{tools}": _tools_section(depth, max_depth, cfg),
+        "{depth}": str(depth),
+        "{max_iterations}": str(cfg.max_iterations) if cfg.max_iterations else "unlimited",
+    }
+    text = template
+    for key, value in values.items():
+        text = text.replace(key, value)
+    return text + ("\n\n" + cfg.extra_instructions.strip() if cfg.extra_instructions else "")
 
 
 def _compact_prompt(info: ContextInfo, depth: int, max_depth: int, cfg: PromptConfig) -> str:

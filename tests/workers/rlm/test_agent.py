@@ -417,7 +417,10 @@ def test_inference_api_over_native_engine(tok):
     engine = NativeEngine.from_pretrained(
         ensure_tiny_model("nano"), tokenizer=tok, config=EngineConfig(seed=0)
     )
-    with RLM(engine=engine, max_iterations=2, max_new_tokens=8, temperature=0.0) as rlm:
+    # two turns at most: no extra turn asking for a final answer
+    with RLM(
+        engine=engine, max_iterations=2, max_new_tokens=8, temperature=0.0, final_answer_on_exhaustion=False
+    ) as rlm:
         first = rlm.completion("What is in the context?", context="some text")
         second = rlm.completion("What is in the context?", context="some text")
     engine.shutdown()
