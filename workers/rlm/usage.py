@@ -1,10 +1,11 @@
 """Token usage and cost of an RLM run, per call, per depth and per model.
 
-Every model call is recorded where it happened: a turn's ``turn.usage`` and a sub-call's
-``traj.metadata["subcalls"][i]["usage"]`` (both ``{"prompt_tokens", "completion_tokens", "model"}``;
-``prompt_tokens`` is the whole request, as a provider bills it). :func:`tree_usage` sums them over a run's
-trajectories: ``total``, ``by_depth`` and ``by_model``, each a :class:`UsageTotals` (prompt and completion
-tokens, calls, and ``cost_usd`` under a price table -- None without one, or when a model has no price).
+Every model call is recorded where it happened: a turn's ``turn.usage``, a sub-call's
+``traj.metadata["subcalls"][i]["usage"]`` and a compaction's ``traj.metadata["compactions"][i]["usage"]``
+(all ``{"prompt_tokens", "completion_tokens", "model"}``; ``prompt_tokens`` is the whole request, as a
+provider bills it). :func:`tree_usage` sums them over a run's trajectories: ``total``, ``by_depth`` and
+``by_model``, each a :class:`UsageTotals` (prompt and completion tokens, calls, and ``cost_usd`` under a price
+table -- None without one, or when a model has no price).
 
 Depth is where the call sits in the tree: a trajectory's turns count at its depth, its ``llm_query`` calls (and
 an ``rlm_query`` at the depth cap, which is one) one level below, as a child agent's turns would.
@@ -95,10 +96,14 @@ class Usage:
 
 
 def calls_of(traj: Trajectory) -> Iterator[tuple[int, Mapping[str, Any]]]:
-    """``(depth, usage)`` of every model call ``traj`` made: its turns, then its sub-calls that reached a model."""
+    """``(depth, usage)`` of every model call ``traj`` made: its turns, the summary calls that compacted its
+    conversation (a persistent session's ``metadata["compactions"]``), then its sub-calls that reached a model."""
     for turn in traj.turns:
         if turn.usage:
             yield traj.depth, turn.usage
+    for record in traj.metadata.get("compactions", []):
+        if record.get("usage"):
+            yield traj.depth, record["usage"]
     for record in traj.metadata.get("subcalls", []):
         if record.get("usage"):
             yield traj.depth + 1, record["usage"]

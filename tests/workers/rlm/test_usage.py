@@ -9,9 +9,9 @@ import pytest
 
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
-from workers.agents.trajectory import load_jsonl
+from workers.agents.trajectory import Trajectory, TrajectoryTurn, load_jsonl
 from workers.rlm.inference import RLM
-from workers.rlm.usage import Usage
+from workers.rlm.usage import Usage, tree_usage
 from workers.sandbox import ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -208,3 +208,17 @@ def test_max_errors_ends_the_trajectory(tok, sandbox):
     with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=12, max_errors=3) as rlm:
         res = rlm.completion("Q", context="c")
     assert (res.status, res.answer, len(res.root.turns)) == ("finished", "done", 10)
+
+
+def test_compaction_summary_calls_count_at_the_trajectory_depth():
+    """A persistent session's summary calls (``metadata["compactions"]``) are model calls too: the budget charges
+    them, so the sums include them (hand-built records in the session's format)."""
+    turn = TrajectoryTurn(index=0, usage={"prompt_tokens": 100, "completion_tokens": 10, "model": "m"})
+    root = Trajectory(id="r", query="q", turns=[turn])
+    root.metadata["compactions"] = [
+        {"usage": {"prompt_tokens": 50, "completion_tokens": 5, "model": "m"}},
+        {"usage": {}},  # a truncation fallback made no call
+    ]
+    u = tree_usage([root], {"m": (1.0, 2.0)})
+    assert (u.total.calls, u.total.prompt_tokens, u.total.completion_tokens) == (2, 150, 15)
+    assert u.by_depth[0].calls == 2 and u.cost_usd == pytest.approx((150 * 1.0 + 15 * 2.0) / 1e6)
