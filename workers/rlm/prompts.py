@@ -1,10 +1,11 @@
 """System prompts for RLM agents, built as chat messages.
 
 The context never goes into the prompt: the system message describes it (type, total length, item
-count and the first item lengths) and the REPL holds it as ``context``. The prompt depends on the
-agent's depth (root = 0; a child started by ``rlm_query`` is one deeper) and the depth cap
-``max_depth``: below the cap ``rlm_query`` starts a child agent with its own REPL; at the cap it is
-a plain one-shot sub-LM call, like ``llm_query``, and the prompt says so.
+count and the first item lengths, a dict's keys; each of several contexts ``context_0``, ``context_1``,
+...) and the REPL holds it as ``context``. The prompt depends on the agent's depth (root = 0; a child
+started by ``rlm_query`` is one deeper) and the depth cap ``max_depth``: below the cap ``rlm_query``
+starts a child agent with its own REPL; at the cap it is a plain one-shot sub-LM call, like
+``llm_query``, and the prompt says so.
 
     msgs = build_messages("What is the magic number for quiet-harbor?", context=text,
                           depth=0, max_depth=1, max_iterations=12)
@@ -20,24 +21,54 @@ depth, one per line), ``{depth}`` and ``{max_iterations}``. ``extra_instructions
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ContextInfo", "PromptConfig", "build_messages", "describe_context", "system_prompt"]
+__all__ = [
+    "ContextInfo",
+    "Contexts",
+    "PromptConfig",
+    "build_messages",
+    "describe_context",
+    "describe_contexts",
+    "system_prompt",
+]
 
 
 @dataclass(frozen=True)
 class ContextInfo:
-    type_name: str  # "str", "list[str]", "NoneType", ...
-    total_chars: int
-    n_items: int | None = None  # for a list
-    item_lengths: tuple[int, ...] = ()  # the first few items' lengths, for a list
+    """Type and size of a REPL context, or of several (``type_name == "contexts"``, one entry of ``parts``
+    per ``context_<i>``). Sizes of non-str values are lengths of their JSON text."""
 
-    def describe(self, max_items: int = 8) -> str:
+    type_name: str  # "str", "list[str]", "dict", "list[dict]", "NoneType", "contexts" ...
+    total_chars: int
+    n_items: int | None = None  # items of a list, keys of a dict, contexts of "contexts"
+    item_lengths: tuple[int, ...] = ()  # the first few items' (values', contexts') lengths
+    keys: tuple[str, ...] = ()  # the first few keys, for a dict
+    parts: tuple[ContextInfo, ...] = ()  # one per context, for "contexts"
+
+    def describe(self, max_items: int = 8, name: str = "context") -> str:
+        if self.type_name == "contexts":
+            head = (
+                f"There are {self.n_items} contexts, `context_0` ... `context_{(self.n_items or 1) - 1}` "
+                f"(`context` is `context_0`), {self.total_chars:,} characters in all:"
+            )
+            lines = [f"- {p.describe(max_items, f'context_{i}')}" for i, p in enumerate(self.parts)]
+            return "\n".join([head, *lines]) if self.parts else "There are no contexts (`context` is None)."
         if self.type_name == "NoneType":
-            return "`context` is None: everything you have is in the request below."
-        text = f"`context` is a {self.type_name} of {self.total_chars:,} characters"
+            return f"`{name}` is None: everything you have is in the request below."
+        if self.type_name == "dict":
+            keys = ", ".join(repr(k) for k in self.keys[:max_items])
+            more = ", ..." if (self.n_items or 0) > min(len(self.keys), max_items) else ""
+            return (
+                f"`{name}` is a dict with {self.n_items:,} keys ({keys}{more}) of {self.total_chars:,} "
+                "characters as JSON."
+                if self.n_items
+                else f"`{name}` is an empty dict."
+            )
+        text = f"`{name}` is a {self.type_name} of {self.total_chars:,} characters"
         if self.n_items is not None:
             shown = ", ".join(f"{n:,}" for n in self.item_lengths[:max_items])
             more = ", ..." if self.n_items > min(len(self.item_lengths), max_items) else ""
@@ -47,30 +78,67 @@ class ContextInfo:
         return text + "."
 
     def to_dict(self) -> dict:
-        return {
+        d: dict[str, Any] = {
             "type": self.type_name,
             "length": self.total_chars,
             "n_items": self.n_items,
             "item_lengths": list(self.item_lengths),
         }
+        if self.keys:
+            d["keys"] = list(self.keys)
+        if self.parts:
+            d["parts"] = [p.to_dict() for p in self.parts]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ContextInfo:
-        return cls(d["type"], int(d["length"]), d.get("n_items"), tuple(d.get("item_lengths") or ()))
+        return cls(
+            d["type"],
+            int(d["length"]),
+            d.get("n_items"),
+            tuple(d.get("item_lengths") or ()),
+            tuple(d.get("keys") or ()),
+            tuple(cls.from_dict(p) for p in d.get("parts") or ()),
+        )
+
+
+@dataclass
+class Contexts:
+    """Several contexts of one trajectory: its REPL holds them as ``context_0``, ``context_1``, ... and
+    ``context`` is ``context_0`` (as in rlms). A plain list is one context (a list of documents)."""
+
+    values: list
+
+
+def _chars(value: Any) -> int:
+    return len(value) if isinstance(value, str) else len(json.dumps(value, ensure_ascii=False, default=str))
 
 
 def describe_context(context: Any, max_items: int = 8) -> ContextInfo:
-    """Type and size of a REPL context (a str, a list of str, None or anything with a ``str()``)."""
+    """Type and size of a REPL context (a str, a list, a dict, None or anything JSON-able)."""
     if context is None:
         return ContextInfo("NoneType", 0)
+    if isinstance(context, Contexts):
+        return describe_contexts(context.values, max_items)
     if isinstance(context, str):
         return ContextInfo("str", len(context))
-    if isinstance(context, Sequence | tuple) and not isinstance(context, bytes | bytearray):
-        lengths = [len(x) if isinstance(x, str) else len(str(x)) for x in context]
+    if isinstance(context, Mapping):
+        lengths = [_chars(v) for v in context.values()]
+        keys = tuple(str(k) for k in list(context)[: max(max_items, 20)])
+        return ContextInfo("dict", _chars(dict(context)), len(lengths), tuple(lengths[:max_items]), keys)
+    if isinstance(context, Sequence) and not isinstance(context, bytes | bytearray):
+        lengths = [_chars(x) for x in context]
         kinds = {type(x).__name__ for x in context}
         inner = kinds.pop() if len(kinds) == 1 else "Any"
         return ContextInfo(f"list[{inner}]", sum(lengths), len(lengths), tuple(lengths[:max_items]))
     return ContextInfo(type(context).__name__, len(str(context)))
+
+
+def describe_contexts(contexts: Sequence[Any], max_items: int = 8) -> ContextInfo:
+    """Several contexts (``context_0``, ``context_1``, ... in the REPL): one ContextInfo per context."""
+    parts = tuple(describe_context(c, max_items) for c in contexts)
+    lengths = tuple(p.total_chars for p in parts)
+    return ContextInfo("contexts", sum(lengths), len(parts), lengths[:max_items], parts=parts)
 
 
 @dataclass
@@ -79,7 +147,9 @@ class PromptConfig:
     sub_lm_chars: int | None = None  # roughly how much text one llm_query prompt may hold
     max_iterations: int | None = None
     extra_instructions: str = ""  # appended to the system prompt (task-specific hints)
-    tools: dict[str, str] = field(default_factory=dict)  # name -> description of extra REPL functions
+    # extra REPL names -> description: a name or a signature ("search(query, k=3)"); the agent adds its
+    # custom tools (signature -> first docstring line) and the variables its setup code defined
+    tools: dict[str, str] = field(default_factory=dict)
     # "full": the whole protocol with strategy advice; "compact": the same rules in a few lines, for small
     # models and short context windows (the full prompt is ~1,300 tokens of the tiny tokenizer)
     style: str = "full"
@@ -131,7 +201,7 @@ def _tools_section(depth: int, max_depth: int, cfg: PromptConfig) -> str:
     if depth < max_depth:
         lines += [
             "- `rlm_query(prompt, context=None) -> str` -- hand a sub-task to a helper agent like you, "
-            "with its own REPL holding `context` (whatever you pass: a str or list of str). Use it "
+            "with its own REPL holding `context` (whatever you pass: a str, a list, a dict). Use it "
             "when the sub-task needs several steps of code, not a single read.",
             "- `rlm_query_batched(prompts, contexts=None) -> list[str]` -- several helper agents at once.",
         ]
@@ -245,10 +315,12 @@ def build_messages(
     cfg = config or PromptConfig()
     if max_iterations is not None:
         cfg = PromptConfig(**{**cfg.__dict__, "max_iterations": max_iterations})
-    user = (
-        f"{query.strip()}\n\n"
-        "The context is in the REPL variable `context`. Start by inspecting it in a ```repl block."
+    where = (
+        "The contexts are in the REPL variables `context_0`, `context_1`, ..."
+        if info.type_name == "contexts"
+        else "The context is in the REPL variable `context`."
     )
+    user = f"{query.strip()}\n\n{where} Start by inspecting it in a ```repl block."
     return [
         {"role": "system", "content": system_prompt(info, depth=depth, max_depth=max_depth, config=cfg)},
         {"role": "user", "content": user},

@@ -769,8 +769,10 @@ class _ReplSpec:
 
     @property
     def tool_context(self) -> Any:
-        """What a ``pass_context`` tool gets: the context, or the list of contexts."""
-        return self.contexts if self.contexts is not None else self.context
+        """What a ``pass_context`` tool gets: the context; several as ``{"context_0": c0, ...}``."""
+        if self.contexts is None:
+            return self.context
+        return {f"context_{i}": c for i, c in enumerate(self.contexts)}
 
 
 class Repl:

@@ -45,8 +45,9 @@ MAX_RESULT_CHARS = 16 << 20  # a tool result is sent back in one frame
 class Tool:
     """A host function callable from REPL code. ``description``: shown in the system prompt and as the
     REPL function's docstring (default: the function's docstring). ``pass_context``: the host calls
-    ``fn(*args, context=..., **kwargs)`` with the REPL's original context (with several contexts, the list
-    of them), a host-side copy the REPL code cannot change; the REPL function does not take it."""
+    ``fn(*args, context=..., **kwargs)`` with the REPL's original context (several contexts as
+    ``{"context_0": c0, "context_1": c1, ...}``), a host-side copy the REPL code cannot change; the REPL
+    function does not take it."""
 
     fn: Callable[..., Any]
     description: str | None = None
@@ -62,9 +63,12 @@ class Tool:
     def signature(self, name: str) -> str:
         """``name(query, k=3)``: the function's parameters as REPL code passes them."""
         try:
-            sig = inspect.signature(self.fn)
-        except (TypeError, ValueError):
-            return f"{name}(...)"
+            sig = inspect.signature(self.fn, eval_str=True)  # `str`, not "'str'", under postponed annotations
+        except (NameError, SyntaxError, TypeError, ValueError):
+            try:
+                sig = inspect.signature(self.fn)
+            except (TypeError, ValueError):
+                return f"{name}(...)"
         if self.pass_context:
             sig = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "context"])
         return f"{name}{sig.replace(return_annotation=inspect.Signature.empty)}"
