@@ -1,4 +1,5 @@
-"""Loopback stand-ins for the model services the LM clients talk to (``workers.agents.clients``).
+"""Fixtures of the worker tests: loopback stand-ins for the model services the LM clients talk to
+(``workers.agents.clients``), and ``sglang_module`` for the tests that start SGLang engines.
 
 ``chat_server(reply, kind="openai" | "anthropic", failures=[...])`` starts a stdlib HTTP server on 127.0.0.1
 (port 0) in a thread. It stands in for an OpenAI-compatible server (OpenAI, vLLM, SGLang, OpenRouter:
@@ -12,8 +13,12 @@ service's JSON shape with the text ``reply(body)`` returns (or a ``(text, "lengt
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import multiprocessing
+import os
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -112,3 +117,26 @@ def closed_port_url():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}/v1"
+
+
+SGLANG_HINT = "needs SGLang: run `make sglang-cpu` (CPU engine) or pip install hyflow[sglang] (CUDA)"
+
+
+@pytest.fixture(scope="module")
+def sglang_module(needs):
+    """Skips without SGLang (fails in CI, which installs it); afterwards undoes what starting an engine
+    changes for the whole test process: the CPU import shims on PYTHONPATH / sys.path (later subprocesses,
+    e.g. sandboxes, must not import a fake torchvision) and SGLang's forced "spawn" start method."""
+    if importlib.util.find_spec("sglang") is None:
+        needs(SGLANG_HINT)
+    env = {k: os.environ.get(k) for k in ("PYTHONPATH", "SGLANG_CPU_OMP_THREADS_BIND")}
+    path = list(sys.path)
+    method = multiprocessing.get_start_method(allow_none=True)
+    yield
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    sys.path[:] = path
+    multiprocessing.set_start_method(method, force=True)

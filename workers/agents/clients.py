@@ -15,9 +15,10 @@ environment variable holding the key), ``base_url``, ``timeout`` (seconds per re
 library retries connection errors, 408/409/429 and 5xx answers with exponential backoff; default 2),
 ``default_headers`` (sent with every request), ``extra_body`` (merged into every request's JSON body).
 
-API keys: an explicit ``api_key`` (or ``api_key_env``) is sent wherever ``base_url`` points. Without one, the
-provider's own variable (``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY``) is used only when ``base_url`` is unset or the
-provider's own host -- a key is never sent to another URL unless you ask for it -- and no key is sent to other URLs.
+API keys: an explicit ``api_key`` (or ``api_key_env``) is sent wherever ``base_url`` points. Without one, a
+provider's variable is read only for that provider's own host (``base_url`` unset: OpenAI's or Anthropic's):
+``OPENAI_API_KEY`` for api.openai.com, ``OPENROUTER_API_KEY`` for openrouter.ai, ``ANTHROPIC_API_KEY`` for
+api.anthropic.com; any other URL (a vLLM/SGLang server, a proxy) gets no key unless you pass one.
 
 ``backend_kwargs`` of the engine backends: ``model_name`` (the checkpoint path) and the engine's config fields
 (``EngineConfig`` for native: ``max_num_seqs``, ``max_model_len``, ``device``, ``seed``...; ``SGLangRolloutConfig``
@@ -125,11 +126,11 @@ def engine_loop(llm) -> asyncio.AbstractEventLoop | None:
 class _HTTPChat:
     """What the two HTTP clients share: configuration, the API-key rule, one library client per event loop
     (an async HTTP connection pool belongs to the loop it was opened on), and errors that name the endpoint.
-    Subclasses set ``backend``, ``default_url``, ``key_env`` and implement ``_new_client`` and ``__call__``."""
+    Subclasses set ``backend``, ``default_url``, ``key_envs`` and implement ``_new_client`` and ``__call__``."""
 
     backend = ""
     default_url = ""
-    key_env = ""
+    key_envs: dict[str, str] = {}  # host -> the environment variable holding that provider's key
 
     def __init__(
         self,
@@ -154,8 +155,9 @@ class _HTTPChat:
                 raise ValueError(
                     f"backend {self.backend!r}: api_key_env={api_key_env!r}: that environment variable is not set"
                 )
-        elif api_key is None and urlsplit(self.url).hostname == urlsplit(self.default_url).hostname:
-            api_key = os.environ.get(self.key_env)  # the provider's own key, for the provider's own host only
+        elif api_key is None and urlsplit(self.url).hostname in self.key_envs:
+            # the provider's own key, for the provider's own host only
+            api_key = os.environ.get(self.key_envs[str(urlsplit(self.url).hostname)])
         self.api_key = api_key or None
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(
@@ -234,7 +236,7 @@ class OpenAIChat(_HTTPChat):
 
     backend = "openai"
     default_url = "https://api.openai.com/v1"
-    key_env = "OPENAI_API_KEY"
+    key_envs = {"api.openai.com": "OPENAI_API_KEY", "openrouter.ai": "OPENROUTER_API_KEY"}
 
     def _new_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
@@ -300,7 +302,7 @@ class AnthropicChat(_HTTPChat):
 
     backend = "anthropic"
     default_url = "https://api.anthropic.com"
-    key_env = "ANTHROPIC_API_KEY"
+    key_envs = {"api.anthropic.com": "ANTHROPIC_API_KEY"}
 
     def _new_client(self):
         import anthropic  # imported on first use: ~1 s, and only this backend needs it

@@ -62,6 +62,9 @@ def test_provider_key_only_for_the_providers_host(chat_server, monkeypatch):
     assert OpenAIChat("m").api_key == "sk-openai-env"  # base_url unset: OpenAI's own host
     assert OpenAIChat("m", base_url="https://api.openai.com/v1").api_key == "sk-openai-env"
     assert AnthropicChat("c").api_key == "sk-ant-env"
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-or-env")
+    assert OpenAIChat("m", base_url="https://openrouter.ai/api/v1").api_key == "sk-or-env"
+    assert OpenAIChat("m", base_url="https://proxy.example/v1").api_key is None
     openai_like = chat_server(lambda body: "ok")
     anthropic_like = chat_server(lambda body: "ok", kind="anthropic")
     asyncio.run(make_llm("openai", {"model_name": "m", "base_url": openai_like.url}).complete("q", PARAMS))
