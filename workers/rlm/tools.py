@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from workers.sandbox.tools import Tool, as_tools
+from workers.sandbox.tools import Tool, ToolSpec, as_tools
 
 __all__ = ["load_tools", "search_context"]
 
@@ -55,8 +55,9 @@ def _search_context(query: str, k: int = 3, *, context: Any = None) -> list[dict
 search_context = Tool(_search_context, timeout_s=30.0, pass_context=True)
 
 
-def load_tools(paths: Mapping[str, str]) -> dict[str, Tool]:
-    """``{name: Tool}`` from ``{name: "package.module:attribute"}``; the attribute is a ``Tool`` or a callable.
+def load_tools(paths: Mapping[str, str]) -> dict[str, ToolSpec]:
+    """``{name: Tool}`` from ``{name: "package.module:attribute"}``; the attribute is a ``Tool`` or a callable
+    (or a JSON value: a ``Constant``).
     Raises ValueError naming the tool whose path does not resolve."""
     out: dict[str, Any] = {}
     for name, path in paths.items():

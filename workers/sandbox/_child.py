@@ -413,6 +413,11 @@ class _Repl:
         else:
             self.contexts = [init.get("context")]
             self.context_names = [["context"]]
+        constants = init.get("constants")
+        for name, value in constants.items() if isinstance(constants, dict) else ():
+            if name.isidentifier() and name not in RESERVED_NAMES and not CONTEXT_NAME.fullmatch(name):
+                self.contexts.append(value)  # restored like a context
+                self.context_names.append([name])
         self.live = [_fresh(c) for c in self.contexts]
         self.ns = {"__name__": "__main__", "__builtins__": builtins}
         self.reserved = self._make_helpers()

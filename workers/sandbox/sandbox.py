@@ -34,7 +34,7 @@ from typing import Any
 from workers.event_loop import LoopThread
 from workers.sandbox import _child, _seccomp
 from workers.sandbox.config import ExecResult, SandboxConfig
-from workers.sandbox.tools import Tool, as_tools, tool_record
+from workers.sandbox.tools import Tool, ToolSpec, as_tools, tool_record
 
 SubcallHandler = Callable[[str, dict], Awaitable[str] | str]
 """``handler(kind, payload) -> str``: kind is "llm_query" or "rlm_query"; payload holds "prompt",
@@ -555,7 +555,7 @@ class ReplSandbox:
         handler: SubcallHandler | None = None,
         *,
         contexts: list | None = None,
-        tools: Mapping[str, Tool | Callable[..., Any]] | None = None,
+        tools: Mapping[str, Any] | None = None,
         setup_code: str | None = None,
     ) -> "Repl":
         """A fresh REPL holding ``context`` (any JSON value: a str, a list of documents, a dict ...) as
@@ -752,7 +752,7 @@ class _ReplSpec:
     context: Any
     contexts: list | None
     setup_vars: dict
-    tools: dict[str, Tool]
+    tools: dict[str, ToolSpec]
     setup_code: str | None
 
     def init_message(self) -> dict:
@@ -762,8 +762,11 @@ class _ReplSpec:
             "contexts": self.contexts,
             "setup_vars": self.setup_vars,
             "tools": [
-                {"name": n, "doc": f"{t.signature(n)}\n\n{t.doc()}".strip()} for n, t in self.tools.items()
+                {"name": n, "doc": f"{t.signature(n)}\n\n{t.doc()}".strip()}
+                for n, t in self.tools.items()
+                if isinstance(t, Tool)
             ],
+            "constants": {n: t.value for n, t in self.tools.items() if not isinstance(t, Tool)},
             "setup_code": self.setup_code,
         }
 
@@ -968,12 +971,13 @@ class Repl:
             if not isinstance(payload, dict):
                 return {"error": "malformed tool call"}
             name, args, kwargs = payload.get("name"), payload.get("args"), payload.get("kwargs")
-            if not isinstance(name, str) or name not in tools:
+            tool = tools.get(name) if isinstance(name, str) else None
+            if not isinstance(tool, Tool):
                 return {"error": f"no tool named {str(name)[:100]!r}"}
             if not isinstance(args, list) or not isinstance(kwargs, dict):
                 outcome = {"error": f"tool {name!r}: malformed arguments"}
             else:
-                outcome = await tools[name].acall(name, args, kwargs, self._spec.tool_context)
+                outcome = await tool.acall(name, args, kwargs, self._spec.tool_context)
             self._tool_calls.append(tool_record(name, args, kwargs, outcome, started))
             return outcome
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from workers.sandbox._child import CONTEXT_NAME, RESERVED_NAMES
 
-__all__ = ["Tool", "as_tools", "check_tool_name"]
+__all__ = ["Constant", "Tool", "ToolSpec", "as_tools", "check_tool_name"]
 
 TOOL_RECORD_CHARS = 2000  # characters of a call's JSON arguments/result kept in its record
 MAX_RESULT_CHARS = 16 << 20  # a tool result is sent back in one frame
@@ -106,6 +106,24 @@ class Tool:
         return {"ok": result}
 
 
+@dataclass(frozen=True)
+class Constant:
+    """A JSON value bound to a name in the REPL (rlms' non-callable ``custom_tools`` entries): rebound, and
+    restored when changed in place, after every block, like a context."""
+
+    value: Any
+    description: str | None = None
+
+    def signature(self, name: str) -> str:
+        return name
+
+    def summary(self) -> str:
+        return self.description or f"a {type(self.value).__name__} value"
+
+
+ToolSpec = Tool | Constant
+
+
 def check_tool_name(name: Any) -> str:
     """``name`` if it can name a tool in the REPL; else ValueError saying why."""
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
@@ -119,13 +137,25 @@ def check_tool_name(name: Any) -> str:
     return name
 
 
-def as_tools(tools: Mapping[str, Tool | Callable[..., Any]] | None) -> dict[str, Tool]:
-    """``{name: Tool}`` from ``{name: Tool | callable}``, names checked."""
-    out: dict[str, Tool] = {}
-    for name, tool in (tools or {}).items():
-        if not isinstance(tool, Tool) and not callable(tool):
-            raise TypeError(f"tool {name!r} must be a callable or a Tool, got {type(tool).__name__}")
-        out[check_tool_name(name)] = tool if isinstance(tool, Tool) else Tool(tool)
+def as_tools(tools: Mapping[str, Any] | None) -> dict[str, ToolSpec]:
+    """``{name: Tool | Constant}``, names checked, from ``{name: entry}``; an entry is a ``Tool``, a callable,
+    rlms' ``{"tool": callable_or_value, "description": "..."}``, or a JSON value (a ``Constant``)."""
+    out: dict[str, ToolSpec] = {}
+    for name, entry in (tools or {}).items():
+        check_tool_name(name)
+        description = None
+        if isinstance(entry, Mapping) and "tool" in entry:
+            entry, description = entry["tool"], entry.get("description")
+        if isinstance(entry, Tool | Constant):
+            out[name] = entry
+        elif callable(entry):
+            out[name] = Tool(entry, description=description)
+        else:
+            try:
+                json.dumps(entry)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"tool {name!r} must be a callable, a Tool or a JSON value ({exc})") from None
+            out[name] = Constant(entry, description)
     return out
 
 

@@ -95,8 +95,6 @@ def test_tool_names_are_checked_and_rebound_after_every_block(sandbox):
     for bad in ("llm_query", "FINAL", "context", "context_3", "_private", "not-a-name", "class"):
         with pytest.raises(ValueError, match="tool name"):
             sandbox.create(tools={bad: one})
-    with pytest.raises(TypeError, match="tool 'x' must be a callable"):
-        sandbox.create(tools={"x": 3})
     with sandbox.create(tools={"one": one}, setup_vars={"one": "shadow?"}) as r:
         first = r.execute("one = 'rebound'\nprint(one)\nv = SHOW_VARS()")
         second = r.execute("print(one(), v)\ndel one")
@@ -178,3 +176,21 @@ def test_setup_code_failures_name_setup_code(sandbox):
         sandbox.create(setup_code="while True:\n    pass")
     with sandbox.create() as r:  # the sandbox is fine afterwards
         assert r.execute("print(1)").stdout == "1\n"
+
+
+def test_rlms_style_entries_descriptions_and_json_constants(sandbox):
+    def f(x):
+        return x + 1
+
+    tools = {"inc": {"tool": f, "description": "Add one."}, "LIMITS": {"max": [1, 2]}, "API": "v2"}
+    with sandbox.create(tools=tools) as r:
+        res = r.execute(
+            "print(inc(1), inc.__doc__.splitlines()[-1], LIMITS['max'], API)\nLIMITS['max'].append(3)"
+        )
+        after = r.execute("print(LIMITS)\nAPI = 'changed'\nprint(SHOW_VARS())")
+        again = r.execute("print(API)")
+    assert res.stdout == "2 Add one. [1, 2] v2\n"
+    assert after.stdout == "{'max': [1, 2]}\nNo user variables yet.\n"  # restored like a context, not listed
+    assert again.stdout == "v2\n"
+    with pytest.raises(TypeError, match="tool 'bad' must be a callable, a Tool or a JSON value"):
+        sandbox.create(tools={"bad": {1, 2}})
