@@ -11,9 +11,10 @@ calls, and compacts the conversation when it fills the model's window.
   when the conversation plus the turn's ``max_new_tokens`` would pass that fraction of the window -- or when an
   observation did not fit at all -- the older messages are replaced by a summary: the model is asked for one
   (a plain completion of the transcript: what was done, exact intermediate results and variable names, what is
-  left), and if that fails the transcript itself, truncated, stands in for it. The system prompt, the current
-  question and the last exchange are kept verbatim. Each compaction is recorded in the root trajectory's
-  ``metadata["compactions"]`` (tokens before/after, method, summary, usage). The window is the token limit of the
+  left), and if that fails the transcript itself, cut to the length a summary may have, stands in for it. The
+  system prompt, the current question and the last exchange are kept verbatim; the REPL is untouched. Each
+  compaction is recorded in the root trajectory's ``metadata["compactions"]`` (trigger, tokens before/after,
+  method, summary, usage; the summary call counts in the budget and the usage). The window is the token limit of the
   root's conversation: ``AgentConfig.max_sequence_tokens`` and the engine's ``max_model_len``; for a text-only
   (chat) model, ``max_sequence_tokens``, with tokens estimated at 4 characters each.
 
@@ -81,7 +82,6 @@ class Session:
         self.compaction_threshold = compaction_threshold
         self.repl = None
         self.messages: list[dict[str, str]] = []  # the conversation so far ([] before the first call)
-        self.calls = 0
         self._handler: Callable[..., Any] | None = None  # the running call's sub-call handler
 
     @property
@@ -99,7 +99,6 @@ class Session:
         if self._handler is not None:
             raise RuntimeError("a persistent RLM session runs one completion at a time")
         self._handler = handler
-        self.calls += 1
 
     async def repl_for(self, create: Callable[[Any], Awaitable[Any]], context) -> tuple[Any, dict[str, Any]]:
         """The session's REPL and ``{variable: value}`` for this call's context. The first call's REPL is
@@ -257,5 +256,16 @@ class SessionConversation:
             if out.text.strip():
                 return out.text.strip(), "model", usage
             break
-        window = self.window or 4096
-        return truncate(transcript, max(200, window * CHARS_PER_TOKEN // 4)), "truncated", {}
+        return self._cut(transcript, sampling.max_new_tokens), "truncated", {}
+
+    def _cut(self, text: str, max_tokens: int) -> str:
+        """``text`` truncated to about ``max_tokens`` tokens (exactly at most, for a token-level model): the
+        fallback summary takes no more room than a model's summary could have."""
+        chars = max_tokens * CHARS_PER_TOKEN
+        cut = truncate(text, chars)
+        if isinstance(self.conv, TokenConversation):
+            encode = self.conv.llm.format.encode
+            while chars > 1 and len(encode(cut)) > max_tokens:
+                chars = chars * 3 // 4
+                cut = truncate(text, chars)
+        return cut

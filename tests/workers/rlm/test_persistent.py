@@ -161,6 +161,32 @@ def test_compaction_summarises_older_turns_and_the_run_finishes(tok, sandbox):
     assert SUMMARY in nxt.root.turns[0].prompt_text
 
 
+class FailingSummaries(SessionScript):
+    def __call__(self, prompt: str) -> str:
+        if "Summarize it so you can continue without it" in prompt:
+            raise RuntimeError("the summary request failed")
+        return super().__call__(prompt)
+
+
+def test_a_failed_summary_falls_back_to_the_truncated_transcript(tok, sandbox):
+    system_tokens = len(ChatFormat(tok).prompt_ids(build_messages("Q-long", context="data")))
+    cfg = AgentConfig(max_iterations=6, max_new_tokens=64, max_sequence_tokens=system_tokens + 800)
+    gen = scripted_generate(tok, FailingSummaries(LONG))
+    with RLM(
+        engine=gen,
+        tokenizer=tok,
+        sandbox=sandbox,
+        agent_config=cfg,
+        persistent=True,
+        compaction_threshold=0.9,
+    ) as rlm:
+        res = rlm.completion("Q-long", context="data")
+    assert (res.status, res.answer) == ("finished", "10")
+    first = res.root.metadata["compactions"][0]
+    assert first["method"] == "truncated" and first["usage"] == {}
+    assert first["summary"].startswith("[assistant]") and "v0 = 0" in first["summary"]
+
+
 def test_without_compaction_a_full_window_ends_the_call_with_budget(tok, sandbox):
     """The same run with compaction off stops when the window is full: the test above is not vacuous."""
     system_tokens = len(ChatFormat(tok).prompt_ids(build_messages("Q-long", context="data")))
