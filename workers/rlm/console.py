@@ -71,11 +71,12 @@ class VerbosePrinter:
     def on_subcall(self, ev: SubcallEvent) -> None:
         rec = ev.record
         self._header(ev.trajectory_id, ev.depth, ev.turn, None)
+        what = rec["kind"] + (f" {rec['name']}" if "name" in rec else "")  # a custom tool's name
         child = f" (child {rec['child_id']})" if "child_id" in rec else ""
-        line = Text(f"↳ {rec['kind']}{child}: ", style="cyan")
-        line.append(repr(self._cut(rec["prompt"])))
+        line = Text(f"↳ {what}{child}: ", style="cyan")
+        line.append(repr(self._cut(str(rec.get("prompt", "")))))
         line.append(" → ", style="cyan")
-        line.append(repr(self._cut(rec.get("response", ""))), style="red" if "error" in rec else "")
+        line.append(repr(self._cut(str(rec.get("response", "")))), style="red" if "error" in rec else "")
         self._print(ev.depth, line)
 
     def on_final(self, ev: FinalEvent) -> None:

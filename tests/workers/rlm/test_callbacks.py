@@ -178,3 +178,23 @@ def test_verbose_printer_writes_to_a_given_console(tok, sandbox):
     assert text.index(f"{res.root.id} · turn 1") < text.index("↳ llm_query") < text.index("s = llm_query")
     assert f"depth 1 · {res.root.id}/0 · turn 1/4" in text and "FINAL: DEFG" in text
     assert "Final answer · finished" in text
+
+
+def test_custom_tool_calls_reach_on_subcall_and_the_console(tok, sandbox):
+    events: list = []
+    buf = io.StringIO()
+    printer = VerbosePrinter(Console(file=buf, width=120))
+    script = {"Q-tool": [block("r = lookup('k1')\nprint(r)"), "FINAL_VAR(r)"]}
+    gen = scripted_generate(tok, ReplayScript(script))
+    with RLM(
+        engine=gen,
+        tokenizer=tok,
+        sandbox=sandbox,
+        max_iterations=3,
+        custom_tools={"lookup": lambda key: f"value-of-{key}"},
+        on_subcall=lambda ev: (events.append(ev), printer.on_subcall(ev)),
+    ) as rlm:
+        res = rlm.completion("Q-tool")
+    assert res.answer == "value-of-k1"
+    assert [(e.kind, e.record["name"], e.turn) for e in events] == [("tool", "lookup", 0)]
+    assert "↳ tool lookup:" in buf.getvalue() and "value-of-k1" in buf.getvalue()
