@@ -20,8 +20,10 @@ from recipes.schemas import RecipeConfig
 from recipes.trainer import (
     Run,
     Session,
+    check_env_errors,
     cli,
     compute_advantage,
+    fill_mini_batches,
     metrics_of,
     parse_args,
     rollout_meta,
@@ -37,6 +39,10 @@ def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataP
     # 1. rollout: rollout.n samples per prompt (rows a,a,..,b,b,..), seeded by the step
     with timer("gen", timings):
         batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    # an agent env whose every trajectory failed stops the run; step-wise turns and children as rows vary the
+    # row count: filled up to whole PPO mini-batches with rows that carry no loss
+    check_env_errors(batch, s.state.step)
+    batch = fill_mini_batches(cfg, batch, roles.critic is not None)
     # 2. reward (the rule verifier's score on each response's last token), then log-probs of the sampled
     #    tokens under the current policy and the frozen reference (and PPO: the critic's values)
     batch = score_and_log_probs(cfg, roles, batch, timings)

@@ -8,7 +8,8 @@
   ``print_summary`` of a finished run
 * ``roles``: resource pools and WorkerGroups for ``trainer.placement`` colocated / disaggregated
   (``build_roles``; ``Roles.generate``, ``Roles.sync_weights``), ``metrics_of`` a worker call
-* ``steps``: sampling settings with per-step seeds, reward + log-probs, advantages on the controller, ``due``,
+* ``steps``: sampling settings with per-step seeds, reward + log-probs, advantages on the controller (rows
+  that inherit theirs: ``sources``), the env-failure abort, mini-batch filling, ``due``,
   trainer state + checkpoint save/resume
 * ``validation``: one generate -> score loop on the held-out prompts; ``greedy_accuracy``, ``PassAtK``,
   ``print_accuracy_change``
@@ -42,8 +43,10 @@ from recipes.trainer.run import Run, cli, init_ray, model_config, parse_args, st
 from recipes.trainer.session import Session, print_summary
 from recipes.trainer.steps import (
     TrainerState,
+    check_env_errors,
     compute_advantage,
     due,
+    fill_mini_batches,
     resume,
     rollout_meta,
     save_checkpoint,
@@ -63,12 +66,14 @@ __all__ = [
     "build_actor_group",
     "build_roles",
     "cli",
+    "check_env_errors",
     "compute_advantage",
     "compute_data_metrics",
     "compute_throughput",
     "console_line",
     "demonstrations",
     "due",
+    "fill_mini_batches",
     "greedy_accuracy",
     "hold_interrupts",
     "init_ray",

@@ -1,6 +1,8 @@
 """Step metrics under verl's names, timers, and validation accuracy.
 
-* ``compute_data_metrics``: ``critic/score/*`` (sequence score), ``critic/rewards/*`` (after any in-reward KL),
+* ``compute_data_metrics``: ``critic/score/*`` (sequence score), ``critic/rewards/*`` (after any in-reward KL;
+  both, with ``train/accuracy`` and ``reward/answered_frac``, over the advantage source rows only: one per
+  trajectory tree when step-wise turns or children are rows),
   ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*`` (PPO), ``response_length/*``
   (incl. ``clip_ratio``: share of responses cut at max length), ``prompt_length/*``, and
   ``training/rollout_logprob_diff_{max,mean}``: |log p_rollout - log p_trainer| of the sampled tokens, the rollout
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from dataproto import DataProto
+from recipes.trainer.sources import is_source
 
 
 @contextmanager
@@ -59,18 +62,19 @@ def compute_data_metrics(batch: DataProto) -> dict[str, float]:
     resp_len = mask.sum(-1).float()
     prompt_len = b["attention_mask"][:, : b["attention_mask"].shape[-1] - max_resp].sum(-1).float()
     out: dict[str, float] = {}
+    samples = torch.as_tensor(is_source(batch))  # one row per trajectory tree
     if "token_level_scores" in b:
-        scores = b["token_level_scores"].sum(-1)
+        scores = b["token_level_scores"].sum(-1)[samples]
         out.update(_stats("critic/score", scores))
         out["train/accuracy"] = float((scores >= 1.0).float().mean())  # sampled responses with full score
     if "answer" in batch.non_tensor_batch:  # RLM trajectories: how many reached FINAL / FINAL_VAR
         out["reward/answered_frac"] = float(
-            np.mean([a is not None and a != "" for a in batch.non_tensor_batch["answer"]])
+            np.mean([a is not None and a != "" for a in batch.non_tensor_batch["answer"][samples.numpy()]])
         )
     if "reward_error" in batch.non_tensor_batch:  # every rank's rows (the worker's own count is rank 0's)
         out["reward/errors"] = float(sum(bool(e) for e in batch.non_tensor_batch["reward_error"]))
     if "token_level_rewards" in b:
-        out.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)))
+        out.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)[samples]))
     for key, name in (
         ("advantages", "critic/advantages"),
         ("returns", "critic/returns"),

@@ -8,7 +8,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from algorithms import apply_kl_penalty, run_adv_estimator
+from algorithms import apply_kl_penalty
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
 from recipes.sections import AlgorithmConfig
@@ -16,6 +16,7 @@ from recipes.trainer import checkpoint as ckpt
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import Roles
 from recipes.trainer.run import RunAborted
+from recipes.trainer.sources import fill_rows, run_estimator_on_sources
 
 logger = logging.getLogger("recipes")
 
@@ -55,7 +56,9 @@ def score_and_log_probs(cfg: RecipeConfig, roles: Roles, batch: DataProto, timin
 
 def compute_advantage(batch: DataProto, alg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
     """token_level_rewards (= scores, minus beta * KL to the reference when algorithm.use_kl_in_reward), then
-    ``advantages`` / ``returns`` from the estimator ``algorithm.adv_estimator``; written into ``batch``."""
+    ``advantages`` / ``returns`` from the estimator ``algorithm.adv_estimator``, grouped by ``uid``; written into
+    ``batch``. Rows that take their advantage from another row (``advantage_source``: step-wise turns, RLM
+    children) are left out of the groups and inherit it (``recipes/trainer/sources.py``)."""
     b = batch.batch
     metrics: dict[str, float] = {}
     if alg.use_kl_in_reward:
@@ -70,18 +73,43 @@ def compute_advantage(batch: DataProto, alg: AlgorithmConfig, kl_ctrl) -> dict[s
         b["token_level_rewards"] = rewards
     else:
         b["token_level_rewards"] = b["token_level_scores"]
-    advantages, returns = run_adv_estimator(
+    advantages, returns = run_estimator_on_sources(
+        batch,
         alg.adv_estimator,
-        token_level_rewards=b["token_level_rewards"],
-        response_mask=b["response_mask"],
         values=b.get("values"),
-        index=batch.non_tensor_batch["uid"],
         gamma=alg.gamma,
         lam=alg.lam,
         norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
     )
     b["advantages"], b["returns"] = advantages.float(), returns.float()
     return metrics
+
+
+def fill_mini_batches(cfg: RecipeConfig, batch: DataProto, with_critic: bool) -> DataProto:
+    """A generated batch whose row count varies (step-wise turns, children as rows) filled up to whole PPO
+    mini-batches of the actor (and critic) with rows that carry no loss (`sources.fill_rows`)."""
+    rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    if with_critic:
+        rows = math.lcm(rows, cfg.critic.ppo_mini_batch_size * cfg.rollout.n)
+    return fill_rows(batch, rows)
+
+
+def check_env_errors(batch: DataProto, step: int) -> None:
+    """RunAborted when every trajectory of an agent environment's step ended with status "error" (no sandbox,
+    no engine, a broken loop): training on it would only see reward 0. One failed trajectory fails only itself."""
+    nt = batch.non_tensor_batch
+    if "status" not in nt or not len(batch) or any(s != "error" for s in nt["status"]):
+        return
+    ranks = nt.get("env_rank", [])
+    first: dict[str, str] = {}
+    for i, tid in enumerate(nt["traj_id"]):
+        if tid not in first and len(first) < 3:
+            where = f"env rank {ranks[i]} " if len(ranks) else ""
+            first[tid] = f"{where}trajectory {tid}: {nt['error'][i] if 'error' in nt else '?'}"
+    raise RunAborted(
+        f"step {step}: every one of the {len(set(nt['traj_id']))} trajectories of the env role failed "
+        f"(status 'error'); first errors: " + "; ".join(first.values())
+    )
 
 
 def due(step: int, freq: int, total: int) -> bool:

@@ -1,42 +1,52 @@
 """Agent trajectories -> a training batch (``DataProto``, dataproto/BATCH_LAYOUT.md).
 
-One row per trajectory (roots; children too with ``train_children=True``):
+Two layouts (``step_wise``), both with rows for the roots, and for children too with ``train_children=True``:
 
-* ``prompts`` [B, P]: the trajectory's initial prompt (system prompt + query, chat template and the
-  generation prompt) -- turn 0's prompt tokens -- left-padded with ``pad_token_id``;
-* ``responses`` [B, R]: everything after it, in order: the model's turn tokens, and between turns the
-  observation segments (end of turn, user observation, next generation prompt) -- right-padded;
-* ``response_mask`` [B, R] float32: the loss mask, 1 exactly on the engine's own tokens, 0 on
-  observation/template segments and padding;
-* ``rollout_log_probs`` [B, R] float32: the engine's log-probs on model tokens, 0 elsewhere;
-* ``input_ids``, ``attention_mask`` (1 on every real token, observations included: the model attends
-  to them), ``position_ids`` = ``clamp(cumsum(attention_mask) - 1, 0)``.
+* one row per trajectory (default): ``prompts`` holds its initial prompt (system prompt + query, chat
+  template and the generation prompt -- turn 0's prompt tokens), ``responses`` everything after it in order:
+  the model's turn tokens and, between turns, the observation segments (end of turn, user observation, next
+  generation prompt), which are attended to but carry loss mask 0;
+* step-wise, one row per model turn: ``prompts`` holds the exact token prefix the engine saw for that turn
+  (initial prompt, earlier turns and observations), ``responses`` that turn's tokens only. The length limits
+  then apply per turn, so a trajectory of many turns fits under the same ``max_prompt_length`` +
+  ``max_response_length`` that one row per trajectory would have to cut.
 
-Truncation: a sequence longer than ``max_prompt_length + max_response_length`` keeps its first
-``max_response_length`` response tokens (the cut tail is simply absent, so never trained); with
-``mask_truncated=True`` a truncated row's whole loss mask is zeroed (overlong filtering). A prompt
-longer than ``max_prompt_length`` cannot be represented faithfully (the kept response was generated
-from the full prompt): it keeps its last ``max_prompt_length`` tokens and the row's loss mask is
-zeroed. ``non_tensor_batch["truncated"]`` says which rows were cut (``""``, ``"response"``,
+Tensors: ``prompts`` [B, P] left-padded with ``pad_token_id``; ``responses`` [B, R] right-padded;
+``response_mask`` [B, R] float32, the loss mask, 1 exactly on the engine's own tokens; ``rollout_log_probs``
+[B, R] float32, the engine's log-probs on model tokens, 0 elsewhere; ``input_ids``, ``attention_mask`` (1 on
+every real token), ``position_ids`` = ``clamp(cumsum(attention_mask) - 1, 0)``.
+
+Truncation: a response longer than ``max_response_length`` keeps its first R tokens (the cut tail is simply
+absent, so never trained); with ``mask_truncated=True`` such a row's whole loss mask is zeroed (overlong
+filtering). A prompt longer than ``max_prompt_length`` cannot be represented faithfully (the kept response was
+generated from the full prompt): it keeps its last P tokens and the row's loss mask is zeroed. Step-wise, a
+turn whose prefix is longer than P is dropped instead (``meta_info["dropped_turns"]`` counts them); only when
+no turn of a trajectory fits does it keep one such masked row (its last turn), so that the trajectory still
+counts in its group. ``non_tensor_batch["truncated"]`` says which rows were cut (``""``, ``"response"``,
 ``"prompt"``).
 
-Non-tensor columns: ``uid`` (the root's prompt uid, shared by a group's samples and by children),
-``traj_id``, ``root_id`` (the root trajectory of the row's tree), ``depth``, ``parent_id`` (``""``
-for roots), ``answer`` (this trajectory's final answer, ``""`` if none), ``root_answer``, ``status``,
-``num_turns``, ``truncated``, ``trajectory`` (the trajectory as JSON, without its token ids/log-probs,
-which are in the tensors) plus any ``extra`` columns the caller passes (one value per trajectory).
+Advantage sources: ``row_id`` names each row (the trajectory id; step-wise ``<trajectory id>@<turn>``) and
+``advantage_source`` the row whose advantage it takes. A source row (``advantage_source == row_id``) is one
+sample of its ``uid`` group in the advantage estimator's statistics; every other row is left out of them and
+inherits its source's advantage and returns on its own loss mask (``recipes/trainer/sources.py``). The source
+of every row of a tree is its root trajectory's last row: step-wise turns take the advantage of their
+trajectory, and children (which share their root's ``uid`` and are scored on their own answer) take their
+root's, never acting as extra samples of the group.
 
-Children and advantages: with ``train_children`` the children of a root are rows too and share its
-``uid``. They should not be scored and grouped as samples of their own: compute scores/advantages
-with children as singleton groups (:func:`advantage_index`), then :func:`inherit_root_advantages`
-gives each child its root's (sequence-level) advantage on the child's own loss mask. Without it
-children are executed but not rows.
+Non-tensor columns: ``uid`` (the root's prompt uid, shared by a group's samples and by children), ``row_id``,
+``advantage_source``, ``traj_id``, ``turn`` (the turn of a step-wise row, -1 for a whole trajectory),
+``root_id`` (the root trajectory of the row's tree), ``depth``, ``parent_id`` (``""`` for roots), ``answer``
+(this trajectory's final answer, ``""`` if none), ``root_answer``, ``status``, ``error`` (the trajectory's
+error, ``""`` if none), ``num_turns``, ``truncated``, ``trajectory`` (the trajectory as JSON, without its
+token ids/log-probs, which are in the tensors) plus any ``extra`` columns the caller passes (one value per
+trajectory, repeated on each of its rows).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,9 +56,6 @@ from workers.agents.trajectory import Trajectory
 
 __all__ = [
     "OWN_COLUMNS",
-    "advantage_index",
-    "inherit_root_advantages",
-    "is_root",
     "select_rows",
     "trajectory_json",
     "trajectories_to_dataproto",
@@ -66,8 +73,8 @@ TENSOR_KEYS = (
 
 # The non-tensor columns trajectories_to_dataproto writes (an input column of the same name is not copied).
 OWN_COLUMNS = frozenset(
-    ("uid", "traj_id", "root_id", "depth", "parent_id", "answer", "root_answer", "status", "num_turns")
-    + ("truncated", "trajectory")
+    ("uid", "row_id", "advantage_source", "traj_id", "turn", "root_id", "depth", "parent_id", "answer")
+    + ("root_answer", "status", "error", "num_turns", "truncated", "trajectory")
 )
 
 
@@ -90,6 +97,51 @@ def _root_of(traj: Trajectory) -> str:
     return traj.id.split("/", 1)[0]
 
 
+@dataclass
+class _Row:
+    """One training row before padding: a whole trajectory (``turn`` -1) or one of its turns."""
+
+    source: int  # index into the trajectories
+    turn: int
+    prompt: list[int]
+    response: list[int]
+    mask: list[int]
+    logprobs: list[float]
+
+    def row_id(self, traj: Trajectory) -> str:
+        return traj.id if self.turn < 0 else f"{traj.id}@{self.turn}"
+
+
+def _whole_row(i: int, traj: Trajectory) -> _Row:
+    ids, mask, lps = traj.token_sequence()
+    n = len(traj.turns[0].prompt_token_ids) if traj.turns else 0
+    return _Row(i, -1, ids[:n], ids[n:], mask[n:], lps[n:])
+
+
+def _turn_rows(i: int, traj: Trajectory, max_prompt_length: int) -> tuple[list[_Row], int]:
+    """One row per turn whose prefix fits in ``max_prompt_length``, and the number of turns that did not."""
+    if not traj.turns:  # it failed before its first turn: an empty row, so it still counts in its group
+        return [_whole_row(i, traj)], 0
+    rows: list[_Row] = []
+    cut: list[_Row] = []
+    prefix: list[int] = []
+    for t in traj.turns:
+        prefix += t.prompt_token_ids
+        lps = list(t.response_logprobs)
+        row = _Row(
+            i,
+            t.index,
+            list(prefix),
+            list(t.response_token_ids),
+            [1] * len(t.response_token_ids),
+            lps + [0.0] * (len(t.response_token_ids) - len(lps)),
+        )
+        (rows if len(prefix) <= max_prompt_length else cut).append(row)
+        prefix += t.response_token_ids
+    # not even the first turn fits: one masked row (packing cuts its prompt) stands for the trajectory
+    return rows or cut[-1:], len(cut)
+
+
 def trajectories_to_dataproto(
     trajectories: Sequence[Trajectory],
     *,
@@ -97,23 +149,40 @@ def trajectories_to_dataproto(
     max_response_length: int,
     pad_token_id: int,
     train_children: bool = False,
+    step_wise: bool = False,
     mask_truncated: bool = False,
     extra: Mapping[str, Sequence] | None = None,
     meta_info: Mapping | None = None,
     include_json: bool = True,
 ) -> DataProto:
-    """Rows for ``trajectories`` (in order; children dropped unless ``train_children``), tensors padded
-    to exactly ``[B, max_prompt_length]`` / ``[B, max_response_length]`` so batches from several workers
-    concatenate. ``extra``: more non-tensor columns, one value per entry of ``trajectories``."""
+    """Rows for ``trajectories`` (in order, a trajectory's turns in order; children dropped unless
+    ``train_children``; one row per turn with ``step_wise``), tensors padded to exactly
+    ``[B, max_prompt_length]`` / ``[B, max_response_length]`` so batches from several workers concatenate.
+    ``extra``: more non-tensor columns, one value per entry of ``trajectories``."""
     if max_prompt_length < 1 or max_response_length < 1:
         raise ValueError("max_prompt_length and max_response_length must be >= 1")
     extra = dict(extra or {})
     for k, v in extra.items():
         if len(v) != len(trajectories):
             raise ValueError(f"extra column {k!r} has {len(v)} values for {len(trajectories)} trajectories")
-    rows = select_rows(trajectories, train_children)
+    P, R = max_prompt_length, max_response_length
+    specs: list[_Row] = []
+    dropped = 0
+    for i in select_rows(trajectories, train_children):
+        if step_wise:
+            rows, n_dropped = _turn_rows(i, trajectories[i], P)
+            specs += rows
+            dropped += n_dropped
+        else:
+            specs.append(_whole_row(i, trajectories[i]))
+    # every row of a tree takes the advantage of its root's last row
+    source_of_root = {
+        trajectories[r.source].id: r.row_id(trajectories[r.source])
+        for r in specs
+        if trajectories[r.source].depth == 0
+    }
     answers = {t.id: t.final_answer for t in trajectories if t.depth == 0}
-    P, R, B = max_prompt_length, max_response_length, len(rows)
+    B = len(specs)
     prompts = torch.full((B, P), pad_token_id, dtype=torch.long)
     responses = torch.full((B, R), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros(B, P, dtype=torch.long)
@@ -121,12 +190,8 @@ def trajectories_to_dataproto(
     loss_mask = torch.zeros(B, R, dtype=torch.float32)
     logps = torch.zeros(B, R, dtype=torch.float32)
     truncated: list[str] = []
-    for b, i in enumerate(rows):
-        traj = trajectories[i]
-        ids, mask, lps = traj.token_sequence()
-        n_prompt = len(traj.turns[0].prompt_token_ids) if traj.turns else 0
-        p_ids = ids[:n_prompt]
-        r_ids, r_mask, r_lps = ids[n_prompt:], mask[n_prompt:], lps[n_prompt:]
+    for b, row in enumerate(specs):
+        p_ids, r_ids, r_mask, r_lps = row.prompt, row.response, row.mask, row.logprobs
         cut = ""
         if len(p_ids) > P:
             p_ids, cut = p_ids[-P:], "prompt"
@@ -156,75 +221,37 @@ def trajectories_to_dataproto(
         "response_mask": loss_mask,
         "rollout_log_probs": logps,
     }
-    sel = [trajectories[i] for i in rows]
+    sel = [trajectories[r.source] for r in specs]
+    missing = sorted({_root_of(t) for t in sel} - set(source_of_root))
+    if missing:
+        raise ValueError(f"child trajectories without their root trajectory among the rows: roots {missing}")
+    json_of = {i: trajectory_json(trajectories[i]) for i in {r.source for r in specs}} if include_json else {}
     non_tensor: dict[str, list] = {
         "uid": [t.root_uid for t in sel],
+        "row_id": [r.row_id(t) for r, t in zip(specs, sel)],
+        "advantage_source": [source_of_root[_root_of(t)] for t in sel],
         "traj_id": [t.id for t in sel],
+        "turn": [r.turn for r in specs],
         "root_id": [_root_of(t) for t in sel],
         "depth": [int(t.depth) for t in sel],
         "parent_id": [t.parent_id or "" for t in sel],
         "answer": [t.final_answer if t.final_answer is not None else "" for t in sel],
         "root_answer": [answers.get(_root_of(t)) or "" for t in sel],
         "status": [t.status for t in sel],
+        "error": [t.error or "" for t in sel],
         "num_turns": [len(t.turns) for t in sel],
         "truncated": truncated,
     }
     if include_json:
-        non_tensor["trajectory"] = [trajectory_json(t) for t in sel]
+        non_tensor["trajectory"] = [json_of[r.source] for r in specs]
     for k, v in extra.items():
         if k in non_tensor:
             raise ValueError(f"extra column {k!r} clashes with a column trajectories_to_dataproto writes")
-        non_tensor[k] = [v[i] for i in rows]
+        non_tensor[k] = [v[r.source] for r in specs]
     arrays = {}
     for k, v in non_tensor.items():
         a = np.empty(len(v), dtype=object)
         a[:] = v if len(v) else []
         arrays[k] = a
-    return DataProto(batch=batch, non_tensor_batch=arrays, meta_info=dict(meta_info or {}))
-
-
-# --------------------------------------------------------------------------------------------------
-# Children in the training batch
-
-
-def is_root(data: DataProto) -> np.ndarray:
-    """Boolean row mask of root trajectories (depth 0)."""
-    return np.asarray([int(d) == 0 for d in data.non_tensor_batch["depth"]], dtype=bool)
-
-
-def advantage_index(data: DataProto) -> np.ndarray:
-    """Group ids for an advantage estimator: the ``uid`` for roots (a GRPO group = the n samples of a
-    prompt) and a group of its own for every child, so children do not distort their root's group
-    statistics; their advantages come from :func:`inherit_root_advantages` afterwards."""
-    uids = data.non_tensor_batch["uid"]
-    ids = data.non_tensor_batch["traj_id"]
-    roots = is_root(data)
-    out = np.empty(len(data), dtype=object)
-    out[:] = [u if r else f"child:{t}" for u, t, r in zip(uids, ids, roots)]
-    return out
-
-
-def inherit_root_advantages(data: DataProto, keys: Sequence[str] = ("advantages", "returns")) -> DataProto:
-    """Give every child row its root's advantage: the root's mean advantage over its loss mask (the
-    sequence-level value for outcome estimators such as GRPO/RLOO), times the child's own loss mask.
-    Children whose root is not in the batch get 0. In place; returns ``data``."""
-    ids = list(data.non_tensor_batch["traj_id"])
-    roots = list(data.non_tensor_batch["root_id"])
-    depth = [int(d) for d in data.non_tensor_batch["depth"]]
-    row_of = {tid: i for i, (tid, d) in enumerate(zip(ids, depth)) if d == 0}
-    mask = data.batch["response_mask"]
-    for key in keys:
-        if key not in data.batch:
-            continue
-        values = data.batch[key]
-        for i, (d, root) in enumerate(zip(depth, roots)):
-            if d == 0:
-                continue
-            r = row_of.get(root)
-            if r is None:
-                values[i] = 0.0
-                continue
-            m = mask[r]
-            scalar = (values[r] * m).sum() / m.sum().clamp(min=1.0)
-            values[i] = scalar * mask[i]
-    return data
+    meta = {**(meta_info or {}), "dropped_turns": dropped} if step_wise else dict(meta_info or {})
+    return DataProto(batch=batch, non_tensor_batch=arrays, meta_info=meta)

@@ -21,12 +21,14 @@ return different row counts, e.g. with children as rows):
 * ``meta_info``: ``n`` samples per prompt (group sampling; rows come back a,a,b,b), ``temperature``, ``top_p``,
   ``top_k``, ``do_sample``, ``validate``, ``response_length`` (defaults from the RolloutConfig as in
   `workers.roles.rollout.rollout_sampling_meta`), ``seed`` (sample j of the chunk draws from ``seed + j``),
-  ``train_children`` (overrides ``env.train_children`` for this call).
+  ``train_children`` (overrides ``env.train_children`` for this call; default off in a ``validate`` call).
 * all trajectories of the chunk run concurrently on the worker's event loop (at most ``env.max_concurrent``
   at once), so their model turns batch in the engine; each trajectory has its own REPL in the worker's sandbox.
 * output: `workers.agents.batch.trajectories_to_dataproto` rows with the BATCH_LAYOUT tensors, the trajectory
-  columns and the loop's own ones; ``meta_info`` gains the sampling settings, ``eos_token_id``,
-  ``pad_token_id``, ``timing_s/gen`` and ``metrics`` (the loop's, e.g. ``env/*`` or ``tool/*``; rank 0's chunk
+  columns, ``env_rank`` and the loop's own ones (one row per model turn with ``env.step_wise``, except in a
+  ``validate`` call, which scores trajectories); ``meta_info`` gains the sampling settings, ``eos_token_id``,
+  ``pad_token_id``, ``timing_s/gen`` and ``metrics`` (the loop's, e.g. ``env/*`` or ``tool/*``; step-wise also
+  ``env/rows`` and ``env/dropped_turns``, turns whose prefix exceeded ``max_prompt_length``; rank 0's chunk
   for a group call, as for rollouts).
 
 Tests and benchmarks may pass ``policy_factory(tokenizer) -> GenerateFn`` (a scripted policy) instead of
@@ -213,6 +215,8 @@ class EnvWorkerMixin:
         nt = data.non_tensor_batch
         extra_cols = {k: [v[r] for r in sources] for k, v in nt.items() if k not in own}
         extra_cols |= loop.columns(trajectories)
+        extra_cols["env_rank"] = [self.rank] * len(trajectories)
+        training = not meta.get("validate", False)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         eos = list(getattr(self._env_engine(), "eos_token_ids", None) or [self.tokenizer.eos_token_id])
         greedy = not settings["do_sample"] or settings["temperature"] <= 0
@@ -221,7 +225,8 @@ class EnvWorkerMixin:
             max_prompt_length=P,
             max_response_length=R,
             pad_token_id=pad,
-            train_children=bool(meta.get("train_children", env.train_children)),
+            train_children=bool(meta.get("train_children", env.train_children and training)),
+            step_wise=env.step_wise and training,
             mask_truncated=env.mask_truncated,
             extra=extra_cols,
             include_json=env.include_json,
@@ -238,6 +243,9 @@ class EnvWorkerMixin:
             for k in list(out.non_tensor_batch):
                 out.non_tensor_batch[k] = np.empty(0, dtype=object)
         out.meta_info["metrics"] = {**loop.metrics(runs, elapsed, out), "timing_s/gen": elapsed}
+        if "dropped_turns" in out.meta_info:  # step-wise: turns whose prefix exceeded max_prompt_length
+            out.meta_info["metrics"]["env/dropped_turns"] = float(out.meta_info.pop("dropped_turns"))
+            out.meta_info["metrics"]["env/rows"] = float(len(out))
         if env.jsonl_dir and trajectories:
             os.makedirs(env.jsonl_dir, exist_ok=True)
             path = os.path.join(env.jsonl_dir, f"env_rank{self.rank}.jsonl")

@@ -41,6 +41,9 @@ class AgentEnvConfig:
     max_prompt_length: int | None = None  # P of the batch (None: rollout.prompt_length)
     max_response_length: int | None = None  # R: all turns + observations (None: the call's response_length)
     train_children: bool = False  # child trajectories become rows (recursive environments)
+    # one training row per model turn (its exact token prefix as the prompt), limits per turn; training
+    # rollouts only (validation keeps one row per trajectory). Advantages: per trajectory, on every turn.
+    step_wise: bool = False
     mask_truncated: bool = False  # zero the loss mask of rows cut at P + R
     max_concurrent: int = 64  # root trajectories in flight per worker
     include_json: bool = True  # non_tensor_batch["trajectory"]

@@ -1,0 +1,273 @@
+"""The RLM recipe's advantage path on step-wise rows and on child trajectories, and the loud stop when every
+trajectory of a step fails.
+
+* ``recipes/rlm.py`` end to end with ``env.step_wise=true`` (CPU, nano model, as tests/recipes/test_rlm_recipe.py):
+  one row per model turn, every turn of a trajectory with its trajectory's advantage.
+* Children at depth 1 and 2 through the recipe's own pieces -- the env worker (real RLM loop, real sandbox, a
+  scripted policy so that the tree is deterministic), the reward worker, ``compute_advantage`` -- get their
+  root's advantage and are no samples of its group (issue 15, part 1), in both row layouts.
+* An env step in which every trajectory ends with status "error" raises ``RunAborted`` naming the env rank and
+  the errors; one failed trajectory fails only itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from dataproto import DataProto
+from recipes import rlm
+from recipes.sections import AlgorithmConfig
+from recipes.trainer.run import RunAborted
+from recipes.trainer.sources import is_source
+from recipes.trainer.steps import check_env_errors, compute_advantage
+from workers.agents.env_worker import EnvWorker
+from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.config import ModelConfig, RewardConfig, RolloutConfig
+from workers.models.tiny import ensure_tiny_model
+from workers.rlm.agent import AgentConfig
+from workers.rlm.env_loop import RLMEnvConfig
+from workers.roles import RewardWorker
+from workers.sandbox import SandboxConfig
+
+F = "```"
+
+
+def block(code: str) -> str:
+    return f"{F}repl\n{code}\n{F}"
+
+
+# One prompt, rollout.n=4 samples: the first sample to ask answers right through a child (depth 1) that starts a
+# grandchild (depth 2), both of which answer wrong; the other three samples answer wrong in one turn.
+TREE = {
+    "Q-group": [block("a = rlm_query('child-1', context[:6])\nprint(a)"), "FINAL(abc)"],
+    "child-1": [block("b = rlm_query('child-2', context[:3])\nprint(b)"), "FINAL(wrong-1)"],
+    "child-2": ["FINAL(wrong-2)"],
+}
+ASSISTANT = "<|im_start|>assistant"
+
+
+class OneRightSample:
+    """The policy: TREE replayed, except that only the first root to ask takes the right path."""
+
+    def __init__(self):
+        self.script = ReplayScript(TREE, sub=lambda _: "?")
+        self.right_taken = False
+
+    def __call__(self, prompt_text: str) -> str:
+        if "Q-group" in prompt_text and prompt_text.count(ASSISTANT) == 1:  # a root's first turn
+            if self.right_taken:
+                return "FINAL(nope)"
+            self.right_taken = True
+        return self.script(prompt_text)
+
+
+def col(values) -> np.ndarray:
+    a = np.empty(len(values), dtype=object)
+    a[:] = values
+    return a
+
+
+def prompts(queries: list[str], uids: list[str]) -> DataProto:
+    return DataProto.from_dict(
+        non_tensors={
+            "data_source": col(["exact_match"] * len(queries)),
+            "reward_model": col([{"ground_truth": "abc"}] * len(queries)),
+            "extra_info": col([{"context": "abcdefghij"}] * len(queries)),
+            "raw_prompt": col([[{"role": "user", "content": q}] for q in queries]),
+            "uid": col(uids),
+        }
+    )
+
+
+def env_worker(respond, *, step_wise: bool = False, train_children: bool = True) -> EnvWorker:
+    """The env role's worker in this process, its policy scripted: ``respond(prompt text) -> reply``."""
+
+    def factory(tokenizer):
+        return scripted_generate(tokenizer, respond)
+
+    w = EnvWorker(
+        ModelConfig(path=ensure_tiny_model("nano")),
+        RolloutConfig(n=1, prompt_length=3072, response_length=512),
+        RLMEnvConfig(
+            agent=AgentConfig(max_iterations=4, max_depth=2),
+            sandbox=SandboxConfig(timeout_s=10),
+            step_wise=step_wise,
+            train_children=train_children,
+        ),
+        policy_factory=factory,
+    )
+    w.init_model()
+    return w
+
+
+def scored_advantages(w: EnvWorker) -> DataProto:
+    """generate -> reward worker -> the recipe's compute_advantage (GRPO), as rl_step runs them."""
+    data = prompts(["Q-group"], ["g"])
+    data.meta_info["n"] = 4
+    try:
+        batch = w.generate_sequences(data)
+    finally:
+        w.close_env()
+    batch = batch.union(RewardWorker(ensure_tiny_model("nano"), RewardConfig()).compute_rm_score(batch))
+    compute_advantage(batch, AlgorithmConfig(adv_estimator="grpo"), kl_ctrl=None)
+    return batch
+
+
+def advantage_of_rows(batch: DataProto) -> list[float]:
+    """Each row's advantage (the one value on its loss mask)."""
+    out = []
+    for adv, mask in zip(batch.batch["advantages"], batch.batch["response_mask"]):
+        values = adv[mask > 0].unique()
+        assert len(values) == 1, values
+        out.append(float(values[0]))
+    return out
+
+
+def tree_rows(batch: DataProto) -> np.ndarray:
+    """Rows of the right sample's tree (its root and descendants)."""
+    nt = batch.non_tensor_batch
+    right = {t for t, a, d in zip(nt["traj_id"], nt["answer"], nt["depth"]) if d == 0 and a == "abc"}
+    assert len(right) == 1, list(nt["answer"])
+    return np.asarray([r in right for r in nt["root_id"]])
+
+
+@pytest.mark.timeout(300)
+def test_children_at_depth_1_and_2_take_their_roots_advantage():
+    batch = scored_advantages(env_worker(OneRightSample()))
+    nt = batch.non_tensor_batch
+    tree = tree_rows(batch)
+    assert sorted(nt["depth"][tree]) == [0, 1, 2] and len(batch) == 6
+    assert (
+        sorted(nt["answer"][tree]) == ["abc", "wrong-1", "wrong-2"]
+        and list(nt["answer"][~tree]) == ["nope"] * 3
+    )
+    scores = batch.batch["token_level_scores"].sum(-1)
+    assert scores[torch.as_tensor(tree)].tolist() == [1.0, 0.0, 0.0]  # each child scored on its own answer
+    # GRPO over the 4 roots [1, 0, 0, 0]; the children are no samples of the group and take the right
+    # root's 1.5 (counted as samples they got [1.5, -0.5, -0.5, ...] with a 6-sample mean)
+    adv = np.asarray(advantage_of_rows(batch))
+    assert adv[tree] == pytest.approx([1.5] * 3, abs=1e-4) and adv[~tree] == pytest.approx(
+        [-0.5] * 3, abs=1e-4
+    )
+    assert list(is_source(batch)) == [int(d) == 0 for d in nt["depth"]]
+    assert torch.equal(batch.batch["returns"], batch.batch["advantages"])  # GRPO's returns, inherited too
+
+
+@pytest.mark.timeout(300)
+def test_step_wise_children_rows_per_turn_with_the_roots_advantage():
+    batch = scored_advantages(env_worker(OneRightSample(), step_wise=True))
+    nt = batch.non_tensor_batch
+    tree = tree_rows(batch)
+    rows = sorted(zip(nt["depth"][tree], nt["turn"][tree]))
+    assert rows == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]  # a row per model turn, children's too
+    assert list(nt["turn"][~tree]) == [0, 0, 0]
+    adv = np.asarray(advantage_of_rows(batch))
+    assert adv[tree] == pytest.approx([1.5] * 5, abs=1e-4) and adv[~tree] == pytest.approx(
+        [-0.5] * 3, abs=1e-4
+    )
+    sources = is_source(batch)  # the samples of the group: each root's last turn
+    assert sources.sum() == 4 and set(nt["row_id"][sources & tree]) == {nt["root_id"][tree][0] + "@1"}
+    assert (batch.batch["response_mask"].sum(-1) > 0).all()  # every turn row trains its own tokens
+
+
+@pytest.mark.timeout(300)
+def test_every_trajectory_failing_stops_the_run_loudly():
+    def engine_down(prompt_text: str) -> str:
+        raise ConnectionError("rollout engine at 127.0.0.1:1 unreachable")
+
+    w = env_worker(engine_down)
+    try:
+        failed = w.generate_sequences(prompts(["Q-group", "Q-other"], ["a", "b"]))
+    finally:
+        w.close_env()
+    assert list(failed.non_tensor_batch["status"]) == ["error", "error"]
+    with pytest.raises(RunAborted, match=r"every one of the 2 trajectories.*env rank 0.*unreachable"):
+        check_env_errors(failed, step=3)
+
+    def one_down(prompt_text: str) -> str:
+        if "Q-other" in prompt_text:
+            raise ConnectionError("rollout engine unreachable")
+        return OneRightSample()(prompt_text)
+
+    w = env_worker(one_down, train_children=False)
+    try:
+        mixed = w.generate_sequences(prompts(["Q-group", "Q-other"], ["a", "b"]))
+    finally:
+        w.close_env()
+    assert list(mixed.non_tensor_batch["status"]) == ["finished", "error"]
+    check_env_errors(mixed, step=3)  # one failed trajectory: only it fails (reward 0), the run goes on
+
+
+TINY = [
+    "model.tiny_size=nano",
+    "task.n_train=8",
+    "task.n_val=2",
+    "task.knobs.lengths=2000",
+    "data.val_max_samples=2",
+    "data.val_batch_size=2",
+    "data.train_batch_size=2",
+    "actor.ppo_mini_batch_size=2",
+    "rollout.n=2",
+    "sft.total_steps=2",
+    "sft.batch_size=4",
+    "sft.log_every=1",
+    "env.agent.max_iterations=2",
+    "env.agent.max_new_tokens=24",
+    "trainer.total_training_steps=1",
+    "trainer.val_before_train=false",
+    "trainer.progress_bar=false",
+    "trainer.logger=[console]",
+    "trainer.plot=false",
+]
+
+
+@pytest.mark.e2e
+def test_rlm_recipe_step_wise(ray_session, tmp_path):
+    # the same P + R = 704 tokens as rlm.yaml's 320 + 384, split for turns: a prefix up to 640, a turn up to 64
+    limits = ["env.max_prompt_length=640", "env.max_response_length=64"]
+    result = rlm.main([*TINY, "env.step_wise=true", *limits, f"trainer.default_local_dir={tmp_path}"])
+    assert result["step"] == 1
+    batch = result["last_batch"]
+    nt, b = batch.non_tensor_batch, batch.batch
+    fill = np.asarray(["#fill" in r for r in nt["row_id"]])
+    assert len(batch) % 4 == 0  # whole PPO mini-batches (2 prompts x rollout.n=2 per optimizer step)
+    assert (b["response_mask"][torch.as_tensor(fill)].sum() == 0).all()
+    turns = defaultdict(list)
+    for i in np.flatnonzero(~fill):
+        turns[nt["traj_id"][i]].append(int(nt["turn"][i]))
+    assert len(turns) == 4  # 2 prompts x rollout.n=2 trajectories
+    for tid, ts in turns.items():
+        n = int(nt["num_turns"][list(nt["traj_id"]).index(tid)])
+        assert ts == list(range(len(ts))) and 1 <= len(ts) <= n, (
+            tid,
+            ts,
+            n,
+        )  # a row per turn (tail: dropped)
+    assert any(len(ts) >= 2 for ts in turns.values()), "every trajectory ended after one turn"
+    # a turn row's response is that turn alone: all model tokens, no observation inside
+    R = b["responses"].shape[1]
+    real = torch.as_tensor(~fill)
+    assert torch.equal(b["response_mask"][real] > 0, b["attention_mask"][real][:, -R:] > 0) or bool(
+        nt["truncated"].astype(bool).any()
+    )
+    # the trajectory's GRPO advantage on every one of its turns
+    src = is_source(batch)
+    scores = b["token_level_scores"].sum(-1)
+    for uid in set(nt["uid"]):
+        group = [i for i in np.flatnonzero(src) if nt["uid"][i] == uid]
+        assert len(group) == 2  # rollout.n samples, one source row each
+        s = scores[group]
+        expected = (s - s.mean()) / (s.std() + 1e-6)
+        for k, i in enumerate(group):
+            for j in np.flatnonzero(~fill):
+                if nt["traj_id"][j] == nt["traj_id"][i]:
+                    m = b["response_mask"][j] > 0
+                    assert torch.allclose(b["advantages"][j][m], expected[k].expand(int(m.sum())), atol=1e-5)
+    final = result["final"]
+    for key in ("env/rows", "env/dropped_turns", "critic/score/mean", "actor/pg_loss"):
+        assert key in final and math.isfinite(final[key]), key
