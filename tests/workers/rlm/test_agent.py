@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.agents.batch import advantage_index, inherit_root_advantages, is_root, trajectories_to_dataproto
+from recipes.trainer.sources import run_estimator_on_sources
+from workers.agents.batch import trajectories_to_dataproto
 from workers.agents.llm import ChatLLM, EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.agents.trajectory import load_jsonl
@@ -335,7 +336,7 @@ def test_trajectories_to_dataproto_layout(tree, tok):
         and list(nt["root_answer"]) == ["['ABCD', '6']"] * 3
     )
     assert list(nt["status"]) == ["finished"] * 3 and list(nt["data_source"]) == ["src"] * 3
-    assert list(is_root(data)) == [True, False, False]
+    assert list(nt["row_id"]) == ["t", "t/0", "t/1"] and list(nt["advantage_source"]) == ["t"] * 3
     for i, traj in enumerate(tree):
         ids, mask, lps = traj.token_sequence()
         n_p = len(traj.turns[0].prompt_token_ids)
@@ -381,15 +382,13 @@ def test_truncation_and_child_advantages(tree, tok):
     data = trajectories_to_dataproto(
         tree, max_prompt_length=1600, max_response_length=600, pad_token_id=pad, train_children=True
     )
-    assert list(advantage_index(data)) == ["uid-7", "child:t/0", "child:t/1"]
+    assert list(data.non_tensor_batch["advantage_source"]) == ["t", "t", "t"]  # children: out of the group
     mask = data.batch["response_mask"]
-    adv = torch.zeros_like(mask)
-    adv[0] = 0.75 * mask[0]
-    adv[1:] = 123.0  # whatever the estimator put there
-    data.batch["advantages"] = adv
-    inherit_root_advantages(data, keys=("advantages",))
-    assert torch.equal(data.batch["advantages"][1:], 0.75 * mask[1:])
-    assert torch.equal(data.batch["advantages"][0], 0.75 * mask[0])
+    data.batch["token_level_rewards"] = torch.zeros_like(mask)
+    data.batch["token_level_rewards"][:, 0] = torch.tensor([0.75, 5.0, -3.0])  # the children's own scores
+    adv, _ = run_estimator_on_sources(data, "rloo")  # a group of one: RLOO's advantage is the score itself
+    assert torch.equal(adv[1:], 0.75 * mask[1:])
+    assert torch.equal(adv[0], 0.75 * mask[0])
 
 
 # ---------------------------------------------------------------------------------------------- inference
