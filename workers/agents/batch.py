@@ -31,7 +31,8 @@ sample of its ``uid`` group in the advantage estimator's statistics; every other
 inherits its source's advantage and returns on its own loss mask (``recipes/trainer/sources.py``). The source
 of every row of a tree is its root trajectory's last row: step-wise turns take the advantage of their
 trajectory, and children (which share their root's ``uid`` and are scored on their own answer) take their
-root's, never acting as extra samples of the group.
+root's, never acting as extra samples of the group. A child that ended early (budget, error) still takes its
+root's advantage on the tokens it produced; one that never reached a turn is an empty row that trains nothing.
 
 Non-tensor columns: ``uid`` (the root's prompt uid, shared by a group's samples and by children), ``row_id``,
 ``advantage_source``, ``traj_id``, ``turn`` (the turn of a step-wise row, -1 for a whole trajectory),
