@@ -38,7 +38,7 @@ def toy_trajectory(tok, uid: str = "u", traj_id: str = "u.0") -> Trajectory:
     t0 = TrajectoryTurn(0, prompt_token_ids=ids("Question: what is 12 + 30? Use the tool."))
     t0.response_token_ids = ids("x = 12 + 30\nprint(x)")
     t1 = TrajectoryTurn(1, prompt_token_ids=ids("\nObservation: 42\n"))
-    t1.response_token_ids = ids("FINAL(42)")
+    t1.response_token_ids = ids("The tool printed 42.\nFINAL(42)")
     for t in (t0, t1):
         t.response_logprobs = [-0.5] * len(t.response_token_ids)
     return Trajectory(traj_id, "q", root_uid=uid, turns=[t0, t1], final_answer="42", status="finished")
@@ -91,17 +91,20 @@ def test_both_modes_give_the_same_policy_gradient(model, tok):
 
     g = {
         m: (policy_gradient(model, whole, m), policy_gradient(model, steps, m))
-        for m in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+        for m in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
     }
     # token-mean: the sum over the same tokens divided by the same token count -- exactly equal (each turn's
     # tokens see the same prefix at the same positions in both layouts)
     gw, gs = g["token-mean"]
     assert gw.norm() > 0 and torch.allclose(gw, gs, rtol=1e-5, atol=1e-7)
-    # seq-mean-token-sum: the same token sum over 1 row vs 2 rows -- exactly half, the same direction
-    gw, gs = g["seq-mean-token-sum"]
-    assert torch.allclose(gw, 2 * gs, rtol=1e-5, atol=1e-7) and cos(gw, gs) > 1 - 1e-9
-    # seq-mean-token-mean: each row's token mean, so step-wise weighs the two turns equally while one row
-    # weighs them by their token counts -- not equal, but the same direction
+    # seq-mean-token-sum(-norm): the same token sum divided by 1 row vs 2 rows (times the same R) -- exactly
+    # half, the same direction
+    for mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        gw, gs = g[mode]
+        assert torch.allclose(gw, 2 * gs, rtol=1e-5, atol=1e-7) and cos(gw, gs) > 1 - 1e-9
+    # seq-mean-token-mean: each row's token mean, so step-wise weighs each turn's tokens by 1/(its length)
+    # while one row weighs all by 1/(both lengths) -- equal only for turns of equal length (here 13 and 17
+    # tokens): not equal, the same direction (cosine 0.99 here)
     gw, gs = g["seq-mean-token-mean"]
     assert not torch.allclose(gw, gs, rtol=1e-3) and cos(gw, gs) > 0.9
 
