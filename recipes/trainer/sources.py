@@ -44,8 +44,9 @@ def run_estimator_on_sources(
     data: DataProto, adv_estimator: str, **inputs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) [B, R] from ``data.batch["token_level_rewards"]``: the estimator on the source
-    rows (grouped by ``uid``), each row then given its source's value on its own ``response_mask``. ``inputs``:
-    the estimator's other arguments (``values`` [B, R] is narrowed to the source rows like the rewards)."""
+    rows (grouped by ``uid``), each row then given its source's value on its own ``response_mask``.
+    ``inputs``: the estimator's other arguments (``values`` [B, R] is narrowed to the source rows like the
+    rewards)."""
     b = data.batch
     mask = b["response_mask"]
     src = source_index(data)
@@ -73,9 +74,9 @@ def run_estimator_on_sources(
         spread = (t.max(dim=-1).values - t.min(dim=-1).values).abs().max()
         if float(spread) > 1e-5 * max(1.0, float(t.abs().max())):
             raise ValueError(
-                f"algorithm.adv_estimator={adv_estimator!r} gives token-level {name}; rows that take their "
-                "advantage from another row (env.step_wise turns, env.train_children children) need an outcome "
-                "estimator (grpo, rloo, reinforce_plus_plus_baseline)"
+                f"algorithm.adv_estimator={adv_estimator!r} gives token-level {name}; rows that take "
+                "their advantage from another row (env.step_wise turns, env.train_children children) need an "
+                "outcome estimator (grpo, rloo, reinforce_plus_plus_baseline)"
             )
     position = {int(s): k for k, s in enumerate(sources)}
     take = torch.as_tensor([position[int(s)] for s in src])
@@ -93,8 +94,8 @@ def fill_rows(data: DataProto, multiple: int) -> DataProto:
         return data
     if "advantage_source" not in data.non_tensor_batch:
         raise ValueError(
-            f"{len(data)} rows are not a multiple of {multiple} rows per PPO mini-batch, and the batch has no "
-            "advantage_source column to mark filler rows with"
+            f"{len(data)} rows are not a multiple of {multiple} rows per PPO mini-batch, and the batch has "
+            "no advantage_source column to mark filler rows with"
         )
     extra = data.select_idxs(np.arange(pad) % len(data))
     for key in ("response_mask", "rollout_log_probs"):

@@ -56,9 +56,9 @@ def score_and_log_probs(cfg: RecipeConfig, roles: Roles, batch: DataProto, timin
 
 def compute_advantage(batch: DataProto, alg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
     """token_level_rewards (= scores, minus beta * KL to the reference when algorithm.use_kl_in_reward), then
-    ``advantages`` / ``returns`` from the estimator ``algorithm.adv_estimator``, grouped by ``uid``; written into
-    ``batch``. Rows that take their advantage from another row (``advantage_source``: step-wise turns, RLM
-    children) are left out of the groups and inherit it (``recipes/trainer/sources.py``)."""
+    ``advantages`` / ``returns`` from the estimator ``algorithm.adv_estimator``, grouped by ``uid``; written
+    into ``batch``. Rows that take their advantage from another row (``advantage_source``: step-wise turns,
+    RLM children) are left out of the groups and inherit it (``recipes/trainer/sources.py``)."""
     b = batch.batch
     metrics: dict[str, float] = {}
     if alg.use_kl_in_reward:
@@ -96,7 +96,8 @@ def fill_mini_batches(cfg: RecipeConfig, batch: DataProto, with_critic: bool) ->
 
 def check_env_errors(batch: DataProto, step: int) -> None:
     """RunAborted when every trajectory of an agent environment's step ended with status "error" (no sandbox,
-    no engine, a broken loop): training on it would only see reward 0. One failed trajectory fails only itself."""
+    no engine, a broken loop): training on it would only see reward 0. One failed trajectory fails only
+    itself."""
     nt = batch.non_tensor_batch
     if "status" not in nt or not len(batch) or any(s != "error" for s in nt["status"]):
         return

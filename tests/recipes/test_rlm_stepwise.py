@@ -1,8 +1,9 @@
 """The RLM recipe's advantage path on step-wise rows and on child trajectories, and the loud stop when every
 trajectory of a step fails.
 
-* ``recipes/rlm.py`` end to end with ``env.step_wise=true`` (CPU, nano model, as tests/recipes/test_rlm_recipe.py):
-  one row per model turn, every turn of a trajectory with its trajectory's advantage.
+* ``recipes/rlm.py`` end to end with ``env.step_wise=true`` (CPU, nano model, as
+  tests/recipes/test_rlm_recipe.py): one row per model turn, every turn of a trajectory with its trajectory's
+  advantage.
 * Children at depth 1 and 2 through the recipe's own pieces -- the env worker (real RLM loop, real sandbox, a
   scripted policy so that the tree is deterministic), the reward worker, ``compute_advantage`` -- get their
   root's advantage and are no samples of its group (issue 15, part 1), in both row layouts.
@@ -41,8 +42,8 @@ def block(code: str) -> str:
     return f"{F}repl\n{code}\n{F}"
 
 
-# One prompt, rollout.n=4 samples: the first sample to ask answers right through a child (depth 1) that starts a
-# grandchild (depth 2), both of which answer wrong; the other three samples answer wrong in one turn.
+# One prompt, rollout.n=4 samples: the first sample to ask answers right through a child (depth 1) that
+# starts a grandchild (depth 2), both of which answer wrong; the other three samples answer wrong in one turn.
 TREE = {
     "Q-group": [block("a = rlm_query('child-1', context[:6])\nprint(a)"), "FINAL(abc)"],
     "child-1": [block("b = rlm_query('child-2', context[:3])\nprint(b)"), "FINAL(wrong-1)"],
@@ -228,9 +229,21 @@ TINY = [
 
 @pytest.mark.e2e
 def test_rlm_recipe_step_wise(ray_session, tmp_path):
-    # the same P + R = 704 tokens as rlm.yaml's 320 + 384, split for turns: a prefix up to 640, a turn up to 64
+    # the same P + R = 704 tokens as rlm.yaml's 320 + 384, split for turns: prefixes up to 640, turns up to 64
     limits = ["env.max_prompt_length=640", "env.max_response_length=64"]
-    result = rlm.main([*TINY, "env.step_wise=true", *limits, f"trainer.default_local_dir={tmp_path}"])
+    # a reward that differs on every row stands in for the task scorer (the nano model never answers, so every
+    # score would be 0 and every advantage trivially equal): a turn row inheriting anything but its source's
+    # value shows
+    reward = tmp_path / "random_reward.py"
+    reward.write_text(
+        "import random\n\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return random.random()\n"
+    )
+    custom = [f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score"]
+    result = rlm.main(
+        [*TINY, "env.step_wise=true", *limits, *custom, f"trainer.default_local_dir={tmp_path}"]
+    )
     assert result["step"] == 1
     batch = result["last_batch"]
     nt, b = batch.non_tensor_batch, batch.batch
@@ -243,11 +256,8 @@ def test_rlm_recipe_step_wise(ray_session, tmp_path):
     assert len(turns) == 4  # 2 prompts x rollout.n=2 trajectories
     for tid, ts in turns.items():
         n = int(nt["num_turns"][list(nt["traj_id"]).index(tid)])
-        assert ts == list(range(len(ts))) and 1 <= len(ts) <= n, (
-            tid,
-            ts,
-            n,
-        )  # a row per turn (tail: dropped)
+        # a row per turn, in order (a tail of turns whose prefix exceeds P is dropped)
+        assert ts == list(range(len(ts))) and 1 <= len(ts) <= n, (tid, ts, n)
     assert any(len(ts) >= 2 for ts in turns.values()), "every trajectory ended after one turn"
     # a turn row's response is that turn alone: all model tokens, no observation inside
     R = b["responses"].shape[1]
@@ -258,6 +268,7 @@ def test_rlm_recipe_step_wise(ray_session, tmp_path):
     # the trajectory's GRPO advantage on every one of its turns
     src = is_source(batch)
     scores = b["token_level_scores"].sum(-1)
+    assert len(set(scores[torch.as_tensor(~fill)].tolist())) == int((~fill).sum())  # every row scored apart
     for uid in set(nt["uid"]):
         group = [i for i in np.flatnonzero(src) if nt["uid"][i] == uid]
         assert len(group) == 2  # rollout.n samples, one source row each

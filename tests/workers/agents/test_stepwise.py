@@ -1,7 +1,7 @@
 """Step-wise rows (one per model turn, its exact token prefix as the prompt) against one masked row per
-trajectory: the same policy gradient on a two-turn toy trajectory through the tiny model (exactly where the loss
-aggregation makes the two equal, in direction where it does not), per-turn length limits that fit a trajectory
-one row must cut, and the advantage of a trajectory on every one of its turns."""
+trajectory: the same policy gradient on a two-turn toy trajectory through the tiny model (exactly where the
+loss aggregation makes the two equal, in direction where it does not), per-turn length limits that fit a
+trajectory one row must cut, and the advantage of a trajectory on every one of its turns."""
 
 from __future__ import annotations
 
