@@ -3,7 +3,8 @@
 
 ``search_context`` is a retrieval tool over the trajectory's own context: it runs on the host with a
 host-side copy of the context (``Tool(pass_context=True)``; several contexts come as ``{"context_0": ...,
-...}``), so the REPL code's changes to ``context`` do not affect it. ``load_tools`` resolves ``{name: "package.module:attribute"}`` import paths into tools.
+...}``), so the REPL code's changes to ``context`` do not affect it. ``load_tools`` resolves
+``{name: "package.module:attribute"}`` import paths into tools.
 """
 
 from __future__ import annotations

@@ -100,9 +100,8 @@ class Tool:
         except (TypeError, ValueError) as exc:
             return {"error": f"tool {name!r} returned a result that is not JSON-able ({exc})"}
         if len(text) > MAX_RESULT_CHARS:
-            return {
-                "error": f"tool {name!r} returned {len(text):,} characters of JSON (limit {MAX_RESULT_CHARS:,})"
-            }
+            size = f"{len(text):,} characters of JSON (limit {MAX_RESULT_CHARS:,})"
+            return {"error": f"tool {name!r} returned {size}"}
         return {"ok": result}
 
 
