@@ -38,7 +38,7 @@ from workers.sandbox._child import CONTEXT_NAME, RESERVED_NAMES
 __all__ = ["Constant", "Tool", "ToolSpec", "as_tools", "check_tool_name"]
 
 TOOL_RECORD_CHARS = 2000  # characters of a call's JSON arguments/result kept in its record
-MAX_RESULT_CHARS = 16 << 20  # a tool result is sent back in one frame
+MAX_RESULT_CHARS = 8 << 20  # a tool result goes back in one frame (at most 4 bytes a char, under MAX_FRAME)
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,12 @@ def test_tool_failures_raise_tool_error_naming_the_tool(sandbox):
         time.sleep(2)
         return 1
 
-    tools = {"boom": boom, "a_set": a_set, "slow": Tool(slow, timeout_s=0.3)}
+    def huge():
+        return "x" * (9 << 20)
+
+    tools = {"boom": boom, "a_set": a_set, "slow": Tool(slow, timeout_s=0.3), "huge": huge}
     code = (
-        "for f in (boom, a_set, slow):\n"
+        "for f in (boom, a_set, slow, huge):\n"
         "    try:\n        f()\n    except Exception as e:\n        print(type(e).__name__, '|', e)\n"
         "try:\n    boom({1})\nexcept Exception as e:\n    print(type(e).__name__, '|', e)\n"
     )
@@ -77,13 +80,15 @@ def test_tool_failures_raise_tool_error_naming_the_tool(sandbox):
         "ToolError | tool 'boom' failed: KeyError: 'missing'",
         "ToolError | tool 'a_set' returned a result that is not JSON-able (Object of type set is not JSON serializable)",
         "ToolError | tool 'slow' timed out after 0.3 s",
+        "ToolError | tool 'huge' returned 9,437,186 characters of JSON (limit 8,388,608)",
         "TypeError | tool 'boom': arguments must be JSON-able (Object of type set is not JSON serializable)",
     ]
     assert elapsed < 2  # the timed-out tool's thread was not waited for
-    assert [c.get("error", "")[:12] for c in res.tool_calls] == [
+    assert [c["error"][:12] for c in res.tool_calls] == [
         "tool 'boom' ",
         "tool 'a_set'",
         "tool 'slow' ",
+        "tool 'huge' ",
     ]
     assert again.stdout == "boom\n"
 
