@@ -33,8 +33,10 @@ from recipes.trainer import (
     PassAtK,
     Run,
     Session,
+    check_env_errors,
     cli,
     compute_advantage,
+    fill_mini_batches,
     metrics_of,
     parse_args,
     print_summary,
@@ -60,6 +62,8 @@ def hybrid_step(
     # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox
     with timer("gen", timings):
         batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    check_env_errors(batch, s.state.step)  # every trajectory failed (no sandbox, no engine): stop loudly
+    batch = fill_mini_batches(cfg, batch, with_critic=False)  # step-wise turns / children vary the row count
     # 2. outcome reward (the \boxed{} answer), log-probs under the policy and the reference
     batch = score_and_log_probs(cfg, roles, batch, timings)
     # 3. process reward model: step votes and bridge thoughts

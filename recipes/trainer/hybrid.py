@@ -25,6 +25,7 @@ from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from recipes.schemas import HybridConfig
 from recipes.trainer.roles import Roles
+from recipes.trainer.sources import is_source
 from resource_pools import ResourcePoolManager
 from workers.agents.env_worker import ActorRolloutEnvWorker, EnvWorker, env_role_classes
 from workers.math_env.env_loop import MathToolEnvConfig
@@ -117,7 +118,13 @@ def add_teacher_hints(batch: DataProto, template: str) -> float:
 
 def hybrid_advantage(batch: DataProto, cfg: HybridConfig) -> dict[str, float]:
     """``token_level_rewards`` (= scores), then ``advantages``/``returns`` from the ``hybrid`` estimator with
-    the config's weights; returns the hybrid metrics (module docstring)."""
+    the config's weights; returns the hybrid metrics (module docstring). Its PRM and teacher terms are per
+    token of a whole trajectory: rows that inherit another row's advantage (env.step_wise turns,
+    env.train_children children) are refused."""
+    if not is_source(batch).all():
+        raise ValueError(
+            "the hybrid advantage needs one row per trajectory: turn off env.step_wise and env.train_children"
+        )
     b, nt, h = batch.batch, batch.non_tensor_batch, cfg.hybrid
     b["token_level_rewards"] = b["token_level_scores"]
     hint_mask = torch.tensor([bool(x) for x in nt["hint"]], dtype=torch.float32)
