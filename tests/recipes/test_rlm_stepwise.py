@@ -9,6 +9,7 @@ trajectory of a step fails.
   root's advantage and are no samples of its group (issue 15, part 1), in both row layouts.
 * An env step in which every trajectory ends with status "error" raises ``RunAborted`` naming the env rank and
   the errors; one failed trajectory fails only itself.
+* The hybrid advantage (per-token PRM and teacher terms) refuses rows that inherit another row's advantage.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import torch
 from dataproto import DataProto
 from recipes import rlm
 from recipes.sections import AlgorithmConfig
+from recipes.trainer.hybrid import hybrid_advantage
 from recipes.trainer.run import RunAborted
 from recipes.trainer.sources import is_source
 from recipes.trainer.steps import check_env_errors, compute_advantage
+from workers.agents.batch import trajectories_to_dataproto
 from workers.agents.env_worker import EnvWorker
 from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.agents.trajectory import Trajectory, TrajectoryTurn
 from workers.config import ModelConfig, RewardConfig, RolloutConfig
 from workers.models.tiny import ensure_tiny_model
 from workers.rlm.agent import AgentConfig
@@ -202,6 +206,16 @@ def test_every_trajectory_failing_stops_the_run_loudly():
         w.close_env()
     assert list(mixed.non_tensor_batch["status"]) == ["finished", "error"]
     check_env_errors(mixed, step=3)  # one failed trajectory: only it fails (reward 0), the run goes on
+
+
+def test_hybrid_advantage_refuses_rows_that_inherit():
+    turns = [TrajectoryTurn(k, prompt_token_ids=[5, 6], response_token_ids=[7, 8]) for k in range(2)]
+    traj = Trajectory("u.0", "q", root_uid="u", turns=turns, status="finished")
+    rows = trajectories_to_dataproto(
+        [traj], max_prompt_length=8, max_response_length=4, pad_token_id=0, step_wise=True
+    )
+    with pytest.raises(ValueError, match="one row per trajectory: turn off env.step_wise"):
+        hybrid_advantage(rows, cfg=None)
 
 
 TINY = [
