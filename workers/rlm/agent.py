@@ -53,6 +53,7 @@ first, children in start order.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -64,10 +65,13 @@ from workers.agents.limits import Budget, BudgetLimits, BudgetSpent
 from workers.agents.llm import ModelResponse
 from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
 from workers.agents.turns import EnvFailure, Episode, Step, run_turns
-from workers.rlm.prompts import ContextInfo, PromptConfig, build_messages, describe_context
+from workers.rlm.callbacks import Callbacks, FinalEvent, IterationEvent, SubcallEvent
+from workers.rlm.prompts import ContextInfo, Contexts, PromptConfig, build_messages, describe_context
 from workers.rlm.protocol import DEFAULT_LANGUAGES, format_observation, parse_turn, truncate
+from workers.rlm.session import Session, follow_up_message
 from workers.rlm.usage import tree_usage
 from workers.rollout.sampling import SamplingParams
+from workers.sandbox.tools import as_tools
 
 __all__ = ["AgentConfig", "AgentResult", "RLMAgent", "normalize_context"]
 
@@ -192,21 +196,31 @@ class AgentResult:
 
 
 def normalize_context(context):
-    """Context as the sandbox and the prompts take it: None, a str, or a list of str (numpy arrays and
-    tuples from parquet rows become lists)."""
-    if context is None or isinstance(context, str):
+    """Context as the sandbox and the prompts take it: a JSON value (None, str, number, list, dict with str
+    keys) or ``Contexts`` of them. Numpy arrays and scalars and tuples (e.g. from parquet rows) become lists
+    and numbers; anything else that JSON cannot hold becomes its ``str``."""
+    if isinstance(context, Contexts):
+        return Contexts([normalize_context(c) for c in context.values])
+    if context is None or isinstance(context, str | bool | int | float):
         return context
-    if hasattr(context, "tolist") and not isinstance(context, (list, tuple)):
-        context = context.tolist()
-    if isinstance(context, (list, tuple)):
-        return [c if isinstance(c, str) else str(c) for c in context]
+    if isinstance(context, Mapping):
+        return {str(k): normalize_context(v) for k, v in context.items()}
+    if hasattr(context, "tolist") and not isinstance(context, list | tuple):
+        return normalize_context(context.tolist())  # numpy array or scalar
+    if isinstance(context, list | tuple):
+        return [normalize_context(c) for c in context]
     return str(context)
 
 
 def _context_prompt(prompt: str, context) -> str:
     if context is None:
         return prompt
-    ctx = context if isinstance(context, str) else "\n".join(context)
+    if isinstance(context, str):
+        ctx = context
+    elif isinstance(context, list) and all(isinstance(c, str) for c in context):
+        ctx = "\n".join(context)
+    else:
+        ctx = json.dumps(context, ensure_ascii=False)
     return f"{prompt}\n\nContext:\n{ctx}"
 
 
@@ -221,7 +235,13 @@ class RLMAgent:
     trajectories; a `ChatLLM` for text-only inference). ``sandbox``: a ``workers.sandbox.ReplSandbox``
     (one REPL per trajectory is created in it and closed when the trajectory ends). ``sub_llm``: the
     model answering ``llm_query`` (default: the policy); ``sub_llms``: more, chosen by
-    ``llm_query(prompt, model=name)``.
+    ``llm_query(prompt, model=name)``. ``callbacks``: told of every turn, sub-call and trajectory end
+    (`workers.rlm.callbacks`). ``tools``: host functions callable from the root's REPL code
+    (``{name: callable | Tool | JSON constant}``, `workers.sandbox.tools`), listed in its system prompt;
+    ``sub_tools``: those of every child (None: the same as ``tools``, ``{}``: none -- as rlms' ``custom_sub_tools``);
+    each call is recorded in ``metadata["subcalls"]`` with kind ``"tool"``. ``setup_code``: Python run in
+    every REPL of the tree before its first turn (its variables are listed in the system prompt; if it
+    raises, the trajectory ends with status ``"error"`` naming it).
     """
 
     def __init__(
@@ -232,8 +252,16 @@ class RLMAgent:
         *,
         sub_llm=None,
         sub_llms: Mapping[str, Any] | None = None,
+        callbacks: Callbacks | None = None,
+        tools: Mapping[str, Any] | None = None,
+        sub_tools: Mapping[str, Any] | None = None,
+        setup_code: str | None = None,
     ):
+        self.tools = as_tools(tools)  # custom tools of the root's REPL
+        self.sub_tools = self.tools if sub_tools is None else as_tools(sub_tools)  # of every child's REPL
+        self.setup_code = setup_code  # run in every REPL of the tree before its first turn
         self.policy = policy
+        self.callbacks = callbacks or Callbacks()
         self.sandbox = sandbox
         self.config = config or AgentConfig()
         self.sub_llm = sub_llm or policy
@@ -251,9 +279,11 @@ class RLMAgent:
         seed: int | None = None,
         context_info: ContextInfo | Mapping | None = None,
         metadata: Mapping[str, Any] | None = None,
+        session: Session | None = None,
     ) -> AgentResult:
         """Run one root trajectory (and its children) to the end. Never raises for anything the model,
-        its code or the sandbox does; the root's ``status`` says how it ended."""
+        its code or the sandbox does; the root's ``status`` says how it ended. ``session``: the root runs in
+        that persistent session's REPL and conversation (`workers.rlm.session`; inference only)."""
         run = _Run(self.config, seed)
         tid = traj_id or uuid.uuid4().hex[:12]
         if "/" in tid:
@@ -263,7 +293,7 @@ class RLMAgent:
         )
         root.metadata.update(dict(metadata or {}))
         run.trajectories.append(root)
-        await self._run_trajectory(run, root, normalize_context(context), context_info)
+        await self._run_trajectory(run, root, normalize_context(context), context_info, session)
         root.metadata["usage"] = tree_usage(run.trajectories, self.config.prices).to_dict()
         return AgentResult(root, list(run.trajectories), time.perf_counter() - run.t0)
 
@@ -288,15 +318,65 @@ class RLMAgent:
             return await aw
         return await asyncio.wait_for(aw, max(rem, 0.0))
 
-    async def _run_trajectory(self, run: _Run, traj: Trajectory, context, context_info=None) -> None:
+    async def _run_trajectory(
+        self, run: _Run, traj: Trajectory, context, context_info=None, session: Session | None = None
+    ) -> None:
         info = context_info if context_info is not None else describe_context(context)
         info = info if isinstance(info, ContextInfo) else ContextInfo.from_dict(info)
         traj.context_info = info.to_dict()
         traj.timings["start_s"] = time.perf_counter() - run.t0
-        await run_turns(traj, _RLMEpisode(self, run, traj, context, info), origin=run.t0)
+        await run_turns(traj, _RLMEpisode(self, run, traj, context, info, session), origin=run.t0)
+        if self.callbacks:
+            tree = [t for t in run.trajectories if t.id == traj.id or t.id.startswith(traj.id + "/")]
+            self.callbacks.final(
+                FinalEvent(
+                    traj.id,
+                    traj.depth,
+                    traj.status,
+                    traj.final_answer,
+                    traj.error,
+                    len(traj.turns),
+                    traj.timings.get("total_s", 0.0),
+                    tree_usage(tree, self.config.prices),
+                )
+            )
 
-    async def _execute(self, run: _Run, repl, parsed) -> tuple[list[CodeResult], str | None]:
-        """Run the turn's blocks in order, then apply an outside FINAL/FINAL_VAR line."""
+    def repl_options(self, depth: int) -> dict[str, Any]:
+        """What a REPL at ``depth`` is created with beside its context: its tools and the setup code."""
+        return {"tools": self.tools if depth == 0 else self.sub_tools, "setup_code": self.setup_code}
+
+    def prompt_tools(self, depth: int, repl) -> dict[str, str]:
+        """System-prompt lines for the REPL's extra names: each tool (signature -> first docstring line) and
+        each variable the setup code defined."""
+        lines = {
+            tool.signature(name): tool.summary() for name, tool in self.repl_options(depth)["tools"].items()
+        }
+        for name, kind in getattr(repl, "setup_variables", ()):
+            lines[name] = f"{kind} defined by the setup code"
+        return lines
+
+    def _record_tools(self, run: _Run, traj: Trajectory, turn: int, calls: list[dict]) -> None:
+        """A block's tool calls as sub-call records of kind "tool" (the sandbox cut their JSON)."""
+        for call in calls:
+            record: dict[str, Any] = {
+                "kind": "tool",
+                "turn": turn,
+                "name": call["name"],
+                "prompt": call["args"],
+                "start_s": call["started"] - run.t0,
+            }
+            if "error" in call:
+                record["error"] = call["error"]
+            record["response"] = call.get("result", call.get("error"))
+            record["elapsed_s"] = call["elapsed_s"]
+            traj.metadata.setdefault("subcalls", []).append(record)
+            self.callbacks.subcall(SubcallEvent(traj.id, traj.depth, turn, record))
+
+    async def _execute(
+        self, run: _Run, repl, parsed, traj: Trajectory | None = None, turn: int = -1
+    ) -> tuple[list[CodeResult], str | None]:
+        """Run the turn's blocks in order, then apply an outside FINAL/FINAL_VAR line; the blocks' tool calls
+        are recorded on ``traj``."""
         cfg = self.config
         results: list[CodeResult] = []
         answer: str | None = None
@@ -309,6 +389,8 @@ class RLMAgent:
                     return CodeResult(code=code, error="not run: the wall-clock budget is spent")
                 timeout = min(timeout, rem)
             res = await repl.aexecute(code, timeout_s=timeout)
+            if traj is not None:
+                self._record_tools(run, traj, turn, getattr(res, "tool_calls", []))
             if res.killed and not res.restarted:
                 raise EnvFailure("sandbox: " + (res.error or "the REPL died and could not be restarted"))
             return CodeResult.of_execution(code, res)
@@ -382,6 +464,7 @@ class RLMAgent:
         record["response"] = truncate(result, SUBCALL_RECORD_CHARS)
         record["elapsed_s"] = time.perf_counter() - t0
         traj.metadata.setdefault("subcalls", []).append(record)
+        self.callbacks.subcall(SubcallEvent(traj.id, traj.depth, record["turn"], record))
         return result
 
     async def _child(self, run: _Run, parent: Trajectory, state: _State, prompt, context, record) -> str:
@@ -408,11 +491,21 @@ class _RLMEpisode(Episode):
     """One RLM trajectory's environment: its REPL (holding the context, answering sub-calls), turns parsed
     with the RLM protocol, code run in order, FINAL answers, observations with the budget left."""
 
-    def __init__(self, agent: RLMAgent, run: _Run, traj: Trajectory, context, info: ContextInfo):
+    def __init__(
+        self,
+        agent: RLMAgent,
+        run: _Run,
+        traj: Trajectory,
+        context,
+        info: ContextInfo,
+        session: Session | None,
+    ):
         self.agent, self.run, self.traj, self.context, self.info = agent, run, traj, context, info
         self.max_turns = agent.config.iterations(traj.depth)
         self.state = _State()
         self.repl = None
+        self.session = session  # a persistent session owns the REPL and carries the conversation
+        self.in_session = False
         self.error_turns = 0  # turns in a row whose code raised (max_errors)
 
     async def start(self) -> None:
@@ -421,19 +514,70 @@ class _RLMEpisode(Episode):
         async def handler(kind: str, payload: dict) -> str:
             return await agent._subcall(self.run, traj, self.state, kind, payload)
 
+        bound: dict[str, Any] = {}  # a later session call's context variables (the first call: `context`)
         try:
-            self.repl = await agent.sandbox.acreate(context=self.context, handler=handler)
+            if self.session is None:
+                self.repl = await self._create_repl(handler)
+            else:
+                self.session.begin(handler)
+                self.in_session = True
+                self.repl, bound = await self.session.repl_for(self._create_repl, self.context)
         except Exception as exc:  # the sandbox cannot give this trajectory a REPL
             raise EnvFailure(f"sandbox: could not create a REPL: {type(exc).__name__}: {exc}") from None
+        if self.session is not None and self.session.messages:  # a later call: the conversation goes on
+            follow_up = follow_up_message(traj.query, bound)
+            messages = [*self.session.messages, {"role": "user", "content": follow_up}]
+            self.conv = self.session.conversation(
+                agent.policy, messages, cfg.max_sequence_tokens, self._compacted
+            )
+            return
+        tools = {**cfg.prompt.tools, **agent.prompt_tools(traj.depth, self.repl)}
         messages = build_messages(
             traj.query,
             context_info=self.info,
             depth=traj.depth,
             max_depth=cfg.max_depth,
-            config=replace(cfg.prompt, max_output_chars=cfg.max_observation_chars),
+            config=replace(cfg.prompt, max_output_chars=cfg.max_observation_chars, tools=tools),
             max_iterations=self.max_turns,
         )
-        self.conv = agent.policy.conversation(messages, cfg.max_sequence_tokens)
+        if self.session is not None:
+            self.conv = self.session.conversation(
+                agent.policy, messages, cfg.max_sequence_tokens, self._compacted
+            )
+        else:
+            self.conv = agent.policy.conversation(messages, cfg.max_sequence_tokens)
+
+    async def _create_repl(self, handler):
+        # only what is set: a backend without tools or setup code still serves plain trajectories
+        options = {k: v for k, v in self.agent.repl_options(self.traj.depth).items() if v}
+        if isinstance(self.context, Contexts):
+            return await self.agent.sandbox.acreate(
+                contexts=list(self.context.values), handler=handler, **options
+            )
+        return await self.agent.sandbox.acreate(context=self.context, handler=handler, **options)
+
+    def _compacted(self, record: dict) -> None:
+        """A session compacted this root's conversation: record it, and charge its summary call."""
+        record["turn"] = len(self.traj.turns)
+        self.traj.metadata.setdefault("compactions", []).append(record)
+        usage = record["usage"]
+        if usage:
+            self.run.budget.charge(usage["prompt_tokens"], usage["completion_tokens"], usage["model"])
+
+    def _iteration(self, turn: TrajectoryTurn, answer: str | None) -> None:
+        if self.agent.callbacks:
+            self.agent.callbacks.iteration(
+                IterationEvent(
+                    self.traj.id,
+                    self.traj.depth,
+                    turn.index,
+                    turn.response_text,
+                    list(turn.code_results),
+                    answer,
+                    dict(turn.usage),
+                    self.max_turns,
+                )
+            )
 
     async def respond(self, k: int) -> ModelResponse:
         budget = self.run.budget
@@ -452,7 +596,10 @@ class _RLMEpisode(Episode):
         self.state.turn = turn
         parsed = parse_turn(response.text, cfg.languages)
         turn.final = parsed.final
-        turn.code_results, answer = await self.agent._execute(self.run, self.repl, parsed)
+        turn.code_results, answer = await self.agent._execute(
+            self.run, self.repl, parsed, self.traj, turn.index
+        )
+        self._iteration(turn, answer)
         if answer is not None:
             return Step(answer=answer)
         self._count_errors(turn.code_results)
@@ -489,10 +636,17 @@ class _RLMEpisode(Episode):
         self.state.turn = turn
         parsed = parse_turn(response.text, self.agent.config.languages)
         turn.final = parsed.final
-        turn.code_results, answer = await self.agent._execute(self.run, self.repl, parsed)
-        return answer if answer is not None else (parsed.reasoning or None)
+        turn.code_results, answer = await self.agent._execute(
+            self.run, self.repl, parsed, self.traj, turn.index
+        )
+        answer = answer if answer is not None else (parsed.reasoning or None)
+        self._iteration(turn, answer)
+        return answer
 
     async def close(self) -> None:
+        if self.in_session:  # the session keeps its REPL open for the next call
+            self.session.end(self.conv)
+            return
         if self.repl is not None:
             try:
                 await self.repl.aclose()

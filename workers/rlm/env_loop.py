@@ -3,7 +3,9 @@
 The env workers (``workers.agents.env_worker``) run it: per job, an ``RLMAgent`` trajectory tree on the row's
 query with ``extra_info["context"]`` in the REPL; roots are rows, children too with ``env.train_children``.
 ``llm_query`` sub-calls go to the policy engine, or to a frozen model when ``env.sub_model_path`` is set (a second
-native engine built on the same device on first use, never updated).
+native engine built on the same device on first use, never updated). A task's custom tools (``env.tools``,
+import paths; run on the env worker) and ``env.setup_code`` reach every REPL as with
+``RLM(custom_tools=, setup_code=)``.
 
 Metrics (rank 0's chunk for a group call): ``env/num_roots``, ``env/num_trajectories``, ``env/turns/mean``,
 ``env/turns/max``, ``env/subcalls/mean``, ``env/children/mean``, ``env/depth/max``, ``env/finished_frac``,
@@ -25,6 +27,7 @@ from workers.engine.distributed import default_device
 from workers.models import load_tokenizer
 from workers.reward import score_batch
 from workers.rlm.agent import AgentConfig, RLMAgent, normalize_context
+from workers.rlm.tools import load_tools
 from workers.rollout.native import EngineConfig, NativeEngine
 
 __all__ = ["RLMEnvConfig", "RLMLoop"]
@@ -38,6 +41,11 @@ class RLMEnvConfig(AgentEnvConfig):
     agent: AgentConfig = field(default_factory=AgentConfig)
     sub_model_path: str | None = None  # frozen model answering llm_query (None: the policy engine)
     sub_max_num_seqs: int = 64
+    # the task's custom tools, {name: "package.module:attribute"} (a Tool or a callable; e.g.
+    # "workers.rlm.tools:search_context"), run on the env worker: the mechanism of RLM(custom_tools=...)
+    tools: dict[str, str] = field(default_factory=dict)
+    sub_tools: dict[str, str] | None = None  # the children's (None: the same as tools)
+    setup_code: str | None = None  # Python run in every REPL before its first turn
 
 
 class RLMLoop(AgentLoop):
@@ -49,6 +57,8 @@ class RLMLoop(AgentLoop):
         super().__init__(env, ctx)
         self.sub_llm: EngineLLM | None = None
         self._sub_engine = None
+        self.tools = load_tools(env.tools)
+        self.sub_tools = None if env.sub_tools is None else load_tools(env.sub_tools)
         if env.sub_model_path and not ctx.replay:
             self.sub_llm = self._build_sub_llm(env.sub_model_path)
 
@@ -63,7 +73,15 @@ class RLMLoop(AgentLoop):
         return EngineLLM(self._sub_engine, tok, name="sub")
 
     async def run(self, job: AgentJob, config: AgentConfig) -> list[Trajectory]:
-        agent = RLMAgent(self.ctx.policy, self.ctx.sandbox, config, sub_llm=self.sub_llm)
+        agent = RLMAgent(
+            self.ctx.policy,
+            self.ctx.sandbox,
+            config,
+            sub_llm=self.sub_llm,
+            tools=self.tools,
+            sub_tools=self.sub_tools,
+            setup_code=self.env.setup_code,
+        )
         result = await agent.run(
             job.query,
             normalize_context(job.extra.get("context")),

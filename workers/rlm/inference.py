@@ -4,9 +4,10 @@ The same agent loop as training (`workers.rlm.agent`), over
 
 * a token engine -- ``NativeEngine``, the SGLang adapter (``SGLangRollout``: same ``async generate``), or
   any ``async gen(prompt_ids, SamplingParams) -> GenerationOutput`` with its ``tokenizer``;
-* an OpenAI-compatible HTTP endpoint -- ``RLM(engine="http://host:port/v1", model="name")`` posts to
-  ``/v1/chat/completions`` (stdlib ``urllib``, one thread per request in flight); these trajectories
-  carry text only (no token ids).
+* a backend built by ``workers.agents.clients.make_llm`` -- ``RLM(backend="openai", backend_kwargs={"model_name":
+  ..., "base_url": "http://host:port/v1", "api_key": ...})`` for any OpenAI-compatible server, ``"anthropic"``,
+  ``"native"`` (a checkpoint on NativeEngine) or ``"sglang"`` (SGLang's offline engine); the HTTP backends'
+  trajectories carry text only (no token ids). ``backend`` is ``"openai"`` when no ``engine`` is given.
 
 ::
 
@@ -16,30 +17,39 @@ The same agent loop as training (`workers.rlm.agent`), over
     res.answer, res.status, res.trajectory_tree     # nested dict: root, its turns' children, ...
     rlm.close()
 
-``sub_engine`` (same kinds) answers ``llm_query``; default: the main engine. Every completion appends its
+``other_backends`` / ``other_backend_kwargs`` (lists, as in rlms) are more models that REPL code picks with
+``llm_query(prompt, model=<model_name>)`` (the root backend's model is reachable by its name too); the first of
+them answers ``llm_query`` without ``model=``, unless ``sub_engine`` (an engine or generate function) is given;
+default: the main model. ``raise_on_error=True``: a root trajectory that fails (e.g. an unreachable endpoint)
+raises `RLMError` instead of returning status ``"error"``. Every completion appends its
 trajectories (root first, then children) to ``log_path`` as JSONL (`workers.agents.trajectory.load_jsonl` reads
 it; ``python -m workers.rlm.viewer`` renders it as HTML).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from workers.agents.batch import trajectory_json
-from workers.agents.http_chat import post_json
-from workers.agents.llm import ChatLLM, Completion, EngineLLM
+from workers.agents.clients import BACKENDS, close_llm, engine_loop, make_llm
+from workers.agents.llm import ChatLLM, EngineLLM
 from workers.agents.trajectory import Trajectory
-from workers.event_loop import LoopThread
+from workers.event_loop import CallerLoop, LoopThread
 from workers.rlm.agent import AgentConfig, RLMAgent
+from workers.rlm.callbacks import Callbacks
+from workers.rlm.console import VerbosePrinter
+from workers.rlm.prompts import Contexts
+from workers.rlm.session import Session
 from workers.rlm.usage import Usage
 from workers.sandbox import ReplSandbox
+from workers.sandbox.tools import as_tools
 
-__all__ = ["RLM", "OpenAIChatLLM", "RLMResult", "trajectory_tree"]
+__all__ = ["RLM", "RLMError", "RLMResult", "trajectory_tree"]
 
 
 def trajectory_tree(trajectories: list[Trajectory], root_id: str | None = None) -> dict:
@@ -77,90 +87,46 @@ class RLMResult:
         return trajectory_tree(self.trajectories, self.root.id)
 
 
-# --------------------------------------------------------------------------------------------------
-# OpenAI-compatible HTTP
+class RLMError(RuntimeError):
+    """``RLM(raise_on_error=True)``: the root trajectory ended with status "error"; the message is its error
+    (naming the backend, model and URL for a failed model call); ``result`` is the `RLMResult` (logged as usual)."""
 
-
-def _chat_url(base_url: str) -> str:
-    url = base_url.rstrip("/")
-    if url.endswith("/chat/completions"):
-        return url
-    if url.endswith("/v1"):
-        return url + "/chat/completions"
-    return url + "/v1/chat/completions"
-
-
-class OpenAIChatLLM(ChatLLM):
-    """``POST {base_url}/v1/chat/completions`` (``base_url`` may already end in ``/v1``). The API key comes
-    from ``api_key`` or the ``OPENAI_API_KEY`` environment variable (sent only when set)."""
-
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        *,
-        api_key: str | None = None,
-        timeout_s: float = 300.0,
-        extra_body: dict[str, Any] | None = None,
-    ):
-        super().__init__(self._chat, name=model)
-        self.url = _chat_url(base_url)
-        self.model = model
-        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
-        self.timeout_s = timeout_s
-        self.extra_body = dict(extra_body or {})
-
-    def _post(self, body: dict) -> dict:
-        return post_json(self.url, body, api_key=self.api_key, timeout_s=self.timeout_s, label="endpoint")
-
-    async def _chat(self, messages, *, max_tokens, temperature, top_p=1.0, seed=None, stop=None):
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": list(messages),
-            "max_tokens": int(max_tokens),
-            "temperature": float(temperature),
-            "top_p": float(top_p),
-            **self.extra_body,
-        }
-        if seed is not None:
-            body["seed"] = int(seed) % (2**31)
-        if stop:
-            body["stop"] = list(stop)
-        data = await asyncio.to_thread(self._post, body)
-        try:
-            text = data["choices"][0]["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise RuntimeError(f"{self.url}: unexpected response {str(data)[:300]}") from None
-        usage = data.get("usage") or {}
-        return Completion(
-            text,
-            int(usage.get("completion_tokens") or max(1, len(text) // 4)),
-            int(usage.get("prompt_tokens") or 0),
-            self.model,
-        )
+    def __init__(self, message: str, result: RLMResult):
+        super().__init__(message)
+        self.result = result
 
 
 # --------------------------------------------------------------------------------------------------
 # The API
 
 
-def _llm(backend, tokenizer, model: str | None, name: str):
-    if isinstance(backend, (EngineLLM, ChatLLM)):
-        return backend
-    if isinstance(backend, str):
-        if not backend.startswith(("http://", "https://")):
-            raise ValueError(f"{name}: a string engine must be an http(s) URL, got {backend!r}")
-        if not model:
-            raise ValueError(f"{name}: an HTTP endpoint needs model=...")
-        return OpenAIChatLLM(backend, model)
-    tok = tokenizer if tokenizer is not None else getattr(backend, "tokenizer", None)
+def _engine_llm(engine, tokenizer, name: str):
+    """An LLM given as an object: an `EngineLLM`/`ChatLLM`, or a token engine / generate function."""
+    if isinstance(engine, (EngineLLM, ChatLLM)):
+        return engine
+    if isinstance(engine, str):
+        hint = (
+            f"backend={engine!r}"
+            if engine in BACKENDS
+            else 'backend="openai", backend_kwargs={"base_url": ...}'
+        )
+        raise ValueError(f"{name}={engine!r}: a string is not an engine; for a model server pass {hint}")
+    tok = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
     if tok is None:
         raise ValueError(f"{name}: pass tokenizer=... (the engine does not carry one)")
-    return EngineLLM(backend, tok, name=name)
+    return EngineLLM(engine, tok, name=name)
 
 
 class RLM:
     """A Recursive Language Model for inference. See the module docstring.
+
+    Models: ``engine`` (an engine object or generate function; ``tokenizer`` if it carries none) or
+    ``backend`` + ``backend_kwargs`` (``workers.agents.clients``: "openai", "anthropic", "native", "sglang";
+    "openai" when neither is given); ``other_backends`` + ``other_backend_kwargs``: sub-LMs by ``model_name``
+    (the first answers plain ``llm_query``); ``sub_engine``: the engine answering plain ``llm_query`` instead.
+    Unknown backends or kwargs raise ``ValueError`` here; a failed model call names backend, model and URL in
+    the trajectory's error, and ``raise_on_error=True`` raises it as `RLMError`. ``close()`` closes the clients
+    and engines built from backends (never ones passed in).
 
     Keyword arguments left as None keep ``agent_config``'s values (``AgentConfig`` defaults otherwise), but
     ``final_answer_on_exhaustion`` is True without an ``agent_config``: when the turns run out without an
@@ -174,6 +140,23 @@ class RLM:
     a row whose code raised, per trajectory (status ``"error"``). System prompt: ``prompt_style`` ("full",
     "compact"), ``custom_system_prompt`` (every depth) and ``system_prompts={depth: prompt}``
     (``workers.rlm.prompts`` lists their placeholders, e.g. ``{context_info}``).
+
+    Watching a run: ``verbose=True`` prints turns, code, outputs, sub-calls and the answer live (`rich`;
+    ``workers.rlm.console``); ``on_iteration`` / ``on_subcall`` / ``on_final`` are called with an event for every
+    turn, sub-call and trajectory end, children included (``workers.rlm.callbacks`` documents the payloads).
+    ``persistent=True``: one session across ``completion`` calls -- the root's REPL (its variables) and its
+    conversation carry over, a later call's context is bound to ``context_1``, ``context_2``, ...; the conversation
+    is compacted (summarised by the model) when it would pass ``compaction_threshold`` of the root's token window
+    (``workers.rlm.session``); ``close()`` ends the session.
+
+    REPL extras: ``custom_tools={name: callable | Tool}`` -- host functions the model's code calls by name, run
+    here (never in the sandbox) with JSON arguments and results and a per-tool timeout (``Tool(fn,
+    description=None, timeout_s=60)``; a failure raises ``ToolError`` in the code), listed in the system prompt
+    (``workers.sandbox.tools``); as in rlms an entry may also be ``{"tool": fn_or_value, "description": ...}``
+    or a JSON value (a constant, restored after every block); ``custom_sub_tools`` -- those of child agents (None: the same as
+    ``custom_tools``; ``{}``: none, as in rlms); ``setup_code`` -- Python run in every REPL before its first turn
+    (its variables are listed in the system prompt; if it raises, the result has status ``"error"`` naming it).
+    ``sandbox``: any isolation backend (``workers.sandbox.backend.SandboxBackend``); default a ``ReplSandbox``.
     """
 
     def __init__(
@@ -182,9 +165,12 @@ class RLM:
         sub_engine=None,
         tokenizer=None,
         *,
+        backend: str | None = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        other_backends: list[str] | None = None,
+        other_backend_kwargs: list[dict[str, Any]] | None = None,
+        raise_on_error: bool = False,
         sub_tokenizer=None,
-        model: str | None = None,
-        sub_model: str | None = None,
         max_depth: int | None = None,
         max_iterations: int | None = None,
         temperature: float | None = None,
@@ -202,15 +188,16 @@ class RLM:
         sandbox=None,
         log_path: str | os.PathLike | None = None,
         log_tokens: bool = False,
+        verbose: bool = False,
+        on_iteration: Callable[[Any], Any] | None = None,
+        on_subcall: Callable[[Any], Any] | None = None,
+        on_final: Callable[[Any], Any] | None = None,
+        persistent: bool = False,
+        compaction_threshold: float | None = 0.85,
+        custom_tools: dict[str, Any] | None = None,
+        custom_sub_tools: dict[str, Any] | None = None,
+        setup_code: str | None = None,
     ):
-        if engine is None:
-            raise ValueError("RLM needs engine=... (a token engine, a generate function or an http URL)")
-        self.policy = _llm(engine, tokenizer, model, "engine")
-        self.sub_llm = (
-            _llm(sub_engine, sub_tokenizer or tokenizer, sub_model or model, "sub_engine")
-            if sub_engine is not None
-            else self.policy
-        )
         cfg = agent_config or AgentConfig()
         overrides = {
             k: v
@@ -248,8 +235,67 @@ class RLM:
         self._sandbox_config = sandbox_config
         self.log_path = os.fspath(log_path) if log_path is not None else None
         self.log_tokens = log_tokens
-        self._loop: LoopThread | None = None
+        self.callbacks = Callbacks(
+            [on_iteration] if on_iteration else [],
+            [on_subcall] if on_subcall else [],
+            [on_final] if on_final else [],
+        )
+        if verbose:
+            self.callbacks.add(VerbosePrinter())
+        self.session = Session(compaction_threshold) if persistent else None
+        self.custom_tools = as_tools(custom_tools)
+        self.custom_sub_tools = None if custom_sub_tools is None else as_tools(custom_sub_tools)
+        self.setup_code = setup_code
+        self._loop: LoopThread | CallerLoop | None = None
         self._log_lock = threading.Lock()
+        self.raise_on_error = raise_on_error
+        # the models last: every other argument is checked first, so a bad one leaves no engine running
+        self._own_llms: list = []  # built here from backends: closed by close()
+        self._build_llms(engine, tokenizer, backend, backend_kwargs, other_backends, other_backend_kwargs)
+        if sub_engine is not None:
+            self.sub_llm = _engine_llm(sub_engine, sub_tokenizer or tokenizer, "sub_engine")
+
+    def _build_llms(self, engine, tokenizer, backend, backend_kwargs, other_backends, other_backend_kwargs):
+        """``policy``, ``sub_llm`` (answers llm_query) and ``sub_llms`` (by name, for llm_query(model=...))."""
+        if engine is not None and (backend is not None or backend_kwargs is not None):
+            raise ValueError("RLM: pass engine=... or backend=/backend_kwargs=..., not both")
+        others = list(other_backends or [])
+        other_kwargs = [{} for _ in others] if other_backend_kwargs is None else list(other_backend_kwargs)
+        if len(other_kwargs) != len(others):
+            raise ValueError(
+                f"RLM: other_backend_kwargs has {len(other_kwargs)} entries for {len(others)} other_backends"
+            )
+        try:
+            if engine is not None:
+                self.policy = _engine_llm(engine, tokenizer, "engine")
+            else:
+                self.policy = make_llm(backend or "openai", backend_kwargs)
+                self._own_llms.append(self.policy)
+            other_llms = []
+            for i, (b, kw) in enumerate(zip(others, other_kwargs)):
+                try:
+                    other_llms.append(make_llm(b, kw))
+                except ValueError as exc:
+                    raise ValueError(f"other_backends[{i}]: {exc}") from None
+                self._own_llms.append(other_llms[-1])
+            self.sub_llms = {}
+            for llm in ([] if engine is not None else [self.policy]) + other_llms:
+                if llm.name in self.sub_llms:
+                    raise ValueError(
+                        f"RLM: two backends share the model_name {llm.name!r} (llm_query's model=)"
+                    )
+                self.sub_llms[llm.name] = llm
+        except Exception:
+            self._close_llms()
+            raise
+        self.sub_llm = (
+            other_llms[0] if other_llms else self.policy
+        )  # rlms: the other backend answers sub-calls
+
+    def _close_llms(self) -> None:
+        for llm in self._own_llms:
+            close_llm(llm)
+        self._own_llms = []
 
     @property
     def sandbox(self):
@@ -262,14 +308,33 @@ class RLM:
         prompt: str,
         context=None,
         *,
+        contexts: list | None = None,
         seed: int | None = None,
         uid: str | None = None,
         metadata: dict | None = None,
     ) -> RLMResult:
-        """Answer ``prompt`` about ``context`` (a str, a list of str, or None)."""
-        agent = RLMAgent(self.policy, self.sandbox, self.config, sub_llm=self.sub_llm)
+        """Answer ``prompt`` about ``context``: one JSON value (a str, a list of documents, a dict ...) that the
+        REPL holds as ``context``; or about several ``contexts=[c0, c1, ...]``, held as ``context_0``,
+        ``context_1``, ... (``context`` is ``context_0``)."""
+        if self.session is not None and self.session.running:
+            raise RuntimeError("RLM(persistent=True) runs one completion at a time (its session is busy)")
+        agent = RLMAgent(
+            self.policy,
+            self.sandbox,
+            self.config,
+            sub_llm=self.sub_llm,
+            sub_llms=self.sub_llms,
+            callbacks=self.callbacks,
+            tools=self.custom_tools,
+            sub_tools=self.custom_sub_tools,
+            setup_code=self.setup_code,
+        )
+        if contexts is not None:
+            if context is not None:
+                raise ValueError("RLM: pass context= (one context) or contexts= (several), not both")
+            context = Contexts(list(contexts))
         t0 = time.perf_counter()
-        res = await agent.run(prompt, context, uid=uid, seed=seed, metadata=metadata)
+        res = await agent.run(prompt, context, uid=uid, seed=seed, metadata=metadata, session=self.session)
         out = RLMResult(
             res.root.final_answer,
             res.root.status,
@@ -280,14 +345,25 @@ class RLM:
         )
         if self.log_path:
             self._log(out.trajectories)
+        if self.raise_on_error and out.status == "error":
+            raise RLMError(f"RLM failed: {out.root.error}", out)
         return out
 
     def completion(self, prompt: str, context=None, **kwargs) -> RLMResult:
         """Synchronous `acompletion`, run on the RLM's private event-loop thread (so it also works where an
         event loop is already running, e.g. a notebook); ``kwargs`` as for `acompletion`."""
         if self._loop is None:
-            self._loop = LoopThread(name="rlm-inference")
+            self._loop = self._event_loop()
         return self._loop.run(self.acompletion(prompt, context, **kwargs))
+
+    def _event_loop(self) -> LoopThread | CallerLoop:
+        """A private loop thread; the SGLang engine's own loop when a model runs on one (its replies are read
+        there), driven by the calling thread."""
+        llms = [self.policy, self.sub_llm, *self.sub_llms.values()]
+        loops = {id(lp): lp for lp in map(engine_loop, llms) if lp is not None}
+        if len(loops) > 1:
+            raise ValueError("RLM: models on two SGLang engines cannot share one RLM (each has its own loop)")
+        return CallerLoop(next(iter(loops.values()))) if loops else LoopThread(name="rlm-inference")
 
     def _log(self, trajectories: list[Trajectory]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
@@ -296,6 +372,15 @@ class RLM:
                 f.write(trajectory_json(t, tokens=self.log_tokens) + "\n")
 
     def close(self) -> None:
+        """Free what the RLM holds: a persistent session (its REPL and history), models built from backends,
+        its own sandbox, its event loop."""
+        if self.session is not None:
+            if self._loop is not None:
+                self._loop.run(self.session.aclose())
+            else:
+                self.session.close()
+            self.session = None
+        self._close_llms()
         if self._sandbox is not None and self._own_sandbox:
             self._sandbox.close()
             self._sandbox = None

@@ -460,7 +460,12 @@ def test_inference_over_openai_compatible_http(tmp_path):
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        with RLM(engine=url, model="tiny-chat", max_iterations=3, log_path=tmp_path / "h.jsonl") as rlm:
+        with RLM(
+            backend="openai",
+            backend_kwargs={"model_name": "tiny-chat", "base_url": url},
+            max_iterations=3,
+            log_path=tmp_path / "h.jsonl",
+        ) as rlm:
             res = rlm.completion("What does the sub-LM say?", context="xyz")
     finally:
         server.shutdown()
