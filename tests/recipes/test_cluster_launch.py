@@ -357,10 +357,12 @@ def _finish(slurm, job_id: str, ray_tmp: str, timeout: float) -> tuple[dict, str
     process of the job (by its temp dir) and no job-step process is left."""
     try:
         info = slurm.wait_job(job_id, timeout)
-        out = Path(info["StdOut"]).read_text(errors="replace")
         deadline = time.monotonic() + 10  # slurmstepd reaps the step's processes after the job's state is set
         while (left := _ours(ray_tmp) + slurm.leftovers()) and time.monotonic() < deadline:
             time.sleep(0.5)
+        # read after the processes are gone: a cancelled job's state is set before its script's teardown
+        # trap has written its last lines (seen once under load: the teardown lines were missing)
+        out = Path(info["StdOut"]).read_text(errors="replace")
         assert not left, (
             f"left behind by job {job_id}: {_cmdlines(_ours(ray_tmp))} {slurm.leftovers()}\n{out}"
         )
