@@ -1,14 +1,16 @@
 """The LM clients behind ``RLM(backend=..., backend_kwargs=...)``: ``make_llm(backend, backend_kwargs)`` builds one.
 
-==============  =====================================================================  =====================
-backend         what it talks to                                                       LLM
-==============  =====================================================================  =====================
-``openai``      any OpenAI-compatible server (OpenAI, vLLM/SGLang servers, OpenRouter)  `ChatLLM` (text only)
-                through the official ``openai`` library (``AsyncOpenAI``)
-``anthropic``   the Anthropic Messages API through the official ``anthropic`` library  `ChatLLM` (text only)
-``native``      a Hugging Face checkpoint on our ``NativeEngine``, in this process      `EngineLLM` (token-exact)
-``sglang``      a checkpoint on SGLang's offline engine (``SGLangRollout``)             `EngineLLM` (token-exact)
-==============  =====================================================================  =====================
+Backends (each builds an `EngineLLM`, token-exact and trainable, or a `ChatLLM`, text only):
+
+* ``openai``: any OpenAI-compatible server (OpenAI, vLLM/SGLang servers, OpenRouter, gateways) through the
+  official ``openai`` library (``AsyncOpenAI``) -> `ChatLLM`;
+* ``gemini``: Google's OpenAI-compatible Gemini endpoint; ``vercel``: the Vercel AI Gateway -- presets of the
+  same client (default ``base_url`` and key variable) -> `ChatLLM`;
+* ``azure_openai``: an Azure OpenAI deployment (``openai.AsyncAzureOpenAI``; ``model_name`` is the deployment,
+  ``base_url`` the resource endpoint, ``api_version``) -> `ChatLLM`;
+* ``anthropic``: the Anthropic Messages API through the official ``anthropic`` library -> `ChatLLM`;
+* ``native``: a Hugging Face checkpoint on our ``NativeEngine``, in this process -> `EngineLLM`;
+* ``sglang``: a checkpoint on SGLang's offline engine (``SGLangRollout``) -> `EngineLLM`.
 
 ``backend_kwargs`` of the HTTP backends: ``model_name`` (required), ``api_key``, ``api_key_env`` (the name of an
 environment variable holding the key), ``base_url``, ``timeout`` (seconds per request), ``max_retries`` (the
@@ -18,7 +20,10 @@ library retries connection errors, 408/409/429 and 5xx answers with exponential 
 API keys: an explicit ``api_key`` (or ``api_key_env``) is sent wherever ``base_url`` points. Without one, a
 provider's variable is read only for that provider's own host (``base_url`` unset: OpenAI's or Anthropic's):
 ``OPENAI_API_KEY`` for api.openai.com, ``OPENROUTER_API_KEY`` for openrouter.ai, ``ANTHROPIC_API_KEY`` for
-api.anthropic.com; any other URL (a vLLM/SGLang server, a proxy) gets no key unless you pass one.
+api.anthropic.com, ``GEMINI_API_KEY`` for generativelanguage.googleapis.com, ``AI_GATEWAY_API_KEY`` for
+ai-gateway.vercel.sh, ``AZURE_OPENAI_API_KEY`` for hosts under openai.azure.com; any other URL (a vLLM/SGLang
+server, a proxy, a gateway such as Portkey: pass its headers in ``default_headers``) gets no key unless you pass
+one.
 
 ``backend_kwargs`` of the engine backends: ``model_name`` (the checkpoint path) and the engine's config fields
 (``EngineConfig`` for native: ``max_num_seqs``, ``max_model_len``, ``device``, ``seed``...; ``SGLangRolloutConfig``
@@ -48,6 +53,9 @@ from workers.rollout.sglang.rollout import SGLangRollout, SGLangRolloutConfig
 __all__ = [
     "BACKENDS",
     "AnthropicChat",
+    "AzureOpenAIChat",
+    "GeminiChat",
+    "VercelChat",
     "LLMClientError",
     "OpenAIChat",
     "close_llm",
@@ -55,7 +63,7 @@ __all__ = [
     "make_llm",
 ]
 
-BACKENDS = ("openai", "anthropic", "native", "sglang")
+BACKENDS = ("openai", "gemini", "vercel", "azure_openai", "anthropic", "native", "sglang")
 HTTP_KWARGS = (
     "model_name",
     "api_key",
@@ -83,10 +91,10 @@ def make_llm(backend: str, backend_kwargs: dict[str, Any] | None) -> EngineLLM |
         raise ValueError(
             f"backend {backend!r} needs backend_kwargs['model_name'] (a non-empty str), got {model!r}"
         )
-    if backend in ("openai", "anthropic"):
-        _check_keys(backend, kwargs, HTTP_KWARGS)
-        chat = OpenAIChat(model, **kwargs) if backend == "openai" else AnthropicChat(model, **kwargs)
-        return ChatLLM(chat, name=model)
+    if backend in _CHAT_CLIENTS:
+        client = _CHAT_CLIENTS[backend]
+        _check_keys(backend, kwargs, HTTP_KWARGS + client.extra_kwargs)
+        return ChatLLM(client(model, **kwargs), name=model)
     if backend == "native":
         _check_keys(backend, kwargs, ("model_name", *(f.name for f in dataclasses.fields(EngineConfig))))
         engine = NativeEngine.from_pretrained(model, config=EngineConfig(**kwargs))
@@ -130,7 +138,8 @@ class _HTTPChat:
 
     backend = ""
     default_url = ""
-    key_envs: dict[str, str] = {}  # host -> the environment variable holding that provider's key
+    key_envs: dict[str, str] = {}  # host (or ".suffix" of hosts) -> the variable holding that provider's key
+    extra_kwargs: tuple[str, ...] = ()  # backend_kwargs of this backend only
 
     def __init__(
         self,
@@ -155,9 +164,9 @@ class _HTTPChat:
                 raise ValueError(
                     f"backend {self.backend!r}: api_key_env={api_key_env!r}: that environment variable is not set"
                 )
-        elif api_key is None and urlsplit(self.url).hostname in self.key_envs:
+        elif api_key is None and (env := self._key_env(urlsplit(self.url).hostname or "")):
             # the provider's own key, for the provider's own host only
-            api_key = os.environ.get(self.key_envs[str(urlsplit(self.url).hostname)])
+            api_key = os.environ.get(env)
         self.api_key = api_key or None
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(
@@ -170,6 +179,12 @@ class _HTTPChat:
         self.default_headers = dict(default_headers or {})
         self.extra_body = dict(extra_body or {})
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+    def _key_env(self, host: str) -> str | None:
+        for pattern, env in self.key_envs.items():
+            if host == pattern or (pattern.startswith(".") and host.endswith(pattern)):
+                return env
+        return None
 
     def _new_client(self):
         raise NotImplementedError
@@ -294,6 +309,52 @@ class OpenAIChat(_HTTPChat):
         return [c.message.content or "" for c in resp.choices]
 
 
+class GeminiChat(OpenAIChat):
+    """Gemini through Google's OpenAI-compatible endpoint (rlms uses Google's own SDK; the wire format is the
+    OpenAI one, so the same client serves)."""
+
+    backend = "gemini"
+    default_url = "https://generativelanguage.googleapis.com/v1beta/openai"
+    key_envs = {"generativelanguage.googleapis.com": "GEMINI_API_KEY"}
+
+
+class VercelChat(OpenAIChat):
+    """Models behind the Vercel AI Gateway (OpenAI-compatible; ``model_name`` like ``"openai/gpt-5"``)."""
+
+    backend = "vercel"
+    default_url = "https://ai-gateway.vercel.sh/v1"
+    key_envs = {"ai-gateway.vercel.sh": "AI_GATEWAY_API_KEY"}
+
+
+class AzureOpenAIChat(OpenAIChat):
+    """An Azure OpenAI deployment (``openai.AsyncAzureOpenAI``): ``model_name`` is the deployment, ``base_url``
+    the resource endpoint (``https://<resource>.openai.azure.com``, required), ``api_version`` the API
+    version; the key travels in Azure's ``api-key`` header."""
+
+    backend = "azure_openai"
+    key_envs = {".openai.azure.com": "AZURE_OPENAI_API_KEY"}
+    extra_kwargs = ("api_version",)
+
+    def __init__(self, model_name: str, *, api_version: str = "2024-10-21", **kwargs):
+        if not kwargs.get("base_url"):
+            raise ValueError(
+                "backend 'azure_openai' needs backend_kwargs['base_url'] (https://<resource>.openai.azure.com)"
+            )
+        super().__init__(model_name, **kwargs)
+        self.api_version = api_version
+
+    def _new_client(self) -> openai.AsyncAzureOpenAI:
+        return openai.AsyncAzureOpenAI(
+            api_key=self.api_key or "",
+            azure_endpoint=self.url,
+            azure_deployment=self.model,
+            api_version=self.api_version,
+            timeout=self.timeout,
+            max_retries=self.max_retries,
+            default_headers=self.default_headers or None,
+        )
+
+
 class AnthropicChat(_HTTPChat):
     """A `ChatFn` over the Anthropic Messages API (``anthropic.AsyncAnthropic``): system messages go in
     ``system=``, ``stop`` in ``stop_sequences``, ``max_tokens`` (required by the API) is the call's limit.
@@ -351,3 +412,12 @@ class AnthropicChat(_HTTPChat):
             resp.model or self.model,
             finish_reason="length" if resp.stop_reason == "max_tokens" else "stop",
         )
+
+
+_CHAT_CLIENTS: dict[str, type[OpenAIChat] | type[AnthropicChat]] = {
+    "openai": OpenAIChat,
+    "gemini": GeminiChat,
+    "vercel": VercelChat,
+    "azure_openai": AzureOpenAIChat,
+    "anthropic": AnthropicChat,
+}

@@ -121,7 +121,7 @@ class RLM:
     """A Recursive Language Model for inference. See the module docstring.
 
     Models: ``engine`` (an engine object or generate function; ``tokenizer`` if it carries none) or
-    ``backend`` + ``backend_kwargs`` (``workers.agents.clients``: "openai", "anthropic", "native", "sglang";
+    ``backend`` + ``backend_kwargs`` (``workers.agents.clients``: "openai", "gemini", "vercel", "azure_openai", "anthropic", "native", "sglang";
     "openai" when neither is given); ``other_backends`` + ``other_backend_kwargs``: sub-LMs by ``model_name``
     (the first answers plain ``llm_query``); ``sub_engine``: the engine answering plain ``llm_query`` instead.
     Unknown backends or kwargs raise ``ValueError`` here; a failed model call names backend, model and URL in
@@ -179,6 +179,7 @@ class RLM:
         max_cost_usd: float | None = None,
         prices: dict[str, tuple[float, float]] | None = None,
         max_errors: int | None = None,
+        max_concurrent_subcalls: int | None = None,
         final_answer_on_exhaustion: bool | None = None,
         custom_system_prompt: str | None = None,
         system_prompts: dict[int, str] | None = None,
@@ -210,6 +211,7 @@ class RLM:
                 "max_cost_usd": max_cost_usd,
                 "prices": {m: list(p) for m, p in prices.items()} if prices is not None else None,
                 "max_errors": max_errors,
+                "max_concurrent_subcalls": max_concurrent_subcalls,
                 # inference asks for a last answer when the turns run out unless told otherwise (training: off)
                 "final_answer_on_exhaustion": final_answer_on_exhaustion
                 if final_answer_on_exhaustion is not None or agent_config is not None

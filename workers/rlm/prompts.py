@@ -202,7 +202,8 @@ def _tools_section(depth: int, max_depth: int, cfg: PromptConfig) -> str:
         lines += [
             "- `rlm_query(prompt, context=None) -> str` -- hand a sub-task to a helper agent like you, "
             "with its own REPL holding `context` (whatever you pass: a str, a list, a dict). Use it "
-            "when the sub-task needs several steps of code, not a single read.",
+            "when the sub-task needs several steps of code, not a single read; `literal=True` turns an "
+            "answer such as `[3, 5]` into a Python value.",
             "- `rlm_query_batched(prompts, contexts=None) -> list[str]` -- several helper agents at once.",
         ]
     else:

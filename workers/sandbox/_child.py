@@ -16,6 +16,7 @@ Wire format on every socket: a 4-byte big-endian length, then that many bytes of
 Nothing is ever unpickled: the host parses what a REPL sends as untrusted JSON.
 """
 
+import ast
 import builtins
 import ctypes
 import ctypes.util
@@ -318,11 +319,21 @@ class _Repl:
                 return []
             return subcall("llm_query", [{"prompt": p, "model": model} for p in prompts])
 
-        def rlm_query(prompt, context=None, model=None):
-            """Ask a child RLM agent (its own REPL holding ``context``); returns its answer string."""
-            return subcall("rlm_query", [{"prompt": prompt, "context": context, "model": model}])[0]
+        def as_value(answer):
+            # SkyRL's habit: a child that answers "[1, 2]" gives the parent a list; anything that is not a
+            # Python literal (prose, an "Error: ..." string) stays the string it was
+            try:
+                return ast.literal_eval(answer)
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                return answer
 
-        def rlm_query_batched(prompts, contexts=None, model=None):
+        def rlm_query(prompt, context=None, model=None, literal=False):
+            """Ask a child RLM agent (its own REPL holding ``context``); returns its answer string, or with
+            ``literal=True`` the answer parsed as a Python literal (list, dict, number...) when it is one."""
+            answer = subcall("rlm_query", [{"prompt": prompt, "context": context, "model": model}])[0]
+            return as_value(answer) if literal else answer
+
+        def rlm_query_batched(prompts, contexts=None, model=None, literal=False):
             """rlm_query for several prompts at once; ``contexts`` is None or one context per prompt."""
             prompts = list(prompts)
             if contexts is None:
@@ -333,7 +344,8 @@ class _Repl:
             if not prompts:
                 return []
             payloads = [{"prompt": p, "context": c, "model": model} for p, c in zip(prompts, contexts)]
-            return subcall("rlm_query", payloads)
+            answers = subcall("rlm_query", payloads)
+            return [as_value(a) for a in answers] if literal else answers
 
         def FINAL(answer):
             """Record ``answer`` (converted to str) as the final answer of this trajectory."""
@@ -503,8 +515,6 @@ class _Repl:
             return {"op": "result", "stdout": "", "stderr": "", "error": error or note, "variables": []}
 
     def _exec(self, code: str, filename: str) -> None:
-        import ast
-
         tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
         last = None
         if self.echo and tree.body and isinstance(tree.body[-1], ast.Expr):

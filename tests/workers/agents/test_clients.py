@@ -11,7 +11,15 @@ import time
 
 import pytest
 
-from workers.agents.clients import AnthropicChat, LLMClientError, OpenAIChat, make_llm
+from workers.agents.clients import (
+    AnthropicChat,
+    AzureOpenAIChat,
+    GeminiChat,
+    LLMClientError,
+    OpenAIChat,
+    VercelChat,
+    make_llm,
+)
 from workers.agents.llm import ChatLLM
 from workers.event_loop import LoopThread
 from workers.rollout.sampling import SamplingParams
@@ -116,3 +124,39 @@ def test_close_closes_the_clients_on_their_loops(chat_server):
         assert client.is_closed() and len(chat._clients) == 0
     finally:
         loop.stop()
+
+
+def test_gemini_vercel_and_azure_presets(chat_server, monkeypatch):
+    """gemini/vercel: presets of the OpenAI client (their default URL and key variable, for their own host
+    only); azure_openai: the deployment URL scheme and Azure's api-key header. The loopback server stands in
+    for Google's, Vercel's and Azure's endpoints (no network here)."""
+    monkeypatch.setenv("GEMINI_API_KEY", "g-env")
+    monkeypatch.setenv("AI_GATEWAY_API_KEY", "v-env")
+    monkeypatch.setenv("AZURE_OPENAI_API_KEY", "az-env")
+    gemini = GeminiChat("gemini-2.5-flash")
+    assert (gemini.url, gemini.api_key) == (
+        "https://generativelanguage.googleapis.com/v1beta/openai",
+        "g-env",
+    )
+    assert VercelChat("openai/gpt-5").api_key == "v-env"
+    assert AzureOpenAIChat("dep", base_url="https://res.openai.azure.com").api_key == "az-env"
+    assert AzureOpenAIChat("dep", base_url="https://proxy.example").api_key is None
+    with pytest.raises(ValueError, match="azure_openai.*base_url"):
+        make_llm("azure_openai", {"model_name": "dep"})
+    with pytest.raises(ValueError, match="api_version"):
+        make_llm("gemini", {"model_name": "g", "api_version": "x"})  # an Azure-only key
+
+    server = chat_server(lambda body: "hi")
+    out = asyncio.run(make_llm("gemini", {"model_name": "g", "base_url": server.url}).complete("q", PARAMS))
+    assert out.text == "hi" and server.requests[0][0] == "/v1/chat/completions"
+    assert "Authorization" not in server.requests[0][1]  # GEMINI_API_KEY is for Google's host only
+
+    azure = chat_server(lambda body: "az")
+    root = azure.url.removesuffix("/v1")
+    llm = make_llm(
+        "azure_openai", {"model_name": "dep", "base_url": root, "api_key": "k", "api_version": "2024-10-21"}
+    )
+    assert asyncio.run(llm.complete("q", PARAMS)).text == "az"
+    path, headers, _, _ = azure.requests[0]
+    assert path == "/openai/deployments/dep/chat/completions?api-version=2024-10-21"
+    assert headers.get("api-key") == "k"
