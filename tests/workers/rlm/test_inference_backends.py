@@ -168,8 +168,8 @@ def test_other_backends_are_reached_by_model_name(chat_server):
 
 
 def test_construction_errors_name_the_problem():
-    with pytest.raises(ValueError, match="unknown backend 'gemini'"):
-        RLM(backend="gemini", backend_kwargs={"model_name": "m"})
+    with pytest.raises(ValueError, match="unknown backend 'bedrock'"):
+        RLM(backend="bedrock", backend_kwargs={"model_name": "m"})
     with pytest.raises(ValueError, match="model_name"):
         RLM(backend="openai", backend_kwargs={"base_url": "http://127.0.0.1:9/v1"})
     with pytest.raises(ValueError, match="'temprature'"):
