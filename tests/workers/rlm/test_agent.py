@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
+from rlm_testlib import block
 
 from recipes.trainer.sources import run_estimator_on_sources
 from workers.agents.batch import trajectories_to_dataproto
@@ -21,30 +22,11 @@ from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.agents.trajectory import load_jsonl
 from workers.rlm.agent import AgentConfig, RLMAgent
 from workers.rlm.inference import RLM
-from workers.sandbox import ExecResult, ReplSandbox, SandboxConfig
+from workers.sandbox import ExecResult
 
 pytestmark = pytest.mark.timeout(120)
 
-F = "```"
 LP = -0.5  # the scripted policy's log-prob per token
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
-    return load_tokenizer(ensure_tiny_model("nano"))
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with ReplSandbox(SandboxConfig(timeout_s=5, max_output_chars=2000)) as sb:
-        yield sb
 
 
 def run(coro):

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 from rich.console import Console
+from rlm_testlib import block
 
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.rlm.callbacks import FinalEvent, IterationEvent, SubcallEvent
@@ -16,12 +17,6 @@ from workers.rlm.inference import RLM
 from workers.sandbox import ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)
-
-F = "```"
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
 
 
 # The root asks the sub-LM, then a child agent (which answers at once), then finishes with FINAL_VAR.
@@ -37,14 +32,6 @@ SCRIPT = {
 
 def sub_reply(prompt_text: str) -> str:
     return "SUB-ANSWER" if "sum: abc" in prompt_text else "?"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
-    return load_tokenizer(ensure_tiny_model("nano"))
 
 
 @pytest.fixture(scope="module")

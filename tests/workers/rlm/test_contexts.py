@@ -10,35 +10,15 @@ import asyncio
 
 import numpy as np
 import pytest
+from rlm_testlib import block
 
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
-from workers.models.tiny import ensure_tiny_model
 from workers.rlm.agent import RLMAgent
 from workers.rlm.inference import RLM
 from workers.rlm.prompts import ContextInfo, describe_context
-from workers.sandbox import ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)
-
-F = "```"
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-
-    return load_tokenizer(ensure_tiny_model("nano"))
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with ReplSandbox(SandboxConfig(timeout_s=5, max_output_chars=2000)) as sb:
-        yield sb
 
 
 def rlm(tok, sandbox, script: dict, **kwargs) -> RLM:

@@ -8,34 +8,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rlm_testlib import block
 
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.rlm.agent import AgentConfig, RLMAgent
 from workers.rlm.inference import RLM
-from workers.sandbox import ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)
-
-F = "```"
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
-    return load_tokenizer(ensure_tiny_model("nano"))
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with ReplSandbox(SandboxConfig(timeout_s=5, max_output_chars=2000)) as sb:
-        yield sb
 
 
 def recording(gen):

@@ -6,16 +6,11 @@ engine (token-exact turns)."""
 from __future__ import annotations
 
 import pytest
+from rlm_testlib import block
 
 from workers.rlm.inference import RLM, RLMError
 
 pytestmark = pytest.mark.timeout(120)
-
-F = "```"
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
 
 
 def is_agent_turn(body: dict) -> bool:

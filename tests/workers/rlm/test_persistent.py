@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rlm_testlib import block
 
 from workers.agents.chat_format import ChatFormat
 from workers.agents.llm import ChatLLM, Completion
@@ -19,15 +20,10 @@ from workers.sandbox import ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)
 
-F = "```"
 ASSISTANT = "<|im_start|>assistant"
 USER = "<|im_start|>user\n"  # a question starts its user message
 RESTATED = "The question you are answering now:\n"  # ... or is restated after a compaction
 SUMMARY = "SUMMARY: v0..v4 hold 0..4; next: add them."
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
 
 
 class SessionScript:
@@ -69,14 +65,6 @@ SCRIPT = {
     # a child of a persistent root still gets a fresh REPL of its own
     "Q-child": [block("FINAL(str('secret' in globals()))")],
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
-    return load_tokenizer(ensure_tiny_model("nano"))
 
 
 @pytest.fixture

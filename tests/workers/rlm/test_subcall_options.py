@@ -7,28 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rlm_testlib import block
 
 from workers.agents.llm import ChatLLM, Completion
 from workers.agents.scripted import ReplayScript, scripted_generate
-from workers.models import load_tokenizer
-from workers.models.tiny import ensure_tiny_model
 from workers.rlm.inference import RLM
-from workers.sandbox import ReplSandbox, SandboxConfig
-
-
-def block(code: str) -> str:
-    return f"```repl\n{code}\n```"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(ensure_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with ReplSandbox(SandboxConfig(timeout_s=30)) as sb:
-        yield sb
 
 
 def test_rlm_query_literal_gives_the_parent_a_value(tok, sandbox):

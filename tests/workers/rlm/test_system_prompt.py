@@ -6,35 +6,16 @@ from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
+from rlm_testlib import block
 
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.rlm.env_loop import RLMEnvConfig
 from workers.rlm.inference import RLM
 from workers.rlm.prompts import PromptConfig
-from workers.sandbox import ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)
 
-F = "```"
 DEFAULT_ROLE = "You answer a request about a context"  # the built-in "full" prompt's first words
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
-    return load_tokenizer(ensure_tiny_model("nano"))
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with ReplSandbox(SandboxConfig(timeout_s=5, max_output_chars=2000)) as sb:
-        yield sb
 
 
 SCRIPT = {

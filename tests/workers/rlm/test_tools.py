@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from rlm_testlib import block
 
 from dataproto import DataProto
 from workers.agents.env_worker import EnvWorker
@@ -25,12 +26,7 @@ from workers.sandbox import ReplSandbox, SandboxBackend, SandboxConfig, Tool
 
 pytestmark = pytest.mark.timeout(120)
 
-F = "```"
 CATALOGUE = {"apple": 3, "plum": 5}
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
 
 
 def lookup(item: str) -> dict:
@@ -44,19 +40,6 @@ def slow_lookup(item: str) -> int:
     """A catalogue that takes its time."""
     time.sleep(2)
     return 0
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-
-    return load_tokenizer(ensure_tiny_model("nano"))
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with ReplSandbox(SandboxConfig(timeout_s=5, max_output_chars=2000)) as sb:
-        yield sb
 
 
 def rlm(tok, sandbox, script: dict, **kwargs) -> RLM:

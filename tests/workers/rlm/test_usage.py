@@ -6,35 +6,15 @@ that end a run with status "budget"; ``max_errors`` (turns in a row whose code r
 from __future__ import annotations
 
 import pytest
+from rlm_testlib import block
 
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.agents.trajectory import Trajectory, TrajectoryTurn, load_jsonl
 from workers.rlm.inference import RLM
 from workers.rlm.usage import Usage, tree_usage
-from workers.sandbox import ReplSandbox, SandboxConfig
 
 pytestmark = pytest.mark.timeout(120)
-
-F = "```"
-
-
-def block(code: str) -> str:
-    return f"{F}repl\n{code}\n{F}"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
-    return load_tokenizer(ensure_tiny_model("nano"))
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with ReplSandbox(SandboxConfig(timeout_s=5, max_output_chars=2000)) as sb:
-        yield sb
 
 
 def recording(gen):
