@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from recipe_testlib import BRIEF_RLM
 
 from recipes import rlm
 from recipes.config import load_config
@@ -16,34 +17,13 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 pytestmark = pytest.mark.e2e
 
-TINY = [
-    "model.tiny_size=nano",
-    "task.n_train=8",
-    "task.n_val=2",
-    "task.knobs.lengths=2000",
-    "data.val_max_samples=2",
-    "data.val_batch_size=2",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=2",
-    "sft.total_steps=2",
-    "sft.batch_size=4",
-    "sft.log_every=1",
-    "env.agent.max_iterations=2",
-    "env.agent.max_new_tokens=24",
-    "trainer.total_training_steps=1",
-    "trainer.progress_bar=false",
-    "trainer.logger=[console]",
-    "trainer.plot=false",
-]
-
 
 @pytest.fixture(scope="module")
 def colocated(ray_session, tmp_path_factory):
     """One colocated run of the brief recipe in ``<tmp>/runs/rlm`` (where README's snippet looks from ``<tmp>``):
     ``(result, tmp)``."""
     root = tmp_path_factory.mktemp("rlm_recipe")
-    return rlm.main([*TINY, f"trainer.default_local_dir={root / 'runs' / 'rlm'}"]), root
+    return rlm.main([*BRIEF_RLM, f"trainer.default_local_dir={root / 'runs' / 'rlm'}"]), root
 
 
 def test_rlm_recipe_colocated(colocated):
@@ -109,7 +89,7 @@ def test_rlm_recipe_disaggregated_on_oolong(ray_session, tmp_path):
     OOLONG-style aggregation task with the compact prompt."""
     result = rlm.main(
         [
-            *TINY,
+            *BRIEF_RLM,
             "task.name=oolong",  # rlm.yaml's S-NIAH knobs are dropped with the task switch
             "env.agent.max_iterations=4",  # the OOLONG reference solutions take 3 turns
             "env.agent.prompt.style=compact",

@@ -20,6 +20,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from recipe_testlib import BRIEF_RLM
 
 from dataproto import DataProto
 from recipes import rlm
@@ -218,27 +219,7 @@ def test_hybrid_advantage_refuses_rows_that_inherit():
         hybrid_advantage(rows, cfg=None)
 
 
-TINY = [
-    "model.tiny_size=nano",
-    "task.n_train=8",
-    "task.n_val=2",
-    "task.knobs.lengths=2000",
-    "data.val_max_samples=2",
-    "data.val_batch_size=2",
-    "data.train_batch_size=2",
-    "actor.ppo_mini_batch_size=2",
-    "rollout.n=2",
-    "sft.total_steps=2",
-    "sft.batch_size=4",
-    "sft.log_every=1",
-    "env.agent.max_iterations=2",
-    "env.agent.max_new_tokens=24",
-    "trainer.total_training_steps=1",
-    "trainer.val_before_train=false",
-    "trainer.progress_bar=false",
-    "trainer.logger=[console]",
-    "trainer.plot=false",
-]
+TINY = [*BRIEF_RLM, "trainer.val_before_train=false"]
 
 
 @pytest.mark.e2e

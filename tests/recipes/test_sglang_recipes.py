@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 import torch
+from recipe_testlib import BRIEF_RLM
 
 from recipes import grpo, rlm
 from recipes.config import load_config
@@ -150,25 +151,8 @@ def test_rlm_on_sglang(ray_session, tmp_path, no_leftover_engines):
     result = rlm.main(
         [
             "rollout.name=sglang",
-            "model.tiny_size=nano",
-            "task.n_train=8",
-            "task.n_val=2",
-            "task.knobs.lengths=2000",
-            "data.val_max_samples=2",
-            "data.val_batch_size=2",
-            "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2",
-            "rollout.n=2",
-            "sft.total_steps=2",
-            "sft.batch_size=4",
-            "sft.log_every=1",
-            "env.agent.max_iterations=2",
-            "env.agent.max_new_tokens=24",
+            *BRIEF_RLM,
             "trainer.val_before_train=false",
-            "trainer.total_training_steps=1",
-            "trainer.progress_bar=false",
-            "trainer.logger=[console]",
-            "trainer.plot=false",
             f"trainer.default_local_dir={tmp_path}",
         ]
     )
