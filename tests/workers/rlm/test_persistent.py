@@ -114,19 +114,25 @@ LONG = {
 }
 
 
-def test_compaction_summarises_older_turns_and_the_run_finishes(tok, sandbox):
+def long_session(tok, sandbox, script, compaction_threshold) -> RLM:
+    """A persistent RLM whose window holds the system prompt plus 800 tokens: the LONG script's six turns
+    overflow it."""
     system_tokens = len(ChatFormat(tok).prompt_ids(build_messages("Q-long", context="data")))
-    script = SessionScript({**LONG, "Q-next": [block("FINAL(str(v4 * 10))")]})
     cfg = AgentConfig(max_iterations=6, max_new_tokens=64, max_sequence_tokens=system_tokens + 800)
-    gen = scripted_generate(tok, script)
-    with RLM(
-        engine=gen,
+    return RLM(
+        engine=scripted_generate(tok, script),
         tokenizer=tok,
         sandbox=sandbox,
         agent_config=cfg,
         persistent=True,
-        compaction_threshold=0.9,
-    ) as rlm:
+        compaction_threshold=compaction_threshold,
+    )
+
+
+def test_compaction_summarises_older_turns_and_the_run_finishes(tok, sandbox):
+    script = SessionScript({**LONG, "Q-next": [block("FINAL(str(v4 * 10))")]})
+    with long_session(tok, sandbox, script, 0.9) as rlm:
+        cfg = rlm.config
         res = rlm.completion("Q-long", context="data")
         nxt = rlm.completion("Q-next")
     assert (res.status, res.answer, len(res.root.turns)) == ("finished", "10", 6)
@@ -157,17 +163,7 @@ class FailingSummaries(SessionScript):
 
 
 def test_a_failed_summary_falls_back_to_the_truncated_transcript(tok, sandbox):
-    system_tokens = len(ChatFormat(tok).prompt_ids(build_messages("Q-long", context="data")))
-    cfg = AgentConfig(max_iterations=6, max_new_tokens=64, max_sequence_tokens=system_tokens + 800)
-    gen = scripted_generate(tok, FailingSummaries(LONG))
-    with RLM(
-        engine=gen,
-        tokenizer=tok,
-        sandbox=sandbox,
-        agent_config=cfg,
-        persistent=True,
-        compaction_threshold=0.9,
-    ) as rlm:
+    with long_session(tok, sandbox, FailingSummaries(LONG), 0.9) as rlm:
         res = rlm.completion("Q-long", context="data")
     assert (res.status, res.answer) == ("finished", "10")
     first = res.root.metadata["compactions"][0]
@@ -177,17 +173,7 @@ def test_a_failed_summary_falls_back_to_the_truncated_transcript(tok, sandbox):
 
 def test_without_compaction_a_full_window_ends_the_call_with_budget(tok, sandbox):
     """The same run with compaction off stops when the window is full: the test above is not vacuous."""
-    system_tokens = len(ChatFormat(tok).prompt_ids(build_messages("Q-long", context="data")))
-    cfg = AgentConfig(max_iterations=6, max_new_tokens=64, max_sequence_tokens=system_tokens + 800)
-    gen = scripted_generate(tok, SessionScript(LONG))
-    with RLM(
-        engine=gen,
-        tokenizer=tok,
-        sandbox=sandbox,
-        agent_config=cfg,
-        persistent=True,
-        compaction_threshold=None,
-    ) as rlm:
+    with long_session(tok, sandbox, SessionScript(LONG), None) as rlm:
         res = rlm.completion("Q-long", context="data")
     assert res.status == "budget" and "compactions" not in res.root.metadata
 
