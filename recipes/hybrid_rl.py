@@ -6,7 +6,8 @@
     python -m recipes.compare_hybrid                                    # both from one warm start, pass@k plot
 
 1. the tiny model and the ``tool_math`` task (multi-digit sums/products; a sandboxed Python tool helps);
-2. warm start: the task's multi-turn demonstrations replayed in the sandbox, trained with ``sft_step``;
+2. warm start: the task's multi-turn demonstrations replayed in the sandbox, trained with ``sft_step``; with
+   ``hybrid.hinted_demos`` some also as [prompt + hint + correct solution], so the reference can use a hint;
 3. per step:
    - rollout: ``rollout.n`` tool trajectories per prompt (``workers/math_env``): ``<python>`` calls run in
      the sandbox, errors / timeouts / empty output / malformed calls come back as observations;
@@ -47,8 +48,14 @@ from recipes.trainer import (
     timer,
     warm_start,
 )
-from recipes.trainer.hybrid import PRMRole, add_teacher_hints, hybrid_advantage, role_classes
-from workers.agents.replay import reference_batch
+from recipes.trainer.hybrid import (
+    PRMRole,
+    add_teacher_hints,
+    hinted_demonstrations,
+    hybrid_advantage,
+    role_classes,
+)
+from recipes.trainer.warm_start import SFTData
 
 RECIPE = "hybrid_rl"
 
@@ -89,6 +96,14 @@ def hybrid_step(
     return batch
 
 
+def warm_start_data(cfg: HybridConfig) -> SFTData:
+    """The demonstrations replayed in the sandbox, and ``hybrid.hinted_demos`` of them hint-conditioned."""
+    return replayed(
+        partial(hinted_demonstrations, frac=cfg.hybrid.hinted_demos, template=cfg.hybrid.hint_template),
+        "demonstrations",
+    )
+
+
 def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:
     validator = PassAtK(cfg.eval.pass_k, cfg.eval.temperature)
     session = Session(cfg, run, recipe, validator=validator, **role_classes(cfg))  # tool env generates
@@ -109,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(RECIPE, argv)
     run = start_run(cfg, RECIPE)
     print(f"[{RECIPE}] run dir {run.dir}; model {run.model_path}; advantage {cfg.algorithm.adv_estimator}")
-    run.model_path = warm_start(cfg, run, replayed(reference_batch, "demonstrations"))
+    run.model_path = warm_start(cfg, run, warm_start_data(cfg))
     result = train(cfg, run)
     vals = result["val_history"]
     k = max(cfg.eval.pass_k)

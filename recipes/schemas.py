@@ -105,6 +105,9 @@ class HybridWeightsConfig:
     opd_clip: float | None = 5.0  # bound on |log pi_teacher - log pi_old| per token (None: none)
     use_prm_reward: bool = True  # add the normalised PRM step advantage to the RL term
     hint_template: str = "Hint: {hint}\n"  # what goes between the prompt and the response for the teacher
+    # warm start: this fraction of the rows also shown as [prompt + judge's hint + correct solution], so the
+    # reference (the teacher) learns to use a hint (recipes/trainer/hybrid.py: hinted_demonstrations)
+    hinted_demos: float = 0.0
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
         if self.w_rl < 0 or self.w_opd < 0:
@@ -113,6 +116,8 @@ class HybridWeightsConfig:
             errors.append(f"hybrid.opd_clip must be > 0 or null, got {self.opd_clip}")
         if "{hint}" not in self.hint_template:
             errors.append(f"hybrid.hint_template must contain {{hint}}, got {self.hint_template!r}")
+        if not 0.0 <= self.hinted_demos <= 1.0:
+            errors.append(f"hybrid.hinted_demos must be in [0, 1], got {self.hinted_demos}")
 
 
 @dataclass

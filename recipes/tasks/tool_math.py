@@ -14,14 +14,22 @@ so the observations are real):
   fixed call, then the answer -- recovery from a tool error;
 * ``direct_frac``: an immediate ``\boxed{}`` guess with one digit wrong (no tool) -- an imitation policy
   that skips the tool that often, and is wrong when it does; RL has a reason to prefer the tool.
+
+Every row also carries ``extra_info["tool_turns"]`` (the correct tool solution, whatever its demonstration
+kind) and ``extra_info["failed_steps"]`` (JSON step records, as ``workers.math_env`` writes them, of a typical
+failed attempt: a guess, a call with a typo, a call with a miscopied number, or a right call with a miscopied
+answer). The hybrid recipe's warm start shows the reference [prompt + a judge's hint about that failure + the
+correct solution], so that the reference, as the hint-conditioned teacher, has learnt to use hints.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
 from recipes.tasks.scoring import ARITHMETIC
+from workers.math_env.protocol import format_tool_observation
 
 
 @dataclass
@@ -86,6 +94,34 @@ def reference_turns(problem: dict, kind: str, rng: random.Random) -> list[str]:
     return [call, f"\\boxed{{{value}}}"]
 
 
+FAILED_KINDS = ("guess", "typo", "miscopy", "copy_slip")
+
+
+def failed_attempt(problem: dict, rng: random.Random) -> list[dict]:
+    """The step records of a typical wrong attempt at ``problem`` (module docstring), its kind drawn at random."""
+    expr, value = problem["expr"], problem["value"]
+    kind = rng.choice(FAILED_KINDS)
+    if kind == "guess":
+        return [{"kind": "answer", "action": f"\\boxed{{{_wrong_digit(value, rng)}}}", "observation": ""}]
+    if kind == "typo":
+        typo = f"print({expr} +)"
+        err = format_tool_observation("", error="SyntaxError: invalid syntax")
+        return [{"kind": "tool", "action": f"<python>{typo}</python>", "observation": err}]
+    if kind == "miscopy":
+        numbers = expr.split()
+        k = rng.randrange(0, len(numbers), 2)  # a number, not an operator
+        numbers[k] = str(_wrong_digit(int(numbers[k]), rng))
+        wrong = " ".join(numbers)
+        out = format_tool_observation(f"{eval(wrong, {'__builtins__': {}})}\n")  # digits and + - * only
+        return [{"kind": "tool", "action": f"<python>print({wrong})</python>", "observation": out}]
+    call = {
+        "kind": "tool",
+        "action": f"<python>print({expr})</python>",
+        "observation": format_tool_observation(f"{value}\n"),
+    }
+    return [call, {"kind": "answer", "action": f"\\boxed{{{_wrong_digit(value, rng)}}}", "observation": ""}]
+
+
 def make_row(problem: dict, split: str, index: int, demo_rng: random.Random, cfg: ToolMathConfig) -> dict:
     question = f"Compute {problem['expr']}."
     u = demo_rng.random()
@@ -104,5 +140,8 @@ def make_row(problem: dict, split: str, index: int, demo_rng: random.Random, cfg
             "reference_turns": reference_turns(problem, kind, demo_rng),
             "solution": f"{problem['expr']} = {problem['value']}. The answer is \\boxed{{{problem['value']}}}.",
             "demo_kind": kind,
+            "tool_turns": reference_turns(problem, "tool", demo_rng),
+            # its own stream, so the demonstrations' draws stay what they were before this column existed
+            "failed_steps": json.dumps(failed_attempt(problem, random.Random(f"{question}/failed"))),
         },
     }

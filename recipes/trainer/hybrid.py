@@ -11,13 +11,21 @@ and the hybrid advantage with its metrics.
   tokens), ``hybrid/opd_term/abs_mean`` (the weighted OPD part of the advantage over all policy tokens),
   ``hybrid/prm_adv/abs_mean``, ``hybrid/grpo_adv/abs_mean``.
 
-The warm-start demonstrations are replayed by the agent layer (``workers.agents.replay.reference_batch``).
+* ``hinted_demonstrations``: the warm start's data -- the task's demonstrations replayed in the sandbox, plus,
+  for a fraction ``hybrid.hinted_demos`` of the rows, [prompt + hint + the correct tool solution] where the
+  hint is what the hindsight judge (``workers.prm.hindsight``) writes about the row's failed attempt
+  (``extra_info["failed_steps"]``), laid out as the teacher sees it; so the reference, the teacher of the OPD
+  term, has learnt to use a hint. ``hint_gap`` measures that on held-out rows.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
 from algorithms import run_adv_estimator
 from algorithms.hybrid import hybrid_advantage_terms
@@ -28,7 +36,11 @@ from recipes.trainer.roles import Roles
 from recipes.trainer.sources import is_source
 from resource_pools import ResourcePoolManager
 from workers.agents.env_worker import ActorRolloutEnvWorker, EnvWorker, env_role_classes
+from workers.agents.replay import reference_trajectories, sft_batch
+from workers.agents.trajectory import Trajectory
+from workers.engine.packing import padded_response_log_probs
 from workers.math_env.env_loop import MathToolEnvConfig
+from workers.prm.hindsight import bridge_thought
 from workers.prm.worker import PRMConfig, PRMMixin, PRMWorker
 
 __all__ = [
@@ -36,6 +48,8 @@ __all__ = [
     "PRMEnvWorker",
     "PRMRole",
     "add_teacher_hints",
+    "hint_gap",
+    "hinted_demonstrations",
     "hybrid_advantage",
     "role_classes",
 ]
@@ -157,4 +171,73 @@ def hybrid_advantage(batch: DataProto, cfg: HybridConfig) -> dict[str, float]:
         "hybrid/opd_term/abs_mean": abs_mean(h.w_opd * terms.opd, mask),
         "hybrid/prm_adv/abs_mean": abs_mean(terms.prm, mask),
         "hybrid/grpo_adv/abs_mean": abs_mean(terms.grpo, mask),
+    }
+
+
+def _solution_rows(rows: Sequence[Mapping]) -> list[dict]:
+    """The rows with their correct tool solution (``extra_info["tool_turns"]``) as the turns to replay."""
+    return [
+        {**r, "extra_info": {**r["extra_info"], "reference_turns": list(r["extra_info"]["tool_turns"])}}
+        for r in rows
+    ]
+
+
+def _hinted_solutions(rows: Sequence[Mapping], tokenizer, env, template: str) -> list[Trajectory]:
+    """The rows' correct tool solutions replayed, each with the judge's hint about the row's failed attempt
+    between prompt and solution (the teacher's layout: ``build_teacher_inputs``)."""
+    hints = {}
+    for row in rows:
+        extra = row["extra_info"]
+        failed = json.loads(extra["failed_steps"])
+        hint = bridge_thought(extra["question"], failed, str(row["reward_model"]["ground_truth"]))
+        hints[str(extra["question"])] = tokenizer.encode(template.format(hint=hint), add_special_tokens=False)
+    trajs = reference_trajectories(_solution_rows(rows), tokenizer, env)
+    for t in trajs:
+        t.turns[0].prompt_token_ids = [*t.turns[0].prompt_token_ids, *hints[t.query]]
+    return trajs
+
+
+def hinted_demonstrations(rows: Sequence[Mapping], tokenizer, env, *, frac: float, template: str):
+    """The warm start's batch (module docstring): every row's demonstration replayed, plus hinted correct
+    solutions for the first ``round(frac * len(rows))`` rows. A ``Replay`` once ``frac``/``template`` are bound."""
+    trajs = reference_trajectories(rows, tokenizer, env)
+    n = round(frac * len(rows))
+    if n:
+        trajs += _hinted_solutions(rows[:n], tokenizer, env, template)
+    if not trajs:
+        raise RuntimeError(f"no {env.loop} reference replay was kept; check the task's reference_turns")
+    return sft_batch(trajs, tokenizer)
+
+
+@torch.no_grad()
+def _mean_solution_log_prob(model, batch: DataProto) -> torch.Tensor:
+    """Per row: the mean log-prob of the trained (assistant) tokens of the response."""
+    b = batch.batch
+    logits = model(
+        input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+    ).logits
+    lp = padded_response_log_probs(logits, b["responses"])
+    mask = b["response_mask"].float()
+    return (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def hint_gap(model_path: str, rows: Sequence[Mapping], tokenizer, env, template: str) -> dict[str, float]:
+    """How much a hint helps the model at ``model_path`` on ``rows`` (held-out): the mean log-prob per token of
+    each row's correct tool solution with the hindsight judge's hint about the row's failed attempt before it,
+    and without. ``gap`` > 0: given a hint, the model puts more probability on the right tokens."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    plain = reference_trajectories(_solution_rows(rows), tokenizer, env)
+    hinted = _hinted_solutions(rows, tokenizer, env, template)
+    if len(plain) != len(hinted) or not plain:
+        raise RuntimeError(
+            f"hint_gap: {len(plain)} plain and {len(hinted)} hinted replays of {len(rows)} rows"
+        )
+    without = _mean_solution_log_prob(model, sft_batch(plain, tokenizer))
+    with_hint = _mean_solution_log_prob(model, sft_batch(hinted, tokenizer))
+    return {
+        "log_prob_with_hint": float(with_hint.mean()),
+        "log_prob_without_hint": float(without.mean()),
+        "gap": float((with_hint - without).mean()),
+        "rows_helped_frac": float((with_hint > without).float().mean()),
+        "rows": float(len(plain)),
     }

@@ -17,6 +17,7 @@ import torch
 from recipes import hybrid_rl
 from recipes.config import ConfigError, load_config, validate
 from workers.prm import parse_hint
+from workers.prm.hindsight import bridge_thought, step_votes
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +53,7 @@ def test_hybrid_recipe_colocated_reference_prm(ray_session, tmp_path):
         [
             *TINY,
             "trainer.total_training_steps=2",
+            "prm.scorer=reference",  # the model judge (the YAML's default is the rule judge)
             "prm.placement=colocated",
             f"trainer.default_local_dir={tmp_path}",
         ]
@@ -151,6 +153,35 @@ def test_hybrid_recipe_http_prm_hints_drive_opd(ray_session, tmp_path, placement
     assert torch.all(b.batch["advantages"][~mask] == 0)
 
 
+def test_hybrid_recipe_rule_judge_hints_failures_from_a_hinted_warm_start(ray_session, tmp_path):
+    """``prm.scorer=rule``: the hindsight judge votes on every step and writes, for each failed trajectory, the
+    bridge thought of the failure it sees (the teacher's hint); the warm start includes hinted solutions."""
+    res = hybrid_rl.main(
+        [
+            *TINY,
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+            "prm.scorer=rule",
+            "hybrid.hinted_demos=0.5",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
+    b, final = res["last_batch"], res["final"]
+    nt = b.non_tensor_batch
+    outcome = b.batch["token_level_scores"].sum(-1).tolist()
+    for i in range(len(b)):
+        steps = json.loads(nt["steps"][i])
+        truth = nt["reward_model"][i]["ground_truth"]
+        want = (
+            bridge_thought(nt["extra_info"][i]["question"], steps, truth) if outcome[i] < 1 and steps else ""
+        )
+        assert nt["hint"][i] == want
+        assert nt["teacher_hint"][i] == (f"Hint: {want}\n" if want else "")
+        assert b.batch["prm_step_scores"][i, : len(steps)].tolist() == step_votes(steps, truth)
+    assert final["prm/unparseable_frac"] == 0.0 and final["hybrid/hint_frac"] > 0
+    assert final["hybrid/opd/abs_mean"] > 0
+
+
 def test_config_checks_name_keys(tmp_path):
     ok = ["trainer.val_before_train=false"]
     validate(load_config("hybrid_rl", ok))
@@ -160,6 +191,7 @@ def test_config_checks_name_keys(tmp_path):
         "hybrid.hint_template=nohint": "hybrid.hint_template",
         "eval.temperature=0": "eval.temperature",
         "prm.max_steps=1": "prm.max_steps",
+        "hybrid.hinted_demos=1.5": "hybrid.hinted_demos",
         "algorithm.adv_estimator=rloo": "algorithm.adv_estimator",
     }
     for override, key in bad.items():

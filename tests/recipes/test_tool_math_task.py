@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 
 from recipes.tasks import generate_splits, task_config
 from recipes.tasks.scoring import compute_score
+from recipes.trainer.hybrid import hinted_demonstrations
 from recipes.trainer.validation import pass_at_k
 from workers.agents.replay import reference_batch, reference_trajectories
 from workers.math_env.env_loop import MathToolEnvConfig
 from workers.math_env.protocol import verify_boxed
+from workers.models import load_tokenizer
+from workers.models.tiny import ensure_tiny_model
+from workers.prm.hindsight import bridge_thought, diagnose
+from workers.roles.reference import build_teacher_inputs
 
 
 def test_problems_are_seeded_and_ground_truth_is_the_value():
@@ -39,9 +45,6 @@ def test_knobs_are_validated():
 
 
 def test_demonstrations_replayed_in_the_sandbox():
-    from workers.models import load_tokenizer
-    from workers.models.tiny import ensure_tiny_model
-
     rows = generate_splits("tool_math", 12, 0, seed=1, error_frac=0.4, direct_frac=0.3)["train"]
     tok = load_tokenizer(ensure_tiny_model("nano"))
     trajs = reference_trajectories(rows, tok, MathToolEnvConfig())
@@ -69,3 +72,62 @@ def test_pass_at_k():
     assert pass_at_k(4, 2, 4) == 1.0
     with pytest.raises(ValueError, match="pass@5"):
         pass_at_k(4, 1, 5)
+
+
+def test_failed_attempts_fail_as_their_kind_says():
+    """Every row's ``failed_steps`` is a wrong attempt the hindsight judge diagnoses as the failure it is."""
+    rows = generate_splits("tool_math", 60, 0, seed=2)["train"]
+    seen = collections.Counter()
+    for r in rows:
+        steps, truth = json.loads(r["extra_info"]["failed_steps"]), r["reward_model"]["ground_truth"]
+        assert all(verify_boxed(s["action"], truth) == 0.0 for s in steps if s["kind"] == "answer")
+        seen[diagnose(steps, truth)[0]] += 1
+        assert r["extra_info"]["tool_turns"] == [
+            f"<python>print({r['extra_info']['question'][len('Compute ') : -1]})</python>",
+            f"\\boxed{{{truth}}}",
+        ]
+    assert set(seen) == {"guess", "tool_error", "wrong_value", "copy_slip"}, seen
+
+
+def test_hinted_demonstrations_use_the_teachers_layout():
+    """``hybrid.hinted_demos``: the warm start shows [prompt + hint + correct solution] token for token as the
+    teacher (``build_teacher_inputs``) sees [prompt + hint + response], so what the reference learns there is
+    what it is asked in RL."""
+    rows = generate_splits("tool_math", 6, 0, seed=1)["train"]
+    tok = load_tokenizer(ensure_tiny_model("nano"))
+    env, template = MathToolEnvConfig(), "Hint: {hint}\n"
+    batch = hinted_demonstrations(rows, tok, env, frac=0.5, template=template)
+    assert len(batch) == 6 + 3  # every demonstration, then 3 hinted correct solutions
+    solutions = reference_batch(
+        [
+            {**r, "extra_info": {**r["extra_info"], "reference_turns": r["extra_info"]["tool_turns"]}}
+            for r in rows[:3]
+        ],
+        tok,
+        env,
+    )
+    hints = [
+        tok.encode(
+            template.format(
+                hint=bridge_thought(
+                    r["extra_info"]["question"],
+                    json.loads(r["extra_info"]["failed_steps"]),
+                    r["reward_model"]["ground_truth"],
+                )
+            ),
+            add_special_tokens=False,
+        )
+        for r in rows[:3]
+    ]
+    b, s = batch.batch, solutions.batch
+    P = s["prompts"].shape[1]
+    teacher = build_teacher_inputs(s["prompts"], s["responses"], s["attention_mask"], hints, tok.pad_token_id)
+    for i in range(3):
+        want = teacher["input_ids"][i][teacher["attention_mask"][i].bool()].tolist()
+        got = b["input_ids"][6 + i][b["attention_mask"][6 + i].bool()].tolist()
+        assert got == want
+        trained = b["responses"][6 + i][b["response_mask"][6 + i].bool()].tolist()
+        assert (
+            trained == s["responses"][i][s["response_mask"][i].bool()].tolist()
+        )  # loss on the solution only
+        assert "Hint: " in tok.decode(b["prompts"][6 + i]) and P < b["prompts"].shape[1]

@@ -23,7 +23,7 @@ from workers.agents.trajectory import Trajectory
 from workers.event_loop import LoopThread
 from workers.sandbox import ReplSandbox
 
-__all__ = ["reference_batch", "reference_trajectories"]
+__all__ = ["reference_batch", "reference_trajectories", "sft_batch"]
 
 
 def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: Any) -> list[Trajectory]:
@@ -32,19 +32,32 @@ def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: Any) -> list
     if not rows:
         return []
     extras = [dict(r["extra_info"]) for r in rows]
-    script = ReplayScript({str(e["question"]): list(e["reference_turns"]) for e in extras})
-    policy = EngineLLM(scripted_generate(tokenizer, script, log_prob=0.0), tokenizer, name="reference")
     sandbox, thread = ReplSandbox(env.sandbox), LoopThread(name=f"{env.loop}-reference")
-    loop = agent_loop_class(env.loop)(env, LoopContext(policy, sandbox, tokenizer, replay=True))
-    config = loop.reference_config(env.agent, max(len(e["reference_turns"]) for e in extras))
+    # one loop per row, replaying that row's turns only: the scripted policy tells conversations apart by their
+    # query alone, and rows may share one (OOLONG asks the same question of many contexts)
+    loops = [
+        agent_loop_class(env.loop)(
+            env, LoopContext(_replay_policy(tokenizer, e), sandbox, tokenizer, replay=True)
+        )
+        for e in extras
+    ]
+    config = loops[0].reference_config(env.agent, max(len(e["reference_turns"]) for e in extras))
     jobs = [AgentJob(i, 0, str(e["question"]), e, f"ref{i}", f"ref{i}") for i, e in enumerate(extras)]
     try:
-        runs = thread.run(gather_bounded(lambda job: loop.run(job, config), jobs, env.max_concurrent))
+        runs = thread.run(
+            gather_bounded(lambda job: loops[job.row].run(job, config), jobs, env.max_concurrent)
+        )
     finally:
-        loop.close()
+        for loop in loops:
+            loop.close()
         sandbox.close()
         thread.stop()
-    return [run[0] for run, row in zip(runs, rows) if loop.keep_reference(run[0], row)]
+    return [run[0] for run, row in zip(runs, rows) if loops[0].keep_reference(run[0], row)]
+
+
+def _replay_policy(tokenizer, extra: Mapping) -> EngineLLM:
+    script = ReplayScript({str(extra["question"]): list(extra["reference_turns"])})
+    return EngineLLM(scripted_generate(tokenizer, script, log_prob=0.0), tokenizer, name="reference")
 
 
 def reference_batch(rows: Sequence[Mapping], tokenizer, env: Any) -> DataProto:
@@ -52,6 +65,11 @@ def reference_batch(rows: Sequence[Mapping], tokenizer, env: Any) -> DataProto:
     trajs = reference_trajectories(rows, tokenizer, env)
     if not trajs:
         raise RuntimeError(f"no {env.loop} reference replay was kept; check the task's reference_turns")
+    return sft_batch(trajs, tokenizer)
+
+
+def sft_batch(trajs: Sequence[Trajectory], tokenizer) -> DataProto:
+    """Root trajectories in the rollout layout, tensors as wide as the longest prompt and response (no cut)."""
     prompt_lengths = [len(t.turns[0].prompt_token_ids) for t in trajs]
     R = max(len(t.token_sequence()[0]) - p for t, p in zip(trajs, prompt_lengths))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -1,4 +1,4 @@
-"""PRMWorker: a model-based process reward model over tool trajectories, and the hindsight bridge thoughts.
+"""PRMWorker: a process reward model over tool trajectories, and the hindsight bridge thoughts.
 
 ``score_steps(data)`` (``DP_COMPUTE_PROTO``) reads per row ``non_tensor_batch["steps"]`` (JSON list of
 ``{"kind", "action", "observation"}``, as ``workers.math_env`` writes it) and the problem (``extra_info
@@ -15,7 +15,10 @@
 
 The judge (``PRMConfig.scorer``): ``reference`` -- the policy's reference checkpoint (the worker's
 ``reference_path``), ``checkpoint`` -- ``model_path``, both frozen on the native engine; ``http`` -- an
-OpenAI-compatible endpoint (``endpoint``, ``api_model``, ``api_key_env``).
+OpenAI-compatible endpoint (``endpoint``, ``api_model``, ``api_key_env``) -- each a ``ModelJudge`` (the
+prompts of ``workers.prm.prompts``); ``rule`` -- ``workers.prm.hindsight.HindsightJudge``, rules that read the
+trajectory, the tool's observations, the verifier's result and the ground truth (``reward_model``), standing in
+for a strong judge model where none can run.
 """
 
 from __future__ import annotations
@@ -29,22 +32,24 @@ import torch
 
 from controller import Dispatch, Inputs, Worker, register
 from dataproto import DataProto
+from workers.prm.hindsight import HindsightJudge
 from workers.prm.prompts import hint_prompt, judge_prompt, parse_hint, parse_vote
 from workers.prm.scorers import EngineScorer, HTTPScorer
 
-__all__ = ["PRMConfig", "PRMMixin", "PRMWorker", "build_scorer"]
+__all__ = ["ModelJudge", "PRMConfig", "PRMMixin", "PRMWorker", "build_judge"]
 
-SCORERS = ("reference", "checkpoint", "http")
-# `steps`: the tool env's JSON step records; the problem text comes from extra_info or raw_prompt.
+SCORERS = ("reference", "checkpoint", "http", "rule")
+# `steps`: the tool env's JSON step records; the problem text comes from extra_info or raw_prompt; the rule
+# judge also reads the ground truth (reward_model).
 SCORE_STEPS_INPUTS = Inputs(
-    non_tensor=("steps",), optional=("extra_info", "raw_prompt", "token_level_scores")
+    non_tensor=("steps",), optional=("extra_info", "raw_prompt", "reward_model", "token_level_scores")
 )
 
 
 @dataclass
 class PRMConfig:
     enable: bool = True  # off: the hybrid recipe runs plain GRPO on the tool env (the baseline)
-    scorer: str = "reference"  # reference | checkpoint | http
+    scorer: str = "reference"  # reference | checkpoint | http | rule (workers.prm.hindsight)
     model_path: str | None = None  # scorer=checkpoint: a Hugging Face directory
     endpoint: str | None = None  # scorer=http: base URL, e.g. http://host:8000/v1
     api_model: str = "default"  # scorer=http: the "model" field of requests
@@ -81,15 +86,64 @@ class PRMConfig:
             )
 
 
-def build_scorer(cfg: PRMConfig, reference_path: str | None, rank: int = 0):
+class ModelJudge:
+    """A language model as the judge: the PRM prompts (``workers.prm.prompts``) sent to a ``Scorer``, m sampled
+    votes per step parsed from ``\\boxed{}``, one sampled hint per asked row."""
+
+    def __init__(self, scorer, config: PRMConfig):
+        self.scorer, self.config = scorer, config
+
+    def judge(self, problems, steps, ground_truths, hint_rows, outcomes, seed):
+        c = self.config
+        prompts, where = [], []
+        for i, (problem, row_steps) in enumerate(zip(problems, steps)):
+            for k, step in enumerate(row_steps):
+                prompts.append(judge_prompt(problem, row_steps[:k], step, c.max_chars))
+                where.append((i, k))
+        outs = self.scorer.complete(
+            prompts, c.votes, max_new_tokens=c.max_new_tokens, temperature=c.temperature, seed=seed
+        )
+        votes: list[list[list[int]]] = [[[] for _ in s] for s in steps]
+        for (i, k), texts in zip(where, outs):
+            votes[i][k] = [parse_vote(t) for t in texts]
+        hint_texts = self.scorer.complete(
+            [
+                hint_prompt(problems[i], steps[i], None if outcomes is None else outcomes[i], c.max_chars)
+                for i in hint_rows
+            ],
+            1,
+            max_new_tokens=c.hint_max_new_tokens,
+            temperature=c.hint_temperature,
+            seed=seed + 999_983,
+        )
+        hints = [""] * len(problems)
+        for i, texts in zip(hint_rows, hint_texts):
+            hints[i] = texts[0]
+        return votes, hints
+
+
+def build_judge(cfg: PRMConfig, reference_path: str | None, rank: int = 0):
+    """The judge ``cfg.scorer`` names: the rule-based hindsight judge, or a model judge on its scorer."""
+    if cfg.scorer == "rule":
+        return HindsightJudge()
     if cfg.scorer == "http":
-        return HTTPScorer(
+        scorer = HTTPScorer(
             cfg.endpoint, cfg.api_model, api_key_env=cfg.api_key_env, timeout_s=cfg.http_timeout_s
         )
+        return ModelJudge(scorer, cfg)
     path = cfg.model_path if cfg.scorer == "checkpoint" else reference_path
     if not path:
         raise ValueError("prm.scorer=reference needs the reference checkpoint path (the policy's model.path)")
-    return EngineScorer(path, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed * 1_000_003 + rank)
+    return ModelJudge(
+        EngineScorer(path, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed * 1_000_003 + rank), cfg
+    )
+
+
+def _ground_truth(nt: dict, i: int) -> str | None:
+    rm = nt["reward_model"][i] if "reward_model" in nt else None
+    if isinstance(rm, dict) and rm.get("ground_truth") is not None:
+        return str(rm["ground_truth"])
+    return None
 
 
 def _problem(nt: dict, i: int) -> str:
@@ -111,79 +165,57 @@ class PRMMixin:
     def _prm_init(self, config: PRMConfig, reference_path: str | None = None, scorer=None) -> None:
         self.prm_config = config
         self.prm_reference_path = reference_path
-        self._prm_judge = scorer
+        self._prm_judge = None if scorer is None else ModelJudge(scorer, config)
         self.prm_calls = 0
 
-    def _prm_scorer(self):
+    def _judge(self):
         if self._prm_judge is None:
             path = self.prm_reference_path or getattr(getattr(self, "model_config", None), "path", None)
-            self._prm_judge = build_scorer(self.prm_config, path, self.rank)
+            self._prm_judge = build_judge(self.prm_config, path, self.rank)
         return self._prm_judge
 
     @register(Dispatch.DP_COMPUTE_PROTO, inputs=SCORE_STEPS_INPUTS)
     def score_steps(self, data: DataProto) -> DataProto:
         """Step scores, step mask and hints of every row (module docstring)."""
         t0 = time.perf_counter()
-        scorer = self._prm_scorer()
+        judge = self._judge()
         tag = self.tag
         nt = data.non_tensor_batch
         c = self.prm_config
         B, S = len(data), c.max_steps
-        rows = []
+        problems, steps = [], []
         for i in range(B):
             try:
-                steps = json.loads(nt["steps"][i]) if nt["steps"][i] else []
+                row_steps = json.loads(nt["steps"][i]) if nt["steps"][i] else []
             except (TypeError, json.JSONDecodeError) as err:
                 raise ValueError(f"{tag}: row {i}: steps is not JSON step records: {err}") from None
-            rows.append((_problem(nt, i), steps[:S]))
-        prompts, where = [], []
-        for i, (problem, steps) in enumerate(rows):
-            for k, step in enumerate(steps):
-                prompts.append(judge_prompt(problem, steps[:k], step, c.max_chars))
-                where.append((i, k))
-        seed = c.seed * 2**32 + self.prm_calls * 1_000_003
-        self.prm_calls += 1
-        outs = scorer.complete(
-            prompts, c.votes, max_new_tokens=c.max_new_tokens, temperature=c.temperature, seed=seed
-        )
-        scores = torch.zeros(B, S, dtype=torch.float32)
-        mask = torch.zeros(B, S, dtype=torch.float32)
-        votes = [[[] for _ in range(len(steps))] for _, steps in rows]
-        unparseable = 0
-        for (i, k), texts in zip(where, outs):
-            v = [parse_vote(t) for t in texts]
-            unparseable += sum(x == 0 for x in v)
-            votes[i][k] = v
-            scores[i, k] = sum(v) / len(v)
-            mask[i, k] = 1.0
-
+            problems.append(_problem(nt, i))
+            steps.append(row_steps[:S])
         outcome = None
         if "token_level_scores" in data.batch:
             outcome = data.batch["token_level_scores"].sum(-1).tolist()
-        want = [
-            c.hint and bool(steps) and (c.hint_on == "always" or outcome is None or outcome[i] < 1.0)
-            for i, (_, steps) in enumerate(rows)
+        hint_rows = [
+            i
+            for i in range(B)
+            if c.hint and steps[i] and (c.hint_on == "always" or outcome is None or outcome[i] < 1.0)
         ]
-        hint_rows = [i for i in range(B) if want[i]]
-        hint_texts = scorer.complete(
-            [
-                hint_prompt(rows[i][0], rows[i][1], None if outcome is None else outcome[i], c.max_chars)
-                for i in hint_rows
-            ],
-            1,
-            max_new_tokens=c.hint_max_new_tokens,
-            temperature=c.hint_temperature,
-            seed=seed + 999_983,
-        )
-        hints = [""] * B
-        raw_hints = [""] * B
-        for i, texts in zip(hint_rows, hint_texts):
-            raw_hints[i] = texts[0]
-            hints[i] = parse_hint(texts[0]) or ""
+        seed = c.seed * 2**32 + self.prm_calls * 1_000_003
+        self.prm_calls += 1
+        truths = [_ground_truth(nt, i) for i in range(B)]
+        votes, raw_hints = judge.judge(problems, steps, truths, hint_rows, outcome, seed)
+        scores = torch.zeros(B, S, dtype=torch.float32)
+        mask = torch.zeros(B, S, dtype=torch.float32)
+        unparseable = 0
+        for i, row_votes in enumerate(votes):
+            for k, v in enumerate(row_votes):
+                unparseable += sum(x == 0 for x in v)
+                scores[i, k] = sum(v) / len(v)
+                mask[i, k] = 1.0
+        hints = [parse_hint(h) or "" for h in raw_hints]
         n_steps = float(mask.sum())
         metrics = {
             "prm/score/mean": float(scores.sum() / max(n_steps, 1.0)),
-            "prm/unparseable_frac": unparseable / max(n_steps * c.votes, 1.0),
+            "prm/unparseable_frac": unparseable / max(sum(len(v) for r in votes for v in r), 1),
             "prm/hint_frac": sum(bool(h) for h in hints) / max(B, 1),
             "prm/hint_requested_frac": len(hint_rows) / max(B, 1),
             "prm/steps/mean": n_steps / max(B, 1),
@@ -214,4 +246,4 @@ class PRMWorker(PRMMixin, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        self._prm_scorer()
+        self._judge()
