@@ -10,6 +10,10 @@ trajectory of a step fails.
 * An env step in which every trajectory ends with status "error" raises ``RunAborted`` naming the env rank and
   the errors; one failed trajectory fails only itself.
 * The hybrid advantage (per-token PRM and teacher terms) refuses rows that inherit another row's advantage.
+* The env metrics split by depth (``env/depth_<d>/...``), exact on a scripted tree, and carried to the step's
+  metrics; children that train nothing (an environment failure, a prompt beyond the row limit) are dropped
+  and counted (``env/dropped_children``), those the policy ended (budget, its own errors) keep the root's
+  advantage; a root whose environment failed stays a sample of its group but trains none of its tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataproto import DataProto
 from recipes import rlm
 from recipes.sections import AlgorithmConfig
 from recipes.trainer.hybrid import hybrid_advantage
+from recipes.trainer.roles import metrics_of
 from recipes.trainer.run import RunAborted
 from recipes.trainer.sources import is_source
 from recipes.trainer.steps import check_env_errors, compute_advantage
@@ -90,17 +95,25 @@ def prompts(queries: list[str], uids: list[str]) -> DataProto:
     )
 
 
-def env_worker(respond, *, step_wise: bool = False, train_children: bool = True) -> EnvWorker:
-    """The env role's worker in this process, its policy scripted: ``respond(prompt text) -> reply``."""
+def env_worker(
+    respond,
+    *,
+    step_wise: bool = False,
+    train_children: bool = True,
+    limits: tuple[int, int] = (3072, 512),
+    max_errors: int | None = None,
+) -> EnvWorker:
+    """The env role's worker in this process, its policy scripted: ``respond(prompt text) -> reply``;
+    ``limits``: the rows' (max_prompt_length, max_response_length)."""
 
     def factory(tokenizer):
         return scripted_generate(tokenizer, respond)
 
     w = EnvWorker(
         ModelConfig(path=ensure_tiny_model("nano")),
-        RolloutConfig(n=1, prompt_length=3072, response_length=512),
+        RolloutConfig(n=1, prompt_length=limits[0], response_length=limits[1]),
         RLMEnvConfig(
-            agent=AgentConfig(max_iterations=4, max_depth=2),
+            agent=AgentConfig(max_iterations=4, max_depth=2, max_errors=max_errors),
             sandbox=SandboxConfig(timeout_s=10),
             step_wise=step_wise,
             train_children=train_children,
@@ -111,10 +124,10 @@ def env_worker(respond, *, step_wise: bool = False, train_children: bool = True)
     return w
 
 
-def scored_advantages(w: EnvWorker) -> DataProto:
+def scored_advantages(w: EnvWorker, query: str = "Q-group", n: int = 4) -> DataProto:
     """generate -> reward worker -> the recipe's compute_advantage (GRPO), as rl_step runs them."""
-    data = prompts(["Q-group"], ["g"])
-    data.meta_info["n"] = 4
+    data = prompts([query], ["g"])
+    data.meta_info["n"] = n
     try:
         batch = w.generate_sequences(data)
     finally:
@@ -209,6 +222,127 @@ def test_every_trajectory_failing_stops_the_run_loudly():
     check_env_errors(mixed, step=3)  # one failed trajectory: only it fails (reward 0), the run goes on
 
 
+@pytest.mark.timeout(300)
+def test_env_metrics_split_by_depth():
+    batch = scored_advantages(env_worker(OneRightSample()))
+    m = metrics_of(batch)  # what the recipe's step logs (Session.end_step), after the reward worker's union
+    nt = batch.non_tensor_batch
+    P = batch.batch["prompts"].shape[1]
+    assert not any(nt["truncated"])
+    tokens = batch.batch["attention_mask"][:, P:].sum(-1).float()  # a whole row's response, uncut
+    # depth 0: the 4 roots (the right one 2 turns, the others 1); depth 1: child-1 (2 turns); depth 2: child-2
+    for d, (n, turns) in {0: (4, 1.25), 1: (1, 2.0), 2: (1, 1.0)}.items():
+        at = torch.as_tensor([int(x) == d for x in nt["depth"]])
+        key = f"env/depth_{d}"
+        assert m[f"{key}/num_trajectories"] == n and m[f"{key}/turns/mean"] == turns
+        assert m[f"{key}/finished_frac"] == m[f"{key}/answered_frac"] == 1.0
+        assert m[f"{key}/errors"] == m[f"{key}/status/error"] == m[f"{key}/status/budget"] == 0.0
+        assert m[f"{key}/status/finished"] == n
+        assert m[f"{key}/response_length/mean"] == pytest.approx(float(tokens[at].mean()))
+    assert not any(k.startswith("env/depth_3") for k in m)
+    assert m["env/num_trajectories"] == 6 and m["env/dropped_children"] == 0.0
+
+
+def drop_tree_policy():
+    """One root that starts five children, each ending its own way; the other samples answer wrong at once."""
+    tree = {
+        "Q-drop": [
+            block(
+                "a = rlm_query('child-ok', context[:3])\n"
+                "b = rlm_query('child-down', context[:3])\n"
+                "c = rlm_query('child-budget', context[:3])\n"
+                "d = rlm_query('child-raise', context[:3])\n"
+                "e = rlm_query('child-long ' + 'w ' * 1500, context[:3])\n"
+                "print(a, b, c, d, e)"
+            ),
+            "FINAL(abc)",
+        ],
+        "child-ok": ["FINAL(ok)"],
+        "child-down": [block("print(1)"), "FINAL(never)"],  # the engine fails on its second turn
+        "child-budget": [block("print(' '.join(str(i) for i in range(3000)))")],  # no room for that output
+        "child-raise": [block("1/0")],  # its code raises in max_errors=2 turns in a row
+        "child-long": ["FINAL(long)"],  # its query alone is longer than the rows' max_prompt_length
+    }
+    script = ReplayScript(tree, sub=lambda _: "?")
+    first = [True]
+
+    def respond(text: str) -> str:
+        if text.count(ASSISTANT) == 1 and "Q-drop" in text:  # a root's first turn
+            if not first[0]:
+                return "FINAL(nope)"
+            first[0] = False
+        if "child-down" in text and "Q-drop" not in text and text.count(ASSISTANT) == 2:
+            raise ConnectionError("rollout engine at 127.0.0.1:1 unreachable")
+        return script(text)
+
+    return respond
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("step_wise", [False, True])
+def test_children_that_train_nothing_are_dropped_and_counted(step_wise):
+    w = env_worker(drop_tree_policy(), step_wise=step_wise, limits=(2000, 2000), max_errors=2)
+    batch = scored_advantages(w, "Q-drop", n=2)
+    nt, m = batch.non_tensor_batch, metrics_of(batch)
+    # the two samples run concurrently: "R" names the one that took the tree, "W" the other
+    right = next(t for t, a in zip(nt["traj_id"], nt["answer"]) if a == "abc")
+    name = {right: "R", next(t for t in nt["root_id"] if t != right): "W"}
+    ids = [name[r] + t.removeprefix(r) for t, r in zip(nt["traj_id"], nt["root_id"])]
+    rows = sorted(zip(ids, nt["turn"], nt["status"]))
+    if step_wise:
+        assert m["env/dropped_turns"] == 1.0  # child-long's one turn
+        assert rows == [
+            ("R", 0, "finished"),
+            ("R", 1, "finished"),
+            ("R/0", 0, "finished"),
+            ("R/2", 0, "budget"),
+            ("R/3", 0, "error"),
+            ("R/3", 1, "error"),
+            ("W", 0, "finished"),
+        ]
+    else:
+        assert rows == [
+            ("R", -1, "finished"),
+            ("R/0", -1, "finished"),
+            ("R/2", -1, "budget"),
+            ("R/3", -1, "error"),
+            ("W", -1, "finished"),
+        ]
+    depth_1 = {k.removeprefix("env/depth_1/"): v for k, v in m.items() if k.startswith("env/depth_1/")}
+    assert (depth_1["num_trajectories"], depth_1["turns/mean"], depth_1["finished_frac"]) == (5, 6 / 5, 0.4)
+    assert (depth_1["status/finished"], depth_1["status/budget"], depth_1["errors"]) == (2, 1, 2)
+    # child-down: the engine failed under it (environment, not policy): its first turn is not trained;
+    # child-long: its prompt does not fit max_prompt_length, so its row would be all masked -- both dropped
+    assert m["env/dropped_children"] == 2.0
+    assert "max_errors" in nt["error"][ids.index("R/3")]
+    # the children the policy ended (an answer, out of budget, its own errors) train with the root's advantage
+    adv = np.asarray(advantage_of_rows(batch))
+    root = np.asarray([r == right for r in nt["root_id"]])
+    assert adv[root] == pytest.approx([1 / math.sqrt(2)] * int(root.sum()), abs=1e-4)
+    assert adv[~root] == pytest.approx([-1 / math.sqrt(2)], abs=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_a_root_whose_environment_failed_stays_in_its_group_untrained():
+    script = ReplayScript({"Q-fail": [block("print(1)"), "FINAL(abc)"]})
+    failed = [False]
+
+    def respond(text: str) -> str:  # the engine fails under the first root to reach its second turn
+        if text.count(ASSISTANT) == 2 and not failed[0]:
+            failed[0] = True
+            raise ConnectionError("rollout engine at 127.0.0.1:1 unreachable")
+        return script(text)
+
+    batch = scored_advantages(env_worker(respond), "Q-fail", n=2)
+    nt, b = batch.non_tensor_batch, batch.batch
+    assert sorted(nt["status"]) == ["error", "finished"] and list(is_source(batch)) == [True, True]
+    bad = list(nt["status"]).index("error")
+    assert nt["num_turns"][bad] == 1 and b["attention_mask"][bad, b["prompts"].shape[1] :].sum() > 0
+    assert b["response_mask"][bad].sum() == 0  # its first turn's tokens are not trained
+    assert b["token_level_scores"][bad].sum() == 0  # and it scores 0 in its group: GRPO [1, 0]
+    assert advantage_of_rows(batch[[1 - bad]]) == pytest.approx([1 / math.sqrt(2)], abs=1e-4)
+
+
 def test_hybrid_advantage_refuses_rows_that_inherit():
     turns = [TrajectoryTurn(k, prompt_token_ids=[5, 6], response_token_ids=[7, 8]) for k in range(2)]
     traj = Trajectory("u.0", "q", root_uid="u", turns=turns, status="finished")
@@ -277,3 +411,4 @@ def test_rlm_recipe_step_wise(ray_session, tmp_path):
     final = result["final"]
     for key in ("env/rows", "env/dropped_turns", "critic/score/mean", "actor/pg_loss"):
         assert key in final and math.isfinite(final[key]), key
+    assert final["env/depth_0/num_trajectories"] == 4  # the env's metrics by depth reach the step's log

@@ -31,8 +31,15 @@ sample of its ``uid`` group in the advantage estimator's statistics; every other
 inherits its source's advantage and returns on its own loss mask (``recipes/trainer/sources.py``). The source
 of every row of a tree is its root trajectory's last row: step-wise turns take the advantage of their
 trajectory, and children (which share their root's ``uid`` and are scored on their own answer) take their
-root's, never acting as extra samples of the group. A child that ended early (budget, error) still takes its
-root's advantage on the tokens it produced; one that never reached a turn is an empty row that trains nothing.
+root's, never acting as extra samples of the group.
+
+Failures and drops: a trajectory whose environment failed (status ``"error"`` without
+``metadata["policy_error"]``: its sandbox died, the engine or the code around it failed -- nothing the policy
+did) trains nothing: its rows' loss masks are zeroed. A root's row stays (it is a sample of its group, with
+the reward its answer gets); a child row with nothing to train -- such a child's, one that never reached a
+turn, one masked by the length limits above -- is dropped (``meta_info["dropped_children"]`` counts the child
+trajectories left without a row). Every other child -- finished, out of turns or budget, or ended by its own
+errors (``max_errors``) -- takes its root's advantage on the tokens it produced that fit its row.
 
 Non-tensor columns: ``uid`` (the root's prompt uid, shared by a group's samples and by children), ``row_id``,
 ``advantage_source``, ``traj_id``, ``turn`` (the turn of a step-wise row, -1 for a whole trajectory),
@@ -112,6 +119,26 @@ class _Row:
     def row_id(self, traj: Trajectory) -> str:
         return traj.id if self.turn < 0 else f"{traj.id}@{self.turn}"
 
+    def fit(self, P: int, R: int, mask_truncated: bool, trains: bool) -> tuple[_Row, str]:
+        """The row cut to the limits (its prompt's last ``P`` tokens, its response's first ``R``) and what was
+        cut (``""``, ``"prompt"``, ``"response"``); its loss mask is zeroed when the prompt was cut, when the
+        response was with ``mask_truncated``, or when the trajectory ``trains`` nothing."""
+        prompt, response, mask, lps, cut = self.prompt, self.response, self.mask, self.logprobs, ""
+        if len(prompt) > P:
+            prompt, cut = prompt[-P:], "prompt"
+        if len(response) > R:
+            response, mask, lps = response[:R], mask[:R], lps[:R]
+            cut = cut or "response"
+        if cut == "prompt" or (cut and mask_truncated) or not trains:
+            mask = [0] * len(mask)
+        lps = [lp if m else 0.0 for lp, m in zip(lps, mask)]
+        return _Row(self.source, self.turn, prompt, response, mask, lps), cut
+
+
+def _environment_failed(traj: Trajectory) -> bool:
+    """Status "error" not of the policy's doing (a dead sandbox, a failed engine, a bug): nothing to train."""
+    return traj.status == "error" and not traj.metadata.get("policy_error")
+
 
 def _whole_row(i: int, traj: Trajectory) -> _Row:
     ids, mask, lps = traj.token_sequence()
@@ -176,6 +203,15 @@ def trajectories_to_dataproto(
             dropped += n_dropped
         else:
             specs.append(_whole_row(i, trajectories[i]))
+    fitted = [
+        row.fit(P, R, mask_truncated, not _environment_failed(trajectories[row.source])) for row in specs
+    ]
+    # a child row that trains nothing is dropped; a root's row is a sample of its group, so it stays
+    kept = [(row, cut) for row, cut in fitted if trajectories[row.source].depth == 0 or any(row.mask)]
+    children = {i for i in select_rows(trajectories, train_children) if trajectories[i].depth > 0}
+    dropped_children = len(children - {row.source for row, _ in kept})
+    specs = [row for row, _ in kept]
+    truncated = [cut for _, cut in kept]
     # every row of a tree takes the advantage of its root's last row
     source_of_root = {
         trajectories[r.source].id: r.row_id(trajectories[r.source])
@@ -190,28 +226,16 @@ def trajectories_to_dataproto(
     resp_attn = torch.zeros(B, R, dtype=torch.long)
     loss_mask = torch.zeros(B, R, dtype=torch.float32)
     logps = torch.zeros(B, R, dtype=torch.float32)
-    truncated: list[str] = []
     for b, row in enumerate(specs):
-        p_ids, r_ids, r_mask, r_lps = row.prompt, row.response, row.mask, row.logprobs
-        cut = ""
-        if len(p_ids) > P:
-            p_ids, cut = p_ids[-P:], "prompt"
-        if len(r_ids) > R:
-            r_ids, r_mask, r_lps = r_ids[:R], r_mask[:R], r_lps[:R]
-            cut = cut or "response"
-        if p_ids:
-            prompts[b, P - len(p_ids) :] = torch.tensor(p_ids, dtype=torch.long)
-            prompt_mask[b, P - len(p_ids) :] = 1
-        if r_ids:
-            n = len(r_ids)
-            responses[b, :n] = torch.tensor(r_ids, dtype=torch.long)
+        if row.prompt:
+            prompts[b, P - len(row.prompt) :] = torch.tensor(row.prompt, dtype=torch.long)
+            prompt_mask[b, P - len(row.prompt) :] = 1
+        if row.response:
+            n = len(row.response)
+            responses[b, :n] = torch.tensor(row.response, dtype=torch.long)
             resp_attn[b, :n] = 1
-            loss_mask[b, :n] = torch.tensor(r_mask, dtype=torch.float32)
-            logps[b, :n] = torch.tensor(r_lps, dtype=torch.float32)
-        if cut == "prompt" or (cut and mask_truncated):
-            loss_mask[b] = 0.0
-        logps[b] *= loss_mask[b]
-        truncated.append(cut)
+            loss_mask[b, :n] = torch.tensor(row.mask, dtype=torch.float32)
+            logps[b, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, resp_attn], dim=1)
     batch = {
         "prompts": prompts,
@@ -254,5 +278,9 @@ def trajectories_to_dataproto(
         a = np.empty(len(v), dtype=object)
         a[:] = v if len(v) else []
         arrays[k] = a
-    meta = {**(meta_info or {}), "dropped_turns": dropped} if step_wise else dict(meta_info or {})
+    meta = dict(meta_info or {})
+    if step_wise:
+        meta["dropped_turns"] = dropped
+    if train_children:
+        meta["dropped_children"] = dropped_children
     return DataProto(batch=batch, non_tensor_batch=arrays, meta_info=meta)

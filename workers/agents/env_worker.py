@@ -28,8 +28,10 @@ return different row counts, e.g. with children as rows):
   columns, ``env_rank`` and the loop's own ones (one row per model turn with ``env.step_wise``, except in a
   ``validate`` call, which scores trajectories); ``meta_info`` gains the sampling settings, ``eos_token_id``,
   ``pad_token_id``, ``timing_s/gen`` and ``metrics`` (the loop's, e.g. ``env/*`` or ``tool/*``; step-wise also
-  ``env/rows`` and ``env/dropped_turns``, turns whose prefix exceeded ``max_prompt_length``; rank 0's chunk
-  for a group call, as for rollouts).
+  ``env/rows`` and ``env/dropped_turns``, turns whose prefix exceeded ``max_prompt_length``; with children as
+  rows ``env/dropped_children``, child trajectories left without a row as they train nothing -- an environment
+  failure, or beyond the length limits, `workers.agents.batch`; rank 0's chunk for a group call, as for
+  rollouts).
 
 Tests and benchmarks may pass ``policy_factory(tokenizer) -> GenerateFn`` (a scripted policy) instead of
 building an engine.
@@ -246,6 +248,8 @@ class EnvWorkerMixin:
         if "dropped_turns" in out.meta_info:  # step-wise: turns whose prefix exceeded max_prompt_length
             out.meta_info["metrics"]["env/dropped_turns"] = float(out.meta_info.pop("dropped_turns"))
             out.meta_info["metrics"]["env/rows"] = float(len(out))
+        if "dropped_children" in out.meta_info:  # train_children: child trajectories that train nothing
+            out.meta_info["metrics"]["env/dropped_children"] = float(out.meta_info.pop("dropped_children"))
         if env.jsonl_dir and trajectories:
             os.makedirs(env.jsonl_dir, exist_ok=True)
             path = os.path.join(env.jsonl_dir, f"env_rank{self.rank}.jsonl")

@@ -17,7 +17,9 @@ and sets ``traj.status``: ``finished`` (an answer), ``max_iterations`` (the last
 ``final_answer`` then came from the extra turn that asked for it, if the episode asks), ``budget`` (a
 ``BudgetSpent`` -- ``ContextFull`` is one -- or no room for the observation), ``error`` (``EnvFailure``: the
 environment cannot go on, e.g. no REPL; or any other exception: a bug or an engine failure ends this trajectory,
-never the batch). ``traj.timings`` gains ``gen_s``, ``exec_s`` (time in ``step``) and ``total_s``.
+never the batch; a ``PolicyFailure`` -- the policy's own doing, e.g. RLM's ``max_errors`` -- also sets
+``traj.metadata["policy_error"]``, so training tells it from an environment failure, `workers.agents.batch`).
+``traj.timings`` gains ``gen_s``, ``exec_s`` (time in ``step``) and ``total_s``.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ from workers.agents.limits import BudgetSpent
 from workers.agents.llm import ModelResponse
 from workers.agents.trajectory import Trajectory, TrajectoryTurn
 
-__all__ = ["EnvFailure", "Episode", "Step", "run_turns"]
+__all__ = ["EnvFailure", "Episode", "PolicyFailure", "Step", "run_turns"]
 
 
 class EnvFailure(Exception):
     """The environment cannot go on for this trajectory: it ends with status "error" and this message."""
+
+
+class PolicyFailure(EnvFailure):
+    """The policy's own behaviour ends the trajectory with status "error" (e.g. its code raised in too many
+    turns in a row): unlike an environment failure, its tokens are the policy's to answer for in training."""
 
 
 @dataclass
@@ -109,6 +116,8 @@ async def run_turns(traj: Trajectory, episode: Episode, origin: float | None = N
                 break
     except EnvFailure as exc:
         traj.status, traj.error = "error", str(exc)
+        if isinstance(exc, PolicyFailure):
+            traj.metadata["policy_error"] = True
     except asyncio.CancelledError:
         traj.status, traj.error = "error", "cancelled"
         raise

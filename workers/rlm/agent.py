@@ -38,9 +38,9 @@ sub-calls, generated tokens (``max_tokens``), prompt+completion tokens of every 
 dollars under a price table (``max_cost_usd``, ``prices``), wall-clock seconds, and the length of one
 trajectory's token sequence. Reaching one ends the trajectory with status ``"budget"`` naming it
 (``"max_iterations"`` for the turn cap: with ``final_answer_on_exhaustion`` one more turn then asks for the
-answer); ``max_errors`` turns in a row whose code raised end it with status ``"error"``; a sandbox that cannot
-run at all (creation fails, or a REPL dies and cannot be restarted) ends that trajectory with status
-``"error"`` -- never the batch.
+answer); ``max_errors`` turns in a row whose code raised end it with status ``"error"`` (a ``PolicyFailure``:
+training keeps its tokens); a sandbox that cannot run at all (creation fails, or a REPL dies and cannot be
+restarted) ends that trajectory with status ``"error"`` -- never the batch (training keeps none of its tokens).
 
 Usage: every model call's tokens are on its record (``turn.usage``, a sub-call's ``usage``); ``run`` stores the
 tree's sums (``workers.rlm.usage``) as ``root.metadata["usage"]``.
@@ -65,7 +65,7 @@ from typing import Any
 from workers.agents.limits import Budget, BudgetLimits, BudgetSpent
 from workers.agents.llm import ModelResponse
 from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
-from workers.agents.turns import EnvFailure, Episode, Step, run_turns
+from workers.agents.turns import EnvFailure, Episode, PolicyFailure, Step, run_turns
 from workers.rlm.callbacks import Callbacks, FinalEvent, IterationEvent, SubcallEvent
 from workers.rlm.prompts import ContextInfo, Contexts, PromptConfig, build_messages, describe_context
 from workers.rlm.protocol import DEFAULT_LANGUAGES, format_observation, parse_turn, truncate
@@ -632,7 +632,7 @@ class _RLMEpisode(Episode):
         limit = self.agent.config.max_errors
         if limit is not None and self.error_turns >= limit:
             last = truncate(errors[-1], 300)
-            raise EnvFailure(
+            raise PolicyFailure(
                 f"max_errors: the code raised in {self.error_turns} turns in a row (last: {last})"
             )
 

@@ -10,7 +10,11 @@ import paths; run on the env worker) and ``env.setup_code`` reach every REPL as 
 Metrics (rank 0's chunk for a group call): ``env/num_roots``, ``env/num_trajectories``, ``env/turns/mean``,
 ``env/turns/max``, ``env/subcalls/mean``, ``env/children/mean``, ``env/depth/max``, ``env/finished_frac``,
 ``env/errors``, ``env/status/<status>``, ``env/response_length/mean``, ``env/trajectories_per_s``,
-``env/turns_per_s``, ``env/gen_s_per_turn``, ``env/exec_s_per_turn``, ``timing_s/gen``.
+``env/turns_per_s``, ``env/gen_s_per_turn``, ``env/exec_s_per_turn``, ``timing_s/gen``; and per depth ``d``
+present (0: the roots, 1: their children, ...; SkyRL splits parent and child likewise) ``env/depth_<d>/...``:
+``num_trajectories``, ``turns/mean``, ``finished_frac``, ``answered_frac`` (a final answer, which is what the
+parent's code got), ``errors``, ``status/<status>`` and ``response_length/mean`` (the tokens after the
+trajectory's first prompt -- its turns and the observations between them -- before any row limit cuts them).
 """
 
 from __future__ import annotations
@@ -46,6 +50,29 @@ class RLMEnvConfig(AgentEnvConfig):
     tools: dict[str, str] = field(default_factory=dict)
     sub_tools: dict[str, str] | None = None  # the children's (None: the same as tools)
     setup_code: str | None = None  # Python run in every REPL before its first turn
+
+
+def _depth_metrics(prefix: str, trajs: list[Trajectory]) -> dict[str, float]:
+    """The trajectories of one depth of the trees (module docstring: ``env/depth_<d>/...``)."""
+    n = len(trajs)
+    # every turn's prompt segment and response, but the first prompt (the system prompt and the query)
+    response = [
+        sum(len(u.prompt_token_ids) + len(u.response_token_ids) for u in t.turns[1:])
+        + (len(t.turns[0].response_token_ids) if t.turns else 0)
+        for t in trajs
+    ]
+    m = {
+        f"{prefix}/num_trajectories": float(n),
+        f"{prefix}/turns/mean": sum(len(t.turns) for t in trajs) / n,
+        f"{prefix}/finished_frac": sum(t.status == "finished" for t in trajs) / n,
+        f"{prefix}/answered_frac": sum(t.final_answer is not None for t in trajs) / n,
+        f"{prefix}/errors": float(sum(t.status == "error" for t in trajs)),
+        f"{prefix}/response_length/mean": sum(response) / n,
+    }
+    for s in STATUSES:
+        if s != "running":
+            m[f"{prefix}/status/{s}"] = float(sum(t.status == s for t in trajs))
+    return m
 
 
 class RLMLoop(AgentLoop):
@@ -122,6 +149,8 @@ class RLMLoop(AgentLoop):
         for s in STATUSES:
             if s != "running":
                 m[f"env/status/{s}"] = float(sum(t.status == s for t in roots))
+        for d in sorted({t.depth for t in every}):
+            m |= _depth_metrics(f"env/depth_{d}", [t for t in every if t.depth == d])
         return m
 
     def reference_config(self, config: AgentConfig, max_turns: int) -> AgentConfig:
