@@ -550,8 +550,9 @@ def _explore_turn(explicit: bool) -> str:
     )
 
 
-def _parse_code(explicit: bool) -> str:
-    """Reference code: ``rows`` = (user, category) for every line of ``lines``."""
+def _parse_code(explicit: bool, head: int = 0) -> str:
+    """Reference code: ``rows`` = (user, category) for every line of ``lines`` (the first ``head`` only when
+    ``head`` > 0: a sloppy demonstration)."""
     code = "import re\nfrom collections import Counter, defaultdict\n\n"
     if explicit:
         label_expr = "m.group(4)"
@@ -568,7 +569,7 @@ def _parse_code(explicit: bool) -> str:
         label_expr = "category(m.group(3))"
     return code + (
         "rows = []  # (user, category)\n"
-        "for line in lines:\n"
+        f"for line in lines{f'[:{head}]' if head else ''}:\n"
         f'    m = re.match(r"{_LINE_RE}", line)\n'
         "    if m:\n"
         f"        rows.append((int(m.group(2)), {label_expr}))\n"
@@ -593,6 +594,15 @@ class OolongConfig(_Common):
     label_mode: str = "implicit"  # "implicit" (infer from the question) or "explicit" (|| Label: x)
     query_types: str = "count,count_user,most_common,least_common"
     lines_per_user: int = 12  # users = max(3, lines // lines_per_user)
+    # the reference solution: "stepwise" -- look, parse every line into (user, category), aggregate (three
+    # turns); "compact" -- one turn that counts the "|| Label:" fields (label_mode="explicit" only; a program
+    # small enough for the tiny CPU model)
+    program: str = "stepwise"
+    # fraction of rows whose reference solution aggregates only the first ``sloppy_lines`` lines: an
+    # imperfect teacher (right only when the head of the context agrees with the whole), so RL has a better
+    # program to find (cf. S-NIAH's sloppy_frac)
+    sloppy_frac: float = 0.0
+    sloppy_lines: int = 10
 
     def validate(self) -> None:
         super().validate()
@@ -603,6 +613,14 @@ class OolongConfig(_Common):
             raise ValueError(f"query_types: unknown or empty {sorted(bad)} in {self.query_types!r}")
         if self.lines_per_user < 1:
             raise ValueError("lines_per_user must be >= 1")
+        if self.program not in ("stepwise", "compact"):
+            raise ValueError(f"program must be 'stepwise' or 'compact', got {self.program!r}")
+        if self.program == "compact" and self.label_mode != "explicit":
+            raise ValueError("program='compact' counts the written labels: it needs label_mode='explicit'")
+        if not 0.0 <= self.sloppy_frac <= 1.0:
+            raise ValueError(f"sloppy_frac must be in [0, 1], got {self.sloppy_frac}")
+        if self.sloppy_lines < 1:
+            raise ValueError(f"sloppy_lines must be >= 1, got {self.sloppy_lines}")
 
     @property
     def query_type_list(self) -> list[str]:
@@ -649,28 +667,46 @@ def sample_oolong(rng: random.Random, cfg: OolongConfig) -> dict | None:
     }
 
 
+def _oolong_aggregate(prob: dict, stepwise: bool) -> str:
+    """Reference code that ends with ``answer``: from ``rows`` = (user, category) pairs (``stepwise``), or from
+    ``counts``, a Counter of the categories already counted (compact)."""
+    qtype, label, user = prob["query_type"], prob["label"], prob["user"]
+    if qtype in ("count", "count_user"):
+        mine = "u, label in rows if u == " + str(user) if qtype == "count_user" else "_, label in rows"
+        counted = f"counts = Counter(label for {mine})\n" if stepwise else ""
+        return f"{counted}answer = str(counts[{label!r}])"
+    if not stepwise and qtype == "most_common":  # a category absent from counts cannot be the most common
+        return "answer = max(counts, key=counts.get)"
+    pick = "max" if qtype == "most_common" else "min"
+    counted = "counts = Counter(label for _, label in rows)\nprint(counts)\n" if stepwise else ""
+    return f"{counted}answer = {pick}({list(LABELS)!r}, key=lambda label: counts[label])"
+
+
 def make_oolong_row(prob: dict, split: str, index: int, demo_rng: random.Random, cfg: OolongConfig) -> dict:
     explicit = cfg.label_mode == "explicit"
-    qtype, label, user = prob["query_type"], prob["label"], prob["user"]
-    if qtype == "count":
-        agg = f"counts = Counter(label for _, label in rows)\nanswer = str(counts[{label!r}])"
-    elif qtype == "count_user":
-        agg = f"counts = Counter(label for u, label in rows if u == {user})\nanswer = str(counts[{label!r}])"
-    else:
-        pick = "max" if qtype == "most_common" else "min"
-        agg = (
-            f"counts = Counter(label for _, label in rows)\nprint(counts)\n"
-            f"answer = {pick}({list(LABELS)!r}, key=lambda label: counts[label])"
+    qtype, user = prob["query_type"], prob["user"]
+    head = cfg.sloppy_lines if cfg.sloppy_frac and demo_rng.random() < cfg.sloppy_frac else 0
+    which = f"the first {head} lines" if head else "every line"
+    if cfg.program == "compact":
+        mine = f' if "User: {user} " in line' if qtype == "count_user" else ""
+        code = (
+            "from collections import Counter\n\n"
+            "lines = context if isinstance(context, list) else context.splitlines()\n"
+            f'counts = Counter(line.split("|| Label: ")[-1] for line in lines{f"[:{head}]" if head else ""}{mine})\n'
+            "print(counts)\n" + _oolong_aggregate(prob, stepwise=False)
         )
-    turns = [
-        _explore_turn(explicit),
-        f"I parse every line, find its category and keep (user, category).\n```repl\n{_parse_code(explicit)}```",
-    ] + _finish(cfg.final_style, "Now I aggregate as the question asks.", agg, prob["answer"])
+        turns = _finish(cfg.final_style, f"I count the labels of {which}.", code, prob["answer"])
+    else:
+        parse = f"I parse {which}, find its category and keep (user, category).\n```repl\n{_parse_code(explicit, head)}```"
+        aggregate = _oolong_aggregate(prob, stepwise=True)
+        turns = [_explore_turn(explicit), parse] + _finish(
+            cfg.final_style, "Now I aggregate as the question asks.", aggregate, prob["answer"]
+        )
     answer_type = "numeric" if qtype in ("count", "count_user") else "categorical"
     return _row(
         OOLONG, prob["question"], prob["answer"], prob["context"], split, index, cfg, turns, answer_type,
-        prob["length"], query_type=qtype, label=label, user=user, label_mode=cfg.label_mode,
-        n_lines=len(prob["records"].lines),
+        prob["length"], query_type=qtype, label=prob["label"], user=user, label_mode=cfg.label_mode,
+        n_lines=len(prob["records"].lines), reference_program=cfg.program, reference_head=head,
     )  # fmt: skip
 
 

@@ -256,6 +256,42 @@ def test_oolong_ground_truth_recomputes(label_mode):
             assert ei["answer_type"] == "categorical"
 
 
+def head_answer(ei: dict, recs: list, head: int) -> str:
+    """What the question asks, computed over the first ``head`` records only (a sloppy reference; ties go to
+    the first category in the order the program ranks them: seen order for compact most_common, else LABELS)."""
+    counts = Counter(lab for u, lab in recs[:head] if ei["query_type"] != "count_user" or u == ei["user"])
+    if ei["query_type"] in ("count", "count_user"):
+        return str(counts[ei["label"]])
+    if ei["query_type"] == "least_common":
+        return min(LABELS, key=lambda lab: counts[lab])
+    return max(counts if ei["reference_program"] == "compact" else LABELS, key=lambda lab: counts[lab])
+
+
+@pytest.mark.parametrize("program", ["compact", "stepwise"])
+def test_oolong_sloppy_references_aggregate_the_head_only(program):
+    rows = generate_splits(
+        "oolong", 80, 0, seed=3, lengths="2000,4000", label_mode="explicit", program=program, sloppy_frac=0.5
+    )["train"]
+    right: dict[int, list[bool]] = {0: [], 10: []}
+    for r in rows:
+        ei, gt = r["extra_info"], r["reward_model"]["ground_truth"]
+        got, head = run_reference(r), ei["reference_head"]
+        assert ei["reference_program"] == program
+        assert len(ei["reference_turns"]) == (1 if program == "compact" else 3)
+        if head:
+            assert got == head_answer(ei, records(ei["context"]), head) and f"[:{head}]" in ei["solution"]
+        right[head].append(got == gt)
+    assert all(right[0]) and 20 <= len(right[0]) <= 60  # the careful program is always right
+    assert 0 < sum(right[10]) < len(right[10])  # counting the first ten lines is right only sometimes
+
+
+def test_oolong_compact_program_needs_written_labels():
+    with pytest.raises(ValueError, match="label_mode='explicit'"):
+        generate_splits("oolong", 2, 0, seed=0, lengths="2000", program="compact")
+    with pytest.raises(ValueError, match="sloppy_frac"):
+        generate_splits("oolong", 2, 0, seed=0, lengths="2000", sloppy_frac=1.5)
+
+
 def predicates(kind: str, text: str):
     """The per-user tests (P, Q) of a pair condition, read back from its text."""
     labels = re.findall(r"category '(\w+)'", text)

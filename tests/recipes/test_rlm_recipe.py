@@ -13,7 +13,9 @@ from recipe_testlib import BRIEF_RLM
 from recipes import rlm
 from recipes.config import load_config
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+OOLONG_YAML = ROOT / "recipes" / "rlm_oolong.yaml"
 
 pytestmark = pytest.mark.e2e
 
@@ -107,4 +109,22 @@ def test_rlm_recipe_disaggregated_on_oolong(ray_session, tmp_path):
     final = result["final"]
     assert final["perf/weight_sync_bytes"] > 0  # the actor's weights crossed to the env pool
     for key in ("env/turns/mean", "critic/score/mean", "actor/pg_loss", "timing_s/update_weights"):
+        assert key in final and math.isfinite(final[key]), key
+
+
+def test_rlm_oolong_yaml_brief_run(ray_session, tmp_path):
+    """recipes/rlm_oolong.yaml (OOLONG most-common-label questions, compact counting program, sloppy warm-start
+    demonstrations), two brief GRPO steps: every trajectory's first prompt fits ``data.max_prompt_length``
+    uncut, the programs ran in the sandbox and were scored, and the task kept the yaml's knobs."""
+    args = ["--config", str(OOLONG_YAML), *BRIEF_RLM, "trainer.total_training_steps=2", "trainer.test_freq=2"]
+    result = rlm.main([*args, "env.agent.max_new_tokens=48", f"trainer.default_local_dir={tmp_path}"])
+    assert result["step"] == 2 and [s for s, _ in result["val_history"]] == [0, 2]
+    cfg = load_config("rlm", config_path=OOLONG_YAML)
+    assert cfg.task.knobs["program"] == "compact" and cfg.task.knobs["sloppy_frac"] > 0
+    batch = result["last_batch"]
+    assert set(batch.non_tensor_batch["data_source"]) == {"hyflow/oolong"}
+    assert all("most common" in json.loads(t)["query"] for t in batch.non_tensor_batch["trajectory"])
+    assert "prompt" not in set(batch.non_tensor_batch["truncated"])  # system prompt + question fit uncut
+    final = result["final"]
+    for key in ("env/turns/mean", "critic/score/mean", "actor/pg_loss"):
         assert key in final and math.isfinite(final[key]), key
