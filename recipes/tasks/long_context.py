@@ -35,7 +35,9 @@ Tasks (``GENERATORS``; registered in ``recipes.tasks.LONG_CONTEXT_TASKS``):
     appends ``|| Label: <category>``; ``"implicit"`` (default) leaves it to be inferred. Queries
     (``query_types``): ``count`` (instances of category X), ``count_user`` (instances of category X
     from user U) -- numeric, scored ``0.75 ** abs(error)`` -- and ``most_common`` / ``least_common``
-    category (unique by construction) -- exact match.
+    category (unique by construction) -- exact match. The reference solution (``program``) parses every
+    line in three turns (``stepwise``) or, with explicit labels, counts the labels in one (``compact``);
+    ``sloppy_frac`` of the rows get one that aggregates only the first ``sloppy_lines`` lines instead.
 
 ``oolong_pairs`` -- pairs of users (``hyflow/oolong_pairs``): the same kind of lines; the query
     asks for every pair of user ids satisfying a condition on the two users' category counts
