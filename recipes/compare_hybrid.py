@@ -3,6 +3,7 @@ validation step (mean and spread over seeds), the hint fraction and the OPD term
 
     python -m recipes.compare_hybrid --out runs/cmp                      # 3 seeds, both recipes' YAMLs
     python -m recipes.compare_hybrid --out runs/cmp --seeds 0,1,2,3,4 trainer.total_training_steps=30
+    python -m recipes.compare_hybrid --out runs/cmp2 --warm-model runs/cmp/warm/sft_model   # reuse a warm start
 
 1. one warm start (``recipes/hybrid_rl.yaml``'s ``sft``, ``hybrid.hinted_demos`` of it hint-conditioned) into
    ``<out>/warm/sft_model``, and the hint's effect on that model before any RL (``hint_gap``: the mean
@@ -35,11 +36,12 @@ RUNS = {"hybrid": "hybrid_rl.yaml", "grpo": "hybrid_rl_grpo.yaml"}
 HYBRID_TERMS = ("hybrid/hint_frac", "hybrid/opd_term/abs_mean", "hybrid/opd/abs_mean", "prm/score/mean")
 
 
-def warm_model(out: Path, overrides: list[str]) -> tuple[str, dict[str, float]]:
-    """The shared warm start, and ``hint_gap`` of it on the held-out split."""
+def warm_model(out: Path, overrides: list[str], model: str | None = None) -> tuple[str, dict[str, float]]:
+    """The shared warm start (``model``: one trained before, e.g. by an earlier comparison), and ``hint_gap`` of
+    it on the held-out split."""
     cfg = load_config(hybrid_rl.RECIPE, [*overrides, f"trainer.default_local_dir={out / 'warm'}"])
     run = start_run(cfg, hybrid_rl.RECIPE)
-    model = warm_start(cfg, run, hybrid_rl.warm_start_data(cfg))
+    model = model or warm_start(cfg, run, hybrid_rl.warm_start_data(cfg))
     rows = pd.read_parquet(run.val_files[0]).to_dict("records")
     return model, hint_gap(model, rows, run.tokenizer, cfg.env, cfg.hybrid.hint_template)
 
@@ -117,12 +119,15 @@ def main(argv: list[str] | None = None) -> dict:
         default=[0, 1, 2],
         help="RL seeds, e.g. 0,1,2",
     )
+    parser.add_argument(
+        "--warm-model", default=None, help="an earlier warm start's HF directory (skips step 1)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="applied to every run")
     args = parser.parse_args(argv)
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model, gap = warm_model(out, args.overrides)
+    model, gap = warm_model(out, args.overrides, args.warm_model)
     print(f"[compare] warm start: {model}; held-out hint gap: {json.dumps(gap)}")
     runs: dict[str, dict[int, list]] = {name: {} for name in RUNS}
     terms: dict[int, dict[str, float]] = {}

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from recipes import hybrid_rl
+from recipes import compare_hybrid, hybrid_rl
 from recipes.config import ConfigError, load_config, validate
 from workers.prm import parse_hint
 from workers.prm.hindsight import bridge_thought, step_votes
@@ -180,6 +180,39 @@ def test_hybrid_recipe_rule_judge_hints_failures_from_a_hinted_warm_start(ray_se
         assert b.batch["prm_step_scores"][i, : len(steps)].tolist() == step_votes(steps, truth)
     assert final["prm/unparseable_frac"] == 0.0 and final["hybrid/hint_frac"] > 0
     assert final["hybrid/opd/abs_mean"] > 0
+
+
+def test_compare_hybrid_seeds_from_one_warm_start(ray_session, tmp_path):
+    """``python -m recipes.compare_hybrid``: one warm start and its held-out hint gap, then both recipes for two
+    seeds each (1 step here), summarised per validation step over seeds."""
+    res = compare_hybrid.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--seeds",
+            "0,1",
+            *TINY,
+            "trainer.total_training_steps=1",
+            "hybrid.hinted_demos=0.5",
+        ]
+    )
+    gap = res["hint_gap"]
+    assert gap["rows"] == 2 and math.isfinite(gap["gap"])
+    assert gap["gap"] == pytest.approx(gap["log_prob_with_hint"] - gap["log_prob_without_hint"], abs=1e-5)
+    for name in ("hybrid", "grpo"):
+        rows = res["summary"][name]
+        assert [r["step"] for r in rows] == [0, 1]
+        assert all(
+            r["pass@1"]["seeds"] == 2 and r["pass@1"]["min"] <= r["pass@1"]["mean"] <= r["pass@1"]["max"]
+            for r in rows
+        )
+        assert sorted(res["per_seed"][name]) == [0, 1]
+    for seed in (0, 1):  # the nano model fails everything: the rule judge hints every trajectory with steps
+        assert 0 < res["hybrid_terms"][seed]["hybrid/hint_frac"] <= 1
+        assert res["hybrid_terms"][seed]["hybrid/opd_term/abs_mean"] > 0
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["summary"] == res["summary"] and (tmp_path / "pass_at_k.png").stat().st_size > 0
+    assert (tmp_path / "hybrid" / "seed1").is_dir() and (tmp_path / "grpo" / "seed0").is_dir()
 
 
 def test_config_checks_name_keys(tmp_path):
