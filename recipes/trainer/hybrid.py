@@ -210,21 +210,22 @@ def hinted_demonstrations(rows: Sequence[Mapping], tokenizer, env, *, frac: floa
 
 
 @torch.no_grad()
-def _mean_solution_log_prob(model, batch: DataProto) -> torch.Tensor:
-    """Per row: the mean log-prob of the trained (assistant) tokens of the response."""
+def _solution_log_probs(model, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the mean log-prob of the trained (assistant) tokens of the response, and of its first token."""
     b = batch.batch
     logits = model(
         input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
     ).logits
     lp = padded_response_log_probs(logits, b["responses"])
     mask = b["response_mask"].float()
-    return (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1), lp[:, 0]
 
 
 def hint_gap(model_path: str, rows: Sequence[Mapping], tokenizer, env, template: str) -> dict[str, float]:
     """How much a hint helps the model at ``model_path`` on ``rows`` (held-out): the mean log-prob per token of
     each row's correct tool solution with the hindsight judge's hint about the row's failed attempt before it,
-    and without. ``gap`` > 0: given a hint, the model puts more probability on the right tokens."""
+    and without. ``gap`` > 0: given a hint, the model puts more probability on the right tokens;
+    ``first_token_gap``: the same for the solution's first token alone (the tool call instead of a guess)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
     plain = reference_trajectories(_solution_rows(rows), tokenizer, env)
     hinted = _hinted_solutions(rows, tokenizer, env, template)
@@ -232,12 +233,14 @@ def hint_gap(model_path: str, rows: Sequence[Mapping], tokenizer, env, template:
         raise RuntimeError(
             f"hint_gap: {len(plain)} plain and {len(hinted)} hinted replays of {len(rows)} rows"
         )
-    without = _mean_solution_log_prob(model, sft_batch(plain, tokenizer))
-    with_hint = _mean_solution_log_prob(model, sft_batch(hinted, tokenizer))
+    without, first_without = _solution_log_probs(model, sft_batch(plain, tokenizer))
+    with_hint, first_with = _solution_log_probs(model, sft_batch(hinted, tokenizer))
     return {
         "log_prob_with_hint": float(with_hint.mean()),
         "log_prob_without_hint": float(without.mean()),
         "gap": float((with_hint - without).mean()),
+        # the first token decides between calling the tool and guessing
+        "first_token_gap": float((first_with - first_without).mean()),
         "rows_helped_frac": float((with_hint > without).float().mean()),
         "rows": float(len(plain)),
     }
