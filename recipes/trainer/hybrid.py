@@ -185,12 +185,15 @@ def _solution_rows(rows: Sequence[Mapping]) -> list[dict]:
 def _hinted_solutions(rows: Sequence[Mapping], tokenizer, env, template: str) -> list[Trajectory]:
     """The rows' correct tool solutions replayed, each with the judge's hint about the row's failed attempt
     between prompt and solution (the teacher's layout: ``build_teacher_inputs``)."""
-    hints = {}
-    for row in rows:
+    hints: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
         extra = row["extra_info"]
+        question = str(extra["question"])
+        if question in hints:  # a replay is known by its question only: a shared one would get another's hint
+            raise ValueError(f"hinted demonstrations: row {i} repeats the question {question!r}")
         failed = json.loads(extra["failed_steps"])
-        hint = bridge_thought(extra["question"], failed, str(row["reward_model"]["ground_truth"]))
-        hints[str(extra["question"])] = tokenizer.encode(template.format(hint=hint), add_special_tokens=False)
+        hint = bridge_thought(question, failed, str(row["reward_model"]["ground_truth"]))
+        hints[question] = tokenizer.encode(template.format(hint=hint), add_special_tokens=False)
     trajs = reference_trajectories(_solution_rows(rows), tokenizer, env)
     for t in trajs:
         t.turns[0].prompt_token_ids = [*t.turns[0].prompt_token_ids, *hints[t.query]]

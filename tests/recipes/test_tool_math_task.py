@@ -131,3 +131,5 @@ def test_hinted_demonstrations_use_the_teachers_layout():
             trained == s["responses"][i][s["response_mask"][i].bool()].tolist()
         )  # loss on the solution only
         assert "Hint: " in tok.decode(b["prompts"][6 + i]) and P < b["prompts"].shape[1]
+    with pytest.raises(ValueError, match="row 1 repeats the question"):  # a replay is known by its question
+        hinted_demonstrations([rows[0], rows[0]], tok, env, frac=1.0, template=template)

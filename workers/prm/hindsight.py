@@ -141,7 +141,8 @@ def bridge_thought(problem: str, steps: Sequence[Mapping], ground_truth: str) ->
 
 class HindsightJudge:
     """The PRM judge of ``prm.scorer=rule``: ``judge(...)`` with the model judges' signature (votes per step,
-    a raw hint text per row), from the rules above. Needs each row's ground truth."""
+    a raw hint text per row), from the rules above (deterministic: ``seed`` is not used). Needs each row's
+    ground truth."""
 
     def judge(
         self,

@@ -11,7 +11,7 @@ import torch
 
 from dataproto import DataProto
 from workers.prm import PRMConfig, PRMWorker
-from workers.prm.hindsight import bridge_thought, diagnose, problem_expression, step_votes
+from workers.prm.hindsight import FAILURES, bridge_thought, diagnose, problem_expression, step_votes
 
 Q = "Compute 12 + 34 * 5."  # = 182
 CALL = "<python>print(12 + 34 * 5)</python>"
@@ -56,6 +56,10 @@ CASES = {
     "malformed": ([{"kind": "malformed", "action": "hmm", "observation": "Format error"}], [-1], None),
     "no_answer": ([tool(CALL, "Output:\n182")], [1], "The tool printed 182. Answer \\boxed{182}"),
 }
+
+
+def test_every_failure_kind_has_a_case():
+    assert set(CASES) - {"solved"} == set(FAILURES)
 
 
 def test_problem_expression():
