@@ -9,6 +9,9 @@ Names and semantics follow verl's ``core_algos`` (also importable as ``algorithm
   add more with ``@register_adv_est("name")``
 * policy losses, by name through ``get_policy_loss_fn``: ``vanilla`` (PPO clip, dual-clip), ``gspo``;
   add more with ``@register_policy_loss("name")``
+* off-policy rollout corrections for asynchronous RL, by name through ``get_rollout_correction_fn``:
+  ``none``, ``tis``, ``seq_tis``, ``decoupled_ppo`` (``algorithms.off_policy``); their weights are the
+  policy loss's ``rollout_is_weights``; add more with ``@register_rollout_correction("name")``
 * ``compute_value_loss``, ``compute_entropy_loss``, ``entropy_from_logits``
 * KL: ``kl_penalty``, ``compute_kl_loss``, ``apply_kl_penalty``, ``FixedKLController``,
   ``AdaptiveKLController``, ``get_kl_controller``
@@ -40,6 +43,13 @@ from algorithms.kl import (
     kl_penalty,
 )
 from algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from algorithms.off_policy import (
+    OFF_POLICY_METRICS,
+    compute_rollout_correction_decoupled_ppo,
+    compute_rollout_correction_none,
+    compute_rollout_correction_seq_tis,
+    compute_rollout_correction_tis,
+)
 from algorithms.policy_loss import (
     GSPO_CLIP_RATIO_HIGH,
     GSPO_CLIP_RATIO_LOW,
@@ -49,13 +59,17 @@ from algorithms.policy_loss import (
 from algorithms.registry import (
     ADV_ESTIMATOR_REGISTRY,
     POLICY_LOSS_REGISTRY,
+    ROLLOUT_CORRECTION_REGISTRY,
     AdvantageEstimator,
     get_adv_estimator_fn,
     get_policy_loss_fn,
+    get_rollout_correction_fn,
     list_adv_estimators,
     list_policy_losses,
+    list_rollout_corrections,
     register_adv_est,
     register_policy_loss,
+    register_rollout_correction,
 )
 from algorithms.value_loss import compute_value_loss
 
@@ -66,7 +80,9 @@ __all__ = [
     "GSPO_CLIP_RATIO_LOW",
     "KL_PENALTY_NAMES",
     "LOSS_AGG_MODES",
+    "OFF_POLICY_METRICS",
     "POLICY_LOSS_REGISTRY",
+    "ROLLOUT_CORRECTION_REGISTRY",
     "AdaptiveKLController",
     "AdvantageEstimator",
     "FixedKLController",
@@ -84,15 +100,21 @@ __all__ = [
     "compute_remax_outcome_advantage",
     "compute_rewards",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_correction_decoupled_ppo",
+    "compute_rollout_correction_none",
+    "compute_rollout_correction_seq_tis",
+    "compute_rollout_correction_tis",
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_policy_loss_fn",
+    "get_rollout_correction_fn",
     "group_ids",
     "kl_penalty",
     "list_adv_estimators",
     "list_policy_losses",
+    "list_rollout_corrections",
     "make_global_batch_info",
     "masked_mean",
     "masked_sum",
@@ -101,6 +123,7 @@ __all__ = [
     "normalize_step_rewards",
     "register_adv_est",
     "register_policy_loss",
+    "register_rollout_correction",
     "run_adv_estimator",
     "step_index_from_mask",
 ]

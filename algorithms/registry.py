@@ -1,4 +1,4 @@
-"""Name registries for advantage estimators and policy losses (open: other modules add entries).
+"""Name registries: advantage estimators, policy losses, rollout corrections (other modules add entries).
 
 Names and semantics follow verl's ``core_algos`` so recipes port over unchanged::
 
@@ -29,6 +29,10 @@ __all__ = [
     "register_policy_loss",
     "get_policy_loss_fn",
     "list_policy_losses",
+    "ROLLOUT_CORRECTION_REGISTRY",
+    "register_rollout_correction",
+    "get_rollout_correction_fn",
+    "list_rollout_corrections",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -47,6 +51,7 @@ class AdvantageEstimator(StrEnum):
 
 ADV_ESTIMATOR_REGISTRY: dict[str, Callable[..., Any]] = {}
 POLICY_LOSS_REGISTRY: dict[str, Callable[..., Any]] = {}
+ROLLOUT_CORRECTION_REGISTRY: dict[str, Callable[..., Any]] = {}
 
 
 def _name_of(name_or_enum: str | Enum, what: str) -> str:
@@ -109,3 +114,17 @@ def get_policy_loss_fn(name: str) -> Callable[..., Any]:
 
 def list_policy_losses() -> list[str]:
     return sorted(POLICY_LOSS_REGISTRY)
+
+
+def register_rollout_correction(name: str, *, override: bool = False) -> Callable[[F], F]:
+    """Decorator registering an off-policy rollout correction under ``name`` (signature: ``off_policy``)."""
+    return _register(ROLLOUT_CORRECTION_REGISTRY, name, "rollout correction", override)
+
+
+def get_rollout_correction_fn(name: str) -> Callable[..., Any]:
+    """The rollout correction registered under ``name`` (``ValueError`` listing names if none)."""
+    return _lookup(ROLLOUT_CORRECTION_REGISTRY, name, "rollout correction")
+
+
+def list_rollout_corrections() -> list[str]:
+    return sorted(ROLLOUT_CORRECTION_REGISTRY)
