@@ -250,6 +250,25 @@ class RayWorkerGroup:
         )
         return future if not gm.blocking else future.get()
 
+    def call_rank(self, rank: int, method: str, *args, **kwargs) -> DataProtoFuture:
+        """Call registered ``method`` on one rank with the arguments as that rank takes them (no dispatch,
+        no collect): what a controller that keeps every rank busy on its own work uses (asynchronous rollout
+        streams). Never blocks; the future's ``get()`` is that rank's result, and its errors and timeout are
+        the group's (naming the role, method and rank)."""
+        gm = getattr(self, method, None)
+        if not isinstance(gm, GroupMethod):
+            raise AttributeError(f"worker group {self.name!r} has no registered method {method!r}")
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"worker group {self.name!r} has ranks 0..{self.world_size - 1}, not {rank}")
+        started = time.perf_counter()
+        if gm.spec.inputs is not None:
+            args, kwargs = gm.spec.inputs.select_args(args, kwargs)
+        ref = getattr(self._actors[rank], gm.remote_name).remote(*args, **kwargs)
+        timeout = gm.timeout_s if gm.timeout_s is not None else self._default_timeout(args, kwargs)
+        return DataProtoFuture(
+            self.name, method, [ref], [rank], collect=lambda outs: outs[0], timeout_s=timeout, started=started
+        )
+
     # ------------------------------------------------------------------ colocated roles
     def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:
         """One group per colocated role, all sharing this group's actors (and processes)."""

@@ -2,6 +2,9 @@
 
 * ``GRPOConfig`` (``grpo``) and ``PPOConfig`` (``ppo``): the shared sections (``RecipeConfig``); PPO trains a
   critic (``adv_estimator=gae``), GRPO does not.
+* ``GRPOAsyncConfig`` (``grpo_async``): GRPO plus ``async_rl`` (``recipes.sections.AsyncRLConfig``: one-step
+  off-policy or fully asynchronous generation, staleness bound, buffer, what happens to in-flight requests at a
+  weight update).
 * ``QuickstartConfig`` (``quickstart``): GRPO plus ``sft``, the supervised warm start.
 * ``RLMConfig`` (``rlm``): the quickstart's sections plus ``env`` (``workers.rlm.env_loop.RLMEnvConfig``:
   agent limits, sandbox).
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 
 from recipes.sections import (
     AlgorithmConfig,
+    AsyncRLConfig,
     CustomRewardConfig,
     DataConfig,
     RecipeCriticConfig,
@@ -66,6 +70,13 @@ class GRPOConfig(RecipeConfig):
     def check_recipe(self, errors: list[str]) -> None:
         if self.algorithm.adv_estimator == "gae":
             errors.append("algorithm.adv_estimator=gae needs a critic; use recipes.ppo")
+
+
+@dataclass
+class GRPOAsyncConfig(GRPOConfig):
+    """``recipes/grpo_async.py``: GRPO with generation overlapping training (``async_rl``)."""
+
+    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
 
 
 @dataclass
@@ -160,6 +171,7 @@ class HybridConfig(QuickstartConfig):
 
 SCHEMAS: dict[str, type[RecipeConfig]] = {
     "grpo": GRPOConfig,
+    "grpo_async": GRPOAsyncConfig,
     "ppo": PPOConfig,
     "quickstart": QuickstartConfig,
     "rlm": RLMConfig,

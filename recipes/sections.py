@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from algorithms import list_adv_estimators
+from algorithms import list_adv_estimators, list_rollout_corrections
 from recipes.tasks import ALL_TASKS, task_config
 from resource_pools.plans import PLACEMENTS
 from workers.config import CriticConfig, ModelConfig
@@ -183,11 +183,23 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # token_level_rewards = scores - beta * KL(actor || ref)
     kl_penalty: str = "kl"  # KL estimator for the in-reward penalty
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    # Off-policy correction for samples the rollout policy (behaviour) produced with older or different
+    # weights than the trainer's (proximal) policy: none | tis | seq_tis | decoupled_ppo (algorithms.off_policy)
+    rollout_correction: str = "none"
+    rollout_correction_cap: float | None = 2.0  # truncation (tis, seq_tis) / masking (decoupled_ppo) bound
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
         """The estimator against the samples per prompt, the KL controller, gamma and lambda (which estimator a
-        recipe allows is the recipe schema's ``check_recipe``)."""
+        recipe allows is the recipe schema's ``check_recipe``), the off-policy correction."""
         est, n, kl = self.adv_estimator, samples_per_prompt(cfg), self.kl_ctrl
+        if self.rollout_correction not in list_rollout_corrections():
+            errors.append(
+                f"algorithm.rollout_correction={self.rollout_correction!r}; registered: "
+                f"{list_rollout_corrections()}"
+            )
+        cap = self.rollout_correction_cap
+        if cap is not None and not cap > 0:
+            errors.append(f"algorithm.rollout_correction_cap must be > 0 or null, got {cap}")
         if est not in list_adv_estimators():
             errors.append(f"algorithm.adv_estimator={est!r}; registered: {list_adv_estimators()}")
         if est in ("grpo", "rloo") and n < 2:
@@ -243,6 +255,9 @@ class TrainerConfig:
     # a locally started Ray on CPU: allow more devices (worker processes) than this machine has cores
     cpu_oversubscribe: bool = False
     max_consecutive_skipped_updates: int = 5  # abort after this many steps in a row with a non-finite update
+    # stop training at the first step that ends past this wall time (then validate, checkpoint, export as
+    # at the last step); null: total_training_steps decides
+    max_train_time_s: float | None = None
     wandb_mode: str | None = None  # e.g. offline
 
     def device_errors(self, cfg: RecipeConfig) -> list[str]:
@@ -312,11 +327,59 @@ class TrainerConfig:
             errors.append(f"trainer.call_timeout_s must be > 0 or null (no limit), got {self.call_timeout_s}")
         if not self.call_timeout_per_row_s >= 0:
             errors.append(f"trainer.call_timeout_per_row_s must be >= 0, got {self.call_timeout_per_row_s}")
+        if self.max_train_time_s is not None and not self.max_train_time_s > 0:
+            errors.append(f"trainer.max_train_time_s must be > 0 or null, got {self.max_train_time_s}")
         if self.max_consecutive_skipped_updates < 1:
             errors.append(
                 "trainer.max_consecutive_skipped_updates must be >= 1, got "
                 f"{self.max_consecutive_skipped_updates}"
             )
+
+
+ASYNC_MODES = ("sync", "one_step", "full")
+ON_WEIGHT_UPDATE = ("partial", "abort")
+
+
+@dataclass
+class AsyncRLConfig:
+    """How generation overlaps training (``recipes/grpo_async.py``, ``recipes/trainer/async_rl.py``).
+
+    ``sync``: generate, then train, every step (``recipes/grpo.py``'s step). ``one_step``: the next batch is
+    generated while this one trains (one-step off-policy). ``full``: the rollout pool streams finished groups
+    into a bounded buffer without waiting for the trainer. Both asynchronous modes need
+    ``trainer.placement=disaggregated`` (the rollout engines on their own devices)."""
+
+    mode: str = "sync"  # sync | one_step | full
+    max_staleness: int = 1  # policy versions a group may lag the trainer; older groups are regenerated
+    buffer_batches: int = 2  # full: finished + in-flight groups at most, in train batches
+    groups_per_call: int = 1  # full: prompt groups per generate call on one rollout rank
+    on_weight_update: str = (
+        "partial"  # partial: in-flight requests go on with the new weights; abort: requeued
+    )
+
+    def check(self, errors: list[str], cfg: RecipeConfig) -> None:
+        if self.mode not in ASYNC_MODES:
+            errors.append(f"async_rl.mode must be one of {list(ASYNC_MODES)}, got {self.mode!r}")
+        elif self.mode != "sync" and cfg.trainer.placement != "disaggregated":
+            errors.append(
+                f"async_rl.mode={self.mode} overlaps generation with training on other devices: it needs "
+                f"trainer.placement=disaggregated, got {cfg.trainer.placement!r}"
+            )
+        if self.on_weight_update not in ON_WEIGHT_UPDATE:
+            errors.append(
+                f"async_rl.on_weight_update must be one of {list(ON_WEIGHT_UPDATE)}, got {self.on_weight_update!r}"
+            )
+        elif self.on_weight_update == "abort" and cfg.rollout.name != "native":
+            errors.append(
+                "async_rl.on_weight_update=abort needs rollout.name=native (SGLang's weights change only "
+                "between calls: its in-flight requests finish on the old weights)"
+            )
+        if self.max_staleness < 0:
+            errors.append(f"async_rl.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.buffer_batches < 1:
+            errors.append(f"async_rl.buffer_batches must be >= 1, got {self.buffer_batches}")
+        if self.groups_per_call < 1:
+            errors.append(f"async_rl.groups_per_call must be >= 1, got {self.groups_per_call}")
 
 
 @dataclass

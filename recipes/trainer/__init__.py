@@ -1,5 +1,5 @@
-"""The small shared library the recipe scripts (``recipes/grpo.py``, ``ppo.py``, ``rlm.py``, ``hybrid_rl.py``,
-``quickstart.py``) call, so that each script holds only its algorithm.
+"""The small shared library the recipe scripts (``recipes/grpo.py``, ``grpo_async.py``, ``ppo.py``, ``rlm.py``,
+``hybrid_rl.py``, ``quickstart.py``) call, so that each script holds only its algorithm.
 
 * ``run``: command line -> validated config; run directory, resolved config saved, tiny model and task data
   prepared, Ray started (``parse_args``, ``start_run``, ``cli``)
@@ -18,6 +18,8 @@
 * ``metrics``: verl-named data / timing / throughput / validation metrics, ``timer``
 * ``tracking``: console line, tqdm bar, metrics.jsonl, TensorBoard, wandb, curves.png
 * ``checkpoint``: checkpoint layout, ``latest_step`` marker, Ctrl-C-safe saves
+* ``async_rl``: where an asynchronous recipe's batches come from (``rollout_source``: ``SyncRollout`` or the
+  ``RolloutStream`` of one-step off-policy / fully asynchronous generation; imported from its module)
 * ``reward``, ``hybrid``: the reward worker with the tasks' scorers; the hybrid recipe's PRM role, teacher
   hints and advantage (imported from their modules, not re-exported here)
 """
@@ -43,6 +45,7 @@ from recipes.trainer.run import Run, cli, init_ray, model_config, parse_args, st
 from recipes.trainer.session import Session, print_summary
 from recipes.trainer.steps import (
     TrainerState,
+    apply_rollout_correction,
     check_env_errors,
     compute_advantage,
     due,
@@ -63,6 +66,7 @@ __all__ = [
     "Session",
     "Tracker",
     "TrainerState",
+    "apply_rollout_correction",
     "build_actor_group",
     "build_roles",
     "cli",

@@ -46,10 +46,19 @@ def prompt_dataset(cfg: RecipeConfig, run, files: list[str], max_samples: int | 
         raise ConfigError(str(err)) from None
 
 
-def train_loader(cfg: RecipeConfig, run) -> PromptDataLoader:
+def train_loader(cfg: RecipeConfig, run, pad_to_max_length: bool = False) -> PromptDataLoader:
+    """``pad_to_max_length``: every prompt batch ``data.max_prompt_length`` wide, so prompts of different
+    batches stack (an asynchronous rollout stream regroups them)."""
     d = cfg.data
     ds = prompt_dataset(cfg, run, run.train_files, d.train_max_samples)
-    return PromptDataLoader(ds, batch_size=d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True)
+    return PromptDataLoader(
+        ds,
+        batch_size=d.train_batch_size,
+        shuffle=d.shuffle,
+        seed=d.seed,
+        drop_last=True,
+        pad_to_max_length=pad_to_max_length,
+    )
 
 
 def val_batches(cfg: RecipeConfig, run) -> list[DataProto]:

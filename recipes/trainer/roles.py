@@ -69,9 +69,10 @@ class Roles:
         prompts.meta_info.update(meta)
         return self.rollout.generate_sequences(prompts)
 
-    def sync_weights(self) -> dict[str, float]:
-        """Push the actor's current weights to the rollout engine(s): ``weight_sync.sync()``."""
-        return self.weight_sync.sync()
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """Push the actor's current weights to the rollout engine(s) as policy ``version`` (the number of
+        updates they have had; the engines tag sampled tokens with it): ``weight_sync.sync()``."""
+        return self.weight_sync.sync(version=version)
 
     def checkpointed(self) -> dict[str, RayWorkerGroup]:
         """The roles whose state a checkpoint holds (the reference is frozen, the rollout is synced)."""
@@ -130,12 +131,15 @@ def build_roles(
     hybrid_cls: type | None = None,
     rollout_cls: type | None = None,
     rollout_kwargs: dict | None = None,
+    async_rollout: bool = False,
 ) -> Roles:
     """Create the pools and worker groups and initialise every model (``init_model``).
 
     Hook for recipes whose rollout is not plain generation (e.g. ``recipes/rlm.py``): ``hybrid_cls`` replaces
     ``ActorRolloutWorker`` (colocated), ``rollout_cls`` replaces ``RolloutWorker`` (disaggregated), and both get
-    ``rollout_kwargs`` as extra constructor arguments."""
+    ``rollout_kwargs`` as extra constructor arguments. ``async_rollout`` (disaggregated; asynchronous recipes):
+    the rollout workers take weights and aborts while they generate (``RolloutWorker(concurrent=True)``, Ray
+    actors running several calls at once)."""
     t = cfg.trainer
     counts = device_counts(cfg)
     plan = placement_plan(
@@ -174,6 +178,7 @@ def build_roles(
         if colocated:
             rollout_wg = wgs["actor"]
         else:
+            concurrency = {"concurrent": True} if async_rollout else {}
             rollout_wg = RayWorkerGroup(
                 manager.get_pool("rollout"),
                 RayClassWithInitArgs(
@@ -181,10 +186,13 @@ def build_roles(
                     model=model_config(cfg, run.model_path),
                     rollout=cfg.rollout,
                     **dict(rollout_kwargs or {}),
+                    **concurrency,
                 ),
                 name_prefix="rollout",
                 call_timeout_s=t.call_timeout_s,
                 call_timeout_per_row_s=t.call_timeout_per_row_s,
+                # a generation, a weight receive and an abort at once
+                actor_options={"max_concurrency": 3} if async_rollout else None,
             )
             groups.append(rollout_wg)
             rollout_wg.init_model()

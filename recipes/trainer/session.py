@@ -57,13 +57,17 @@ class Session:
         *,
         critic: bool = False,
         validator: Validator = greedy_accuracy,
+        fixed_prompt_width: bool = False,
         **role_classes,
     ):
-        """``role_classes``: ``build_roles``' hook (``hybrid_cls``, ``rollout_cls``, ``rollout_kwargs``)."""
+        """``role_classes``: ``build_roles``' hook (``hybrid_cls``, ``rollout_cls``, ``rollout_kwargs``,
+        ``async_rollout``); ``fixed_prompt_width``: prompt batches ``data.max_prompt_length`` wide."""
         self.cfg, self.run, self.recipe, self.validator = cfg, run, recipe, validator
         self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
         self.last_batch: DataProto | None = None
-        self.loader = train_loader(cfg, run)
+        # the data position a checkpoint saves, when the recipe's batch source keeps its own (async_rl)
+        self.data_state: Callable[[], dict] | None = None
+        self.loader = train_loader(cfg, run, pad_to_max_length=fixed_prompt_width)
         self.val_data = val_batches(cfg, run)
         self.total = total_steps(cfg, self.loader)
         self.roles = build_roles(cfg, run, critic=critic, **role_classes)
@@ -85,12 +89,14 @@ class Session:
 
     def __enter__(self) -> Session:
         try:
-            self.roles.sync_weights()  # the rollout engine starts from the actor's (possibly resumed) weights
+            # the rollout engine starts from the actor's (possibly resumed) weights: policy version = step
+            self.roles.sync_weights(version=self.state.step)
             if self.state.step == 0 and self.should_validate(0):
                 self.tracker.log(self.validate(), step=0)
         except BaseException:
             self.__exit__(None, None, None)
             raise
+        self.train_started = time.perf_counter()  # trainer.max_train_time_s counts from here
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -121,9 +127,15 @@ class Session:
     def steps(self) -> Iterator[DataProto]:
         """The prompt batch of each remaining step (``self.state.step`` is the step being run)."""
         batches = prompt_batches(self.loader)
+        for _ in self.step_numbers():
+            yield next(batches)
+
+    def step_numbers(self) -> Iterator[int]:
+        """Each remaining step's number, also ``self.state.step``: for a recipe whose batches come from
+        elsewhere (``recipes/trainer/async_rl.py``)."""
         while self.state.step < self.total:
             self.state.step += 1
-            yield next(batches)
+            yield self.state.step
 
     # -- validation ---------------------------------------------------------------------------------------------
 
@@ -146,6 +158,8 @@ class Session:
         metrics, reward-error and skipped-update warnings (RunAborted past their limits), validation and
         checkpoint when due, logging."""
         step, t = self.state.step, self.cfg.trainer
+        if t.max_train_time_s is not None and time.perf_counter() - self.train_started >= t.max_train_time_s:
+            self.total = step  # out of time: this step is the last (validation, checkpoint, export)
         self.last_batch = batch
         metrics |= metrics_of(batch)
         metrics |= compute_data_metrics(batch)
@@ -158,7 +172,10 @@ class Session:
         with hold_interrupts():  # a Ctrl-C lands after this step's checkpoint and log line are both written
             if due(step, t.save_freq, self.total):
                 with timer("save_checkpoint", timings):
-                    save_checkpoint(self.run, self.roles, self.state, self.loader, self.kl_ctrl, self.cfg)
+                    data_state = self.data_state() if self.data_state is not None else None
+                    save_checkpoint(
+                        self.run, self.roles, self.state, self.loader, self.kl_ctrl, self.cfg, data_state
+                    )
             metrics |= timing_metrics(timings)
             self.tracker.log(metrics, step)
         return metrics

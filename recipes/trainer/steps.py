@@ -8,7 +8,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from algorithms import apply_kl_penalty
+from algorithms import apply_kl_penalty, get_rollout_correction_fn
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
 from recipes.sections import AlgorithmConfig
@@ -52,6 +52,20 @@ def score_and_log_probs(cfg: RecipeConfig, roles: Roles, batch: DataProto, timin
         with timer("ref", timings):
             batch = batch.union(roles.ref.compute_ref_log_prob(batch))
     return batch
+
+
+def apply_rollout_correction(batch: DataProto, alg: AlgorithmConfig) -> dict[str, float]:
+    """The off-policy correction ``algorithm.rollout_correction`` (``algorithms.off_policy``) of samples the
+    rollout engines produced (behaviour: ``rollout_log_probs``) against the trainer's policy before this
+    update (proximal: ``old_log_probs``): ``rollout_is_weights`` into ``batch`` for the policy loss, and the
+    ``off_policy/*`` metrics (how far behaviour and proximal policy are apart, logged also with ``none``)."""
+    b = batch.batch
+    weights, metrics = get_rollout_correction_fn(alg.rollout_correction)(
+        b["old_log_probs"], b["rollout_log_probs"], b["response_mask"], cap=alg.rollout_correction_cap
+    )
+    if weights is not None:
+        b["rollout_is_weights"] = weights
+    return {k: float(v) for k, v in metrics.items()}
 
 
 def compute_advantage(batch: DataProto, alg: AlgorithmConfig, kl_ctrl) -> dict[str, float]:
@@ -129,6 +143,8 @@ class TrainerState:
     skipped: dict[str, float] = field(default_factory=dict)  # cumulative skipped updates per role
     resumed_from: str | None = None  # the actor checkpoint this run continued from
     skipped_in_a_row: dict[str, int] = field(default_factory=dict)  # steps in a row with a skipped update
+    # asynchronous recipes: prompts pulled from the loader but not trained on when the checkpoint was taken
+    pending_prompts: list = field(default_factory=list)
 
     def check_skipped(self, metrics: dict, tracker=None, max_in_a_row: int | None = None) -> None:
         """Surface updates the engine skipped for a non-finite loss/gradient (it keeps a running count); raise
@@ -174,13 +190,18 @@ def check_reward_errors(batch: DataProto, step: int, max_error_frac: float | Non
     tracker.write(f"WARNING {what}")
 
 
-def save_checkpoint(run, roles: Roles, state: TrainerState, loader, kl_ctrl, cfg: RecipeConfig) -> str:
+def save_checkpoint(
+    run, roles: Roles, state: TrainerState, loader, kl_ctrl, cfg: RecipeConfig, data_state: dict | None = None
+) -> str:
+    """``data_state``: the data position to save when the recipe's batch source has one of its own
+    (``{"data": loader state, "async_pending": [prompt rows]}``, ``async_rl.RolloutStream``); default the
+    loader's."""
     extra = {
         "step": state.step,
         "data": loader.state_dict(),
         "kl_coef": kl_ctrl.value,
         "skipped": dict(state.skipped),
-    }
+    } | (data_state or {})
     return ckpt.save(
         run.checkpoint_dir, state.step, roles.checkpointed(), extra, keep=cfg.trainer.max_ckpt_to_keep
     )
@@ -198,5 +219,8 @@ def resume(run, roles: Roles, loader, kl_ctrl, cfg: RecipeConfig) -> TrainerStat
     loader.load_state_dict(extra["data"])
     kl_ctrl.value = float(extra.get("kl_coef", kl_ctrl.value))
     return TrainerState(
-        step=int(extra["step"]), skipped=dict(extra.get("skipped", {})), resumed_from=paths["actor"]
+        step=int(extra["step"]),
+        skipped=dict(extra.get("skipped", {})),
+        resumed_from=paths["actor"],
+        pending_prompts=list(extra.get("async_pending", [])),
     )

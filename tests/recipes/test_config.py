@@ -294,7 +294,7 @@ def test_batches_divide_among_megatron_replicas_not_devices():
 
 
 def test_every_recipe_schema_is_known_without_registration():
-    assert sorted(SCHEMAS) == ["grpo", "hybrid_rl", "ppo", "quickstart", "rlm"]
+    assert sorted(SCHEMAS) == ["grpo", "grpo_async", "hybrid_rl", "ppo", "quickstart", "rlm"]
     for recipe, schema in SCHEMAS.items():
         assert type(load_config(recipe)) is schema
 

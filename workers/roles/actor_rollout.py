@@ -270,8 +270,9 @@ class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
     # -- weight sync ------------------------------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
-    def sync_weights(self) -> dict:
-        """Load the trainer's current weights into every rank's rollout replica, then offload the trainer.
+    def sync_weights(self, version: int | None = None) -> dict:
+        """Load the trainer's current weights into every rank's rollout replica (as policy ``version``, which
+        the generated tokens then record), then offload the trainer.
 
         Collective over the trainer group (every rank gathers every parameter); each rank's replica receives
         the full tensors. Returns rank 0's metrics: ``timing_s/update_weights`` (the whole call),
@@ -284,11 +285,13 @@ class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
                 "generation shards (sync_resharded_weights), not full tensors"
             )
         return self._load_rollout_weights(
-            "sync_weights", lambda trainer, engine: self.hf_weight_stream(device=rollout_device(engine))
+            "sync_weights",
+            lambda trainer, engine: self.hf_weight_stream(device=rollout_device(engine)),
+            version,
         )
 
     @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
-    def sync_resharded_weights(self) -> dict:
+    def sync_resharded_weights(self, version: int | None = None) -> dict:
         """``sync_weights`` for tensor-parallel rollout replicas: this rank's generation shards straight from
         the 3D-HybridEngine reshard (collective over the micro-DP groups; the native engine all-gathers
         vocabulary shards in its TP group, in the same name order on every rank). ``perf/weight_sync_bytes``
@@ -297,7 +300,9 @@ class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
         if self.rollout_tp == 1:
             raise RuntimeError(f"{self.tag}: rollout.tensor_model_parallel_size=1: use sync_weights")
         metrics = self._load_rollout_weights(
-            "sync_resharded_weights", lambda trainer, engine: trainer.generation_shard_iter(self.rollout_tp)
+            "sync_resharded_weights",
+            lambda trainer, engine: trainer.generation_shard_iter(self.rollout_tp),
+            version,
         )
         # counts of the stream just consumed (the engine keeps one Resharder per generation TP size)
         reshard = self.engine.reshard_stats(self.rollout_tp)  # not _require_engine: it would reload
@@ -310,9 +315,9 @@ class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
             "weight_sync/rollout_tp": self.rollout_tp,
         }
 
-    def _load_rollout_weights(self, method: str, stream_of) -> dict:
+    def _load_rollout_weights(self, method: str, stream_of, version: int | None) -> dict:
         """Load ``stream_of(trainer, rollout engine)`` (collective over the trainer group) into this rank's
-        replica, then offload the trainer for generation; the sync's metrics."""
+        replica as policy ``version``, then offload the trainer for generation; the sync's metrics."""
         t0 = time.perf_counter()
         engine = self._require_rollout(method)
         trainer = self._require_engine(method)  # reloads the trainer if it was offloaded
@@ -320,7 +325,7 @@ class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
         stats = {"tensors": 0, "bytes": 0}
         stream = _counted(stream_of(trainer, engine), stats)
         try:
-            load_weights_into(engine, stream)
+            load_weights_into(engine, stream, version=version)
         finally:
             for _ in stream:  # a failed load must not leave the other ranks waiting in a collective
                 pass

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -198,14 +199,16 @@ def rollout_device(engine):
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def load_weights_into(engine, named_tensors, flush_cache: bool = True) -> None:
+def load_weights_into(engine, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
     """``engine.update_weights`` for either engine (SGLang: tensors moved to its device, prefix cache flushed
-    only when ``flush_cache``)."""
+    only when ``flush_cache``); ``version`` (the trainer's update count) becomes the engine's
+    ``weight_version`` once the tensors are in."""
     if is_sglang(engine):
         device = rollout_device(engine)
-        engine.update_weights(((n, t.to(device)) for n, t in named_tensors), flush_cache=flush_cache)
+        named = ((n, t.to(device)) for n, t in named_tensors)
+        engine.update_weights(named, flush_cache=flush_cache, version=version)
     else:
-        engine.update_weights(named_tensors)
+        engine.update_weights(named_tensors, version=version)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,13 +246,21 @@ class RolloutEngineMixin:
 
 
 class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
-    """A rollout replica per rank on its own resource pool; receives weights from the trainer's rank 0."""
+    """A rollout replica per rank on its own resource pool; receives weights from the trainer's rank 0.
 
-    def __init__(self, model: ModelConfig, rollout: RolloutConfig):
+    ``concurrent`` (asynchronous RL; the actor then runs with Ray ``max_concurrency`` > 1): weights and
+    aborts may arrive while a generation runs. The native engine receives the whole stream into a staging
+    copy and swaps it in between two decode steps (generation pauses only for the copy; tokens after the swap
+    record the new version, or the requests that started on the old weights are aborted at the swap);
+    SGLang's weights change only between calls, so its receive waits for the running generation to finish."""
+
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig, concurrent: bool = False):
         self.model_config = model
         self.rollout_config = rollout
+        self.concurrent = concurrent
         self.tokenizer = None
         self.sync_count = 0  # weight syncs received
+        self._generating = threading.Lock()  # one generation at a time (the engine batches within a call)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -262,22 +273,57 @@ class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
     def generate_sequences(self, data: DataProto) -> DataProto:
         """Responses for this rank's chunk of prompts (see `run_rollout` for the output contract)."""
         engine = self._require_rollout("generate_sequences")
-        return run_rollout(engine, data, self.rollout_config, tag=self.tag)
+        with self._generating:
+            return run_rollout(engine, data, self.rollout_config, tag=self.tag)
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_weights(self, group_name: str = DEFAULT_GROUP_NAME) -> dict:
-        """Receive one full weight stream from the trainer into this rank's engine; returns this rank's
-        metrics (``timing_s/update_weights``, ``perf/weight_sync_bytes``, bucket/tensor counts)."""
+    def receive_weights(
+        self, group_name: str = DEFAULT_GROUP_NAME, version: int | None = None, abort_running: bool = False
+    ) -> dict:
+        """Receive one full weight stream from the trainer into this rank's engine, as policy ``version``;
+        ``abort_running`` (concurrent, native engine): the requests that started on the old weights are
+        aborted at the swap (flagged in ``rollout_aborted``) instead of going on with the new ones. Returns
+        this rank's metrics (``timing_s/update_weights``, ``perf/weight_sync_bytes``, bucket/tensor counts,
+        ``weight_sync/swap_s``: how long generation was held for the weights to change,
+        ``weight_sync/aborted_requests``)."""
         t0 = time.perf_counter()
         engine = self._require_rollout("receive_weights")
         group = self.weight_sync_groups.require(group_name, f"{self.tag}: receive_weights")
-        engine.resume_memory(kv_cache=False)
-        stats = group.receive(lambda named: load_weights_into(engine, named, flush_cache=False))
-        if is_sglang(engine) and stats["buckets"]:
-            engine.flush_cache()
+        if abort_running and (not self.concurrent or is_sglang(engine)):
+            raise ValueError(
+                f"{self.tag}: abort_running needs a concurrent rollout worker with the native engine "
+                f"(concurrent={self.concurrent}, engine {type(engine).__name__})"
+            )
+        aborted = 0
+        if not self.concurrent:
+            engine.resume_memory(kv_cache=False)
+            stats = group.receive(lambda named: load_weights_into(engine, named, flush_cache=False))
+            if is_sglang(engine) and stats["buckets"]:
+                engine.flush_cache()
+            if version is not None:
+                engine.weight_version = int(version)
+            swap_s = stats["apply_s"]
+        elif is_sglang(engine):  # weights change between calls only: after the running generation
+            with self._generating:
+                engine.resume_memory(kv_cache=False)
+                stats = group.receive(lambda named: load_weights_into(engine, named, flush_cache=False))
+                t_swap = time.perf_counter()
+                engine.flush_cache()
+                if version is not None:
+                    engine.weight_version = int(version)
+                swap_s = stats["apply_s"] + time.perf_counter() - t_swap
+        else:
+            staged: list[tuple[str, torch.Tensor]] = []  # bucket views are reused: keep copies
+            stats = group.receive(lambda named: staged.extend((n, t.clone()) for n, t in named))
+            t_swap = time.perf_counter()
+            # one swap, between two decode steps
+            aborted = engine.update_weights(staged, version=version, abort_running=abort_running)
+            swap_s = time.perf_counter() - t_swap
         self.sync_count += 1
         return stream_metrics(stats, time.perf_counter() - t0) | {
             "weight_sync/apply_s": stats["apply_s"],
+            "weight_sync/swap_s": swap_s,
+            "weight_sync/aborted_requests": aborted,
             "weight_sync/count": self.sync_count,
         }
 

@@ -45,6 +45,7 @@ class GenerationOutput:
     log_probs: list[float] | None
     finish_reason: str  # "stop" (EOS / stop id / stop string), "length", or "abort"
     text: str | None = None
+    versions: list[int] | None = None  # per token: the weight version that sampled it (None: not tracked)
 
 
 def token_id_list(value: Any) -> list[int]:

@@ -95,18 +95,22 @@ class WeightSync:
             strategy = "resharded" if rollout_tp > 1 else "colocated"
         return cls(actor, rollout, strategy, **kwargs)
 
-    def sync(self, bucket_bytes: int | None = None) -> dict[str, float]:
-        """Push the weights once; returns the metrics. ``bucket_bytes`` (disaggregated only) overrides the
-        trainer's ``rollout.weight_bucket_mb``."""
+    def sync(
+        self, bucket_bytes: int | None = None, version: int | None = None, abort_running: bool = False
+    ) -> dict[str, float]:
+        """Push the weights once; returns the metrics. ``version`` (the trainer's update count) is the policy
+        version the rollout engines then tag their tokens with (None: they keep theirs). Disaggregated only:
+        ``bucket_bytes`` overrides the trainer's ``rollout.weight_bucket_mb``; ``abort_running`` aborts the
+        requests that a concurrent rollout worker started on the old weights (``RolloutWorker.receive_weights``)."""
         t0 = time.perf_counter()
         if self.strategy == "disaggregated":
-            metrics = self._stream(bucket_bytes)
-        elif bucket_bytes is not None:
+            metrics = self._stream(bucket_bytes, version, abort_running)
+        elif bucket_bytes is not None or abort_running:
             raise ValueError(
-                f"bucket_bytes applies to the disaggregated weight sync, not to {self.strategy!r}"
+                f"bucket_bytes and abort_running apply to the disaggregated weight sync, not to {self.strategy!r}"
             )
         else:  # the worker returns rank 0's metrics
-            metrics = getattr(self.actor, _IN_PROCESS_METHOD[self.strategy])()
+            metrics = getattr(self.actor, _IN_PROCESS_METHOD[self.strategy])(version=version)
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["timing_s/update_weights"] = time.perf_counter() - t0
         self.syncs += 1
@@ -158,7 +162,7 @@ class WeightSync:
         )
         return WeightSyncLink(name, backend, world)
 
-    def _stream(self, bucket_bytes: int | None) -> dict:
+    def _stream(self, bucket_bytes: int | None, version: int | None, abort_running: bool) -> dict:
         if self.link is None:
             self.link = self._connect()
         name = self.link.group_name
@@ -167,7 +171,9 @@ class WeightSync:
                 self.actor.send_weights.with_options(blocking=False)(
                     bucket_bytes=bucket_bytes, group_name=name
                 ),
-                self.rollout.receive_weights.with_options(blocking=False)(group_name=name),
+                self.rollout.receive_weights.with_options(blocking=False)(
+                    group_name=name, version=version, abort_running=abort_running
+                ),
             ]
         )
         for rank, r in enumerate(received):
@@ -188,4 +194,6 @@ class WeightSync:
             "weight_sync/receivers": len(received),
             "timing_s/weight_sync_send": sent["timing_s/update_weights"],
             "timing_s/weight_sync_receive_max": max(r["timing_s/update_weights"] for r in received),
+            "weight_sync/swap_s_max": max(r["weight_sync/swap_s"] for r in received),
+            "weight_sync/aborted_requests": sum(r["weight_sync/aborted_requests"] for r in received),
         }

@@ -87,6 +87,7 @@ class Request:
         "max_new",
         "tokens",
         "logprobs",
+        "versions",
         "finish_reason",
         "text",
         "slot",
@@ -105,6 +106,7 @@ class Request:
         self.max_new = max_new
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []  # the engine's weight version when each token was sampled
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.slot = -1
@@ -124,6 +126,7 @@ class Request:
             log_probs=list(self.logprobs) if self.params.logprobs else None,
             finish_reason=self.finish_reason or "abort",
             text=self.text,
+            versions=list(self.versions),
         )
 
 
@@ -179,6 +182,12 @@ class NativeEngine(RolloutEngine):
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: set[Request] = set()  # async requests whose callers still wait
         self._missing_weights: set[str] = set()  # HF names still to be loaded after resume_memory
+        # The policy version of the weights (the trainer's update count, set by update_weights): every sampled
+        # token records it, so a weight update between two decode steps shows in the output token by token.
+        self.weight_version = 0
+        # weight updates waiting for the lock: step() lets them in first (a lock is not fair: a thread that
+        # steps back to back could keep an update from another thread waiting for many steps)
+        self._updates_waiting = 0
         self.stats = {
             "steps": 0,
             "decode_steps": 0,
@@ -267,6 +276,8 @@ class NativeEngine(RolloutEngine):
     def step(self) -> list[Request]:
         """Admit + prefill waiting requests, run one decode step for the running batch; return the
         requests that finished in this step."""
+        while self._updates_waiting:  # a weight update from another thread goes between two steps
+            time.sleep(0.0005)
         with self._model_lock, torch.inference_mode():
             self._check_weights()
             self.model.allocate_kv()
@@ -363,6 +374,7 @@ class NativeEngine(RolloutEngine):
         self.stats["generated_tokens"] += len(reqs)
         for r, tok, lp in zip(reqs, tokens, logps):
             r.tokens.append(tok)
+            r.versions.append(self.weight_version)
             if r.params.logprobs:
                 r.logprobs.append(lp)
             if tok in r.stop_ids:
@@ -554,12 +566,15 @@ class NativeEngine(RolloutEngine):
         responses = torch.full((B, R), pad, dtype=torch.long)
         resp_mask = torch.zeros(B, R, dtype=torch.long)
         logps = torch.zeros(B, R, dtype=torch.float32)
+        versions = torch.zeros(B, R, dtype=torch.long)
         for i, o in enumerate(outs):
             k = len(o.token_ids)
             responses[i, :k] = torch.tensor(o.token_ids, dtype=torch.long)
             resp_mask[i, :k] = 1
             if o.log_probs is not None:
                 logps[i, :k] = torch.tensor(o.log_probs, dtype=torch.float32)
+            versions[i, :k] = torch.tensor(o.versions or [], dtype=torch.long)
+        aborted = torch.tensor([o.finish_reason == "abort" for o in outs], dtype=torch.bool)
         device = prompt_ids.device
         responses, resp_mask, logps = responses.to(device), resp_mask.to(device), logps.to(device)
         attention_mask = torch.cat([mask.long(), resp_mask], dim=1)
@@ -576,6 +591,8 @@ class NativeEngine(RolloutEngine):
             position_ids=(attention_mask.cumsum(dim=1) - 1).clamp(min=0),
             response_mask=resp_mask.float(),
             rollout_log_probs=logps,
+            rollout_versions=versions.to(device),
+            rollout_aborted=aborted.to(device),
         )
         np_source = source.numpy()
         non_tensor = {k: v[np_source] for k, v in prompts.non_tensor_batch.items()}
@@ -627,16 +644,40 @@ class NativeEngine(RolloutEngine):
             names.discard("lm_head.weight")  # loaded through model.embed_tokens.weight (same storage)
         return names
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy ``(name, tensor)`` pairs (Hugging Face parameter names) into the engine's weights in place.
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        abort_running: bool = False,
+    ) -> int:
+        """Copy ``(name, tensor)`` pairs (Hugging Face parameter names) into the engine's weights in place,
+        between two scheduler steps: requests in flight continue on the new weights from the next step on
+        (``version`` then becomes ``weight_version``, which every later token records), or, with
+        ``abort_running``, the requests that started on the old weights finish at the next step with
+        ``finish_reason == "abort"`` (queued ones not yet started run on the new weights). Returns how many
+        were aborted.
 
         Tensors may be any dtype/device (they are cast); with tied embeddings either name updates both.
         Names the model does not have raise a KeyError naming them all (the known ones are applied);
         a shape mismatch raises a ValueError. With tensor parallelism a tensor may be the full HF tensor
         (this rank slices its part) or this rank's generation shard as the resharder delivers it
         (``reshard_plan.expected_gen_shard``); see ``NativeCausalLM.local_shard``."""
+        unknown: list[str] = []
+        with self._queue_lock:
+            self._updates_waiting += 1
+        try:
+            aborted = self._apply_weights(named_tensors, version, abort_running, unknown)
+        finally:
+            with self._queue_lock:
+                self._updates_waiting -= 1
+        if unknown:
+            raise KeyError(f"update_weights: unknown parameter names {unknown}")
+        return aborted
+
+    def _apply_weights(
+        self, named_tensors, version: int | None, abort_running: bool, unknown: list[str]
+    ) -> int:
         store = self.model.store
-        unknown = []
         with self._model_lock, torch.no_grad():
             if not store.allocated:
                 raise RuntimeError("weights are released; call resume_memory() before update_weights()")
@@ -648,8 +689,12 @@ class NativeEngine(RolloutEngine):
                 if name == "lm_head.weight" and self.model.spec.tie_word_embeddings:
                     name = "model.embed_tokens.weight"
                 self._missing_weights.discard(name)
-        if unknown:
-            raise KeyError(f"update_weights: unknown parameter names {unknown}")
+            if version is not None:
+                self.weight_version = int(version)
+            started = [r for r in self._running if not r.finished] if abort_running else []
+            for r in started:
+                r.aborted = True
+            return len(started)
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The engine's weights under their Hugging Face names (views; tied names share storage; with tensor

@@ -183,8 +183,9 @@ def build_rollout_batch(
     Responses are right-padded with ``pad_token_id`` to exactly ``response_length`` columns (a fixed
     width lets batches from several workers concatenate), or to the longest response when it is
     ``None``. Returns ``prompts``, ``responses``,
-    ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask`` and, when every output has
-    log-probs, ``rollout_log_probs`` (0 on padding).
+    ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, ``rollout_versions`` (each
+    token's weight version, 0 where the output tracks none), ``rollout_aborted`` (per row) and, when every
+    output has log-probs, ``rollout_log_probs`` (0 on padding).
     """
     batch = len(outputs)
     if prompts.shape[0] != batch or prompt_attention_mask.shape[0] != batch:
@@ -201,6 +202,7 @@ def build_rollout_batch(
     response_mask = torch.zeros(batch, response_length, dtype=torch.float32)
     with_log_probs = all(o.log_probs is not None for o in outputs)
     log_probs = torch.zeros(batch, response_length, dtype=torch.float32)
+    versions = torch.zeros(batch, response_length, dtype=torch.int64)
     for i, out in enumerate(outputs):
         n = len(out.token_ids)
         if n > response_length:
@@ -210,6 +212,8 @@ def build_rollout_batch(
             response_mask[i, :n] = 1.0
             if with_log_probs:
                 log_probs[i, :n] = torch.tensor(out.log_probs, dtype=torch.float32)
+            if out.versions:
+                versions[i, :n] = torch.tensor(out.versions, dtype=torch.int64)
     prompts = prompts.to(torch.int64)
     attention_mask = torch.cat([prompt_attention_mask.to(torch.int64), response_mask.to(torch.int64)], dim=1)
     out = {
@@ -219,6 +223,8 @@ def build_rollout_batch(
         "attention_mask": attention_mask,
         "position_ids": torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0),
         "response_mask": response_mask,
+        "rollout_versions": versions,
+        "rollout_aborted": torch.tensor([o.finish_reason == "abort" for o in outputs], dtype=torch.bool),
     }
     if with_log_probs:
         out["rollout_log_probs"] = log_probs

@@ -247,6 +247,7 @@ class SGLangRollout(RolloutEngine):
         self._eos_token_ids = None if config.eos_token_ids is None else token_id_list(config.eos_token_ids)
         self._tokenizer = None
         self._warned_seed = False
+        self.weight_version = 0  # the policy version of the loaded weights (update_weights' ``version``)
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -268,6 +269,7 @@ class SGLangRollout(RolloutEngine):
         id_lists = prompt_id_lists(prompt_ids, mask)
         self._check_prompt_lengths(id_lists)
         input_ids, sampling, source = expand_requests(id_lists, params)
+        version = self.weight_version  # weights change only between calls: one version per call
         raw = self.life.call(
             f"generate_sequences of {len(input_ids)} requests (prompt lengths {_lengths(input_ids)})",
             lambda: self.engine.generate(
@@ -279,6 +281,8 @@ class SGLangRollout(RolloutEngine):
         if len(raw) != len(input_ids):
             raise RuntimeError(f"SGLang returned {len(raw)} outputs for {len(input_ids)} requests")
         outputs = [output_to_generation(r, want_log_probs=params.logprobs) for r in raw]
+        for o in outputs:
+            o.versions = [version] * len(o.token_ids)
 
         index = torch.tensor(source, dtype=torch.long)
         rows = {
@@ -340,9 +344,13 @@ class SGLangRollout(RolloutEngine):
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], flush_cache: bool = True
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        flush_cache: bool = True,
+        version: int | None = None,
     ) -> dict:
-        """Load HF-named tensors into the engine, ``bucket_mb`` at a time; returns bucket stats.
+        """Load HF-named tensors into the engine, ``bucket_mb`` at a time; returns bucket stats. ``version``
+        (the trainer's update count) then becomes ``weight_version``, which later outputs' tokens record.
 
         Tensors should already be on the engine's GPU (``tensor`` format sends CUDA IPC handles, one
         serialization per TP rank, done by ``Engine.update_weights_from_tensor``). One bucket is
@@ -364,6 +372,8 @@ class SGLangRollout(RolloutEngine):
                 stats["max_bucket_bytes"] = max(stats["max_bucket_bytes"], size)
         if flush_cache and stats["buckets"]:
             self.flush_cache()
+        if version is not None:
+            self.weight_version = int(version)
         return stats
 
     @contextlib.contextmanager
