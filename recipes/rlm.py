@@ -4,6 +4,8 @@ that holds a long context, turn by turn, until ``FINAL(...)`` / ``FINAL_VAR(...)
     python -m recipes.rlm                                   # recipes/rlm.yaml: tiny model, S-NIAH 2K-8K chars, CPU
     python -m recipes.rlm trainer.total_training_steps=20 env.agent.max_iterations=3
     python -m recipes.rlm trainer.placement=disaggregated trainer.n_gpus_per_node=2 trainer.rollout_gpus_per_node=1
+    python -m recipes.rlm trainer.placement=disaggregated trainer.n_gpus_per_node=2 trainer.rollout_gpus_per_node=1 \
+        async_rl.mode=full                             # trajectories stream in while the trainer trains
 
 1. build the tiny model and the long-context task data (``task.name``: sniah / oolong / oolong_pairs);
 2. warm start: the tasks' reference solutions replayed as multi-turn RLM trajectories (system prompt + query,
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import time
 
-from recipes import grpo
+from recipes import grpo, grpo_async
 from recipes.schemas import RLMConfig
 from recipes.trainer import (
     Run,
@@ -38,7 +40,9 @@ from workers.agents.replay import reference_batch
 
 
 def train(cfg: RLMConfig, run: Run, recipe: str = "rlm") -> dict:
-    return grpo.train(cfg, run, recipe, **env_role_classes(cfg.env))  # the RLM env generates, in its sandbox
+    # the RLM env generates, in its sandbox; async_rl.mode one_step / full: while the trainer trains
+    trainer = grpo if cfg.async_rl.mode == "sync" else grpo_async
+    return trainer.train(cfg, run, recipe, **env_role_classes(cfg.env))
 
 
 def main(argv: list[str] | None = None) -> dict:

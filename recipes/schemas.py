@@ -7,7 +7,7 @@
   weight update).
 * ``QuickstartConfig`` (``quickstart``): GRPO plus ``sft``, the supervised warm start.
 * ``RLMConfig`` (``rlm``): the quickstart's sections plus ``env`` (``workers.rlm.env_loop.RLMEnvConfig``:
-  agent limits, sandbox).
+  agent limits, sandbox) and ``async_rl``.
 * ``HybridConfig`` (``hybrid_rl``; the GRPO baseline is ``hybrid_rl_grpo.yaml``): the quickstart's sections plus
   ``env`` (``workers.math_env.env_loop.MathToolEnvConfig``: turns, tokens per turn, observation size, the
   Python tool's sandbox), ``prm`` (``workers.prm.worker.PRMConfig``: the judge -- ``reference`` /
@@ -100,13 +100,20 @@ class QuickstartConfig(GRPOConfig):
 
 @dataclass
 class RLMConfig(QuickstartConfig):
-    """``recipes/rlm.py``: GRPO on RLM trajectories after a warm start on replayed reference solutions."""
+    """``recipes/rlm.py``: GRPO on RLM trajectories after a warm start on replayed reference solutions;
+    ``async_rl`` as ``recipes/grpo_async.py`` (trajectories generated while the trainer trains)."""
 
     env: RLMEnvConfig = field(default_factory=RLMEnvConfig)
+    async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
 
     def check_recipe(self, errors: list[str]) -> None:
         if self.algorithm.adv_estimator == "gae":
             errors.append("recipes.rlm has no critic: algorithm.adv_estimator must not be gae")
+        if self.async_rl.on_weight_update == "abort":
+            errors.append(
+                "recipes.rlm: async_rl.on_weight_update=abort would cut agent turns short; use partial (a turn "
+                "in flight finishes on the new weights, its tokens tagged by version)"
+            )
 
 
 @dataclass

@@ -261,17 +261,21 @@ class RolloutStream:
 
     def _collect(self, rank: int, call: _Call) -> None:
         out = call.future.get()  # a worker error ends the stream (raised by take)
-        n = len(out) // len(call.groups)
+        # a prompt's rows share its uid: rollout.n samples, or more with an env's turns / children as rows
+        rows_of: dict[str, list[int]] = {}
+        for i, uid in enumerate(out.non_tensor_batch["uid"]):
+            rows_of.setdefault(str(uid), []).append(i)
         aborted = out.batch["rollout_aborted"]
         with self._cond:
             del self._inflight[rank]
             self._idle_from[rank] = time.perf_counter()
-            for i, g in enumerate(call.groups):
-                if bool(aborted[i * n : (i + 1) * n].any()):
+            for g in call.groups:
+                rows = rows_of[str(g.prompt.non_tensor_batch["uid"][0])]
+                if bool(aborted[rows].any()):
                     self._counts["aborted_groups"] += 1
                     self._todo.appendleft(g)
                     continue
-                g.samples = out.slice(i * n, (i + 1) * n)
+                g.samples = out.select_idxs(rows)
                 g.oldest, _, g.partial = group_versions(g.samples)
                 self._ready.append(g)
             self._cond.notify_all()

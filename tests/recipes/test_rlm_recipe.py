@@ -128,3 +128,37 @@ def test_rlm_oolong_yaml_brief_run(ray_session, tmp_path):
     final = result["final"]
     for key in ("env/turns/mean", "critic/score/mean", "actor/pg_loss"):
         assert key in final and math.isfinite(final[key]), key
+
+
+def test_rlm_recipe_fully_async_step_wise(ray_session, tmp_path):
+    """async_rl.mode=full: RLM trajectories stream from the env pool while the trainer trains. Step-wise rows
+    vary in number per prompt; a group is still released whole (every root of a prompt, all its turns), and
+    every model token carries the version of the weights that sampled it, within max_staleness."""
+    result = rlm.main(
+        [
+            *BRIEF_RLM,
+            "env.step_wise=true",
+            "trainer.total_training_steps=3",
+            "trainer.test_freq=-1",
+            "trainer.placement=disaggregated",
+            "trainer.n_gpus_per_node=2",
+            "trainer.rollout_gpus_per_node=1",
+            "async_rl.mode=full",
+            "async_rl.max_staleness=1",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
+    assert result["step"] == 3
+    rows = [r for r in result["history"] if r["step"] >= 1]
+    for r in rows:
+        assert r["async/staleness_max"] <= 1 and math.isfinite(r["env/turns/mean"])
+        assert math.isfinite(r["off_policy/behaviour_kl"]) and math.isfinite(r["actor/pg_loss"])
+    batch = result["last_batch"]
+    nt, mask = batch.non_tensor_batch, batch.batch["response_mask"] > 0
+    roots: dict[str, set] = {}
+    for uid, traj in zip(
+        nt["uid"], nt["traj_id"]
+    ):  # (mini-batch filler rows copy a row: same uid, same root)
+        roots.setdefault(uid, set()).add(traj.split("/", 1)[0])
+    assert len(roots) == 2 and all(len(r) == 2 for r in roots.values())  # 2 prompts x rollout.n=2, whole
+    assert set(batch.batch["rollout_versions"][mask].tolist()) <= {1, 2}  # the trainer holds version 2

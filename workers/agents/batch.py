@@ -13,8 +13,10 @@ Two layouts (``step_wise``), both with rows for the roots, and for children too 
 
 Tensors: ``prompts`` [B, P] left-padded with ``pad_token_id``; ``responses`` [B, R] right-padded;
 ``response_mask`` [B, R] float32, the loss mask, 1 exactly on the engine's own tokens; ``rollout_log_probs``
-[B, R] float32, the engine's log-probs on model tokens, 0 elsewhere; ``input_ids``, ``attention_mask`` (1 on
-every real token), ``position_ids`` = ``clamp(cumsum(attention_mask) - 1, 0)``.
+[B, R] float32, the engine's log-probs on model tokens, 0 elsewhere; ``rollout_versions`` [B, R] int64, the
+weight version that sampled each model token (asynchronous RL), 0 elsewhere; ``rollout_aborted`` [B], all False
+(a failed turn fails its trajectory); ``input_ids``, ``attention_mask`` (1 on every real token),
+``position_ids`` = ``clamp(cumsum(attention_mask) - 1, 0)``.
 
 Truncation: a response longer than ``max_response_length`` keeps its first R tokens (the cut tail is simply
 absent, so never trained); with ``mask_truncated=True`` such a row's whole loss mask is zeroed (overlong
@@ -115,6 +117,7 @@ class _Row:
     response: list[int]
     mask: list[int]
     logprobs: list[float]
+    versions: list[int]  # per response token: the weight version that sampled it (0 on observations)
 
     def row_id(self, traj: Trajectory) -> str:
         return traj.id if self.turn < 0 else f"{traj.id}@{self.turn}"
@@ -124,15 +127,16 @@ class _Row:
         cut (``""``, ``"prompt"``, ``"response"``); its loss mask is zeroed when the prompt was cut, when the
         response was with ``mask_truncated``, or when the trajectory ``trains`` nothing."""
         prompt, response, mask, lps, cut = self.prompt, self.response, self.mask, self.logprobs, ""
+        versions = self.versions
         if len(prompt) > P:
             prompt, cut = prompt[-P:], "prompt"
         if len(response) > R:
-            response, mask, lps = response[:R], mask[:R], lps[:R]
+            response, mask, lps, versions = response[:R], mask[:R], lps[:R], versions[:R]
             cut = cut or "response"
         if cut == "prompt" or (cut and mask_truncated) or not trains:
             mask = [0] * len(mask)
         lps = [lp if m else 0.0 for lp, m in zip(lps, mask)]
-        return _Row(self.source, self.turn, prompt, response, mask, lps), cut
+        return _Row(self.source, self.turn, prompt, response, mask, lps, versions), cut
 
 
 def _environment_failed(traj: Trajectory) -> bool:
@@ -140,10 +144,19 @@ def _environment_failed(traj: Trajectory) -> bool:
     return traj.status == "error" and not traj.metadata.get("policy_error")
 
 
+def _turn_versions(turn) -> list[int]:
+    """The weight version of each response token of ``turn`` (0 where the engine recorded none)."""
+    v = list(turn.response_versions)
+    return v + [0] * (len(turn.response_token_ids) - len(v))
+
+
 def _whole_row(i: int, traj: Trajectory) -> _Row:
     ids, mask, lps = traj.token_sequence()
     n = len(traj.turns[0].prompt_token_ids) if traj.turns else 0
-    return _Row(i, -1, ids[:n], ids[n:], mask[n:], lps[n:])
+    versions: list[int] = []  # aligned with ids[n:]: each turn's observation (0s), then its response
+    for k, t in enumerate(traj.turns):
+        versions += [0] * (len(t.prompt_token_ids) if k else 0) + _turn_versions(t)
+    return _Row(i, -1, ids[:n], ids[n:], mask[n:], lps[n:], versions)
 
 
 def _turn_rows(i: int, traj: Trajectory, max_prompt_length: int) -> tuple[list[_Row], int]:
@@ -163,6 +176,7 @@ def _turn_rows(i: int, traj: Trajectory, max_prompt_length: int) -> tuple[list[_
             list(t.response_token_ids),
             [1] * len(t.response_token_ids),
             lps + [0.0] * (len(t.response_token_ids) - len(lps)),
+            _turn_versions(t),
         )
         (rows if len(prefix) <= max_prompt_length else cut).append(row)
         prefix += t.response_token_ids
@@ -226,6 +240,7 @@ def trajectories_to_dataproto(
     resp_attn = torch.zeros(B, R, dtype=torch.long)
     loss_mask = torch.zeros(B, R, dtype=torch.float32)
     logps = torch.zeros(B, R, dtype=torch.float32)
+    versions = torch.zeros(B, R, dtype=torch.long)
     for b, row in enumerate(specs):
         if row.prompt:
             prompts[b, P - len(row.prompt) :] = torch.tensor(row.prompt, dtype=torch.long)
@@ -236,6 +251,7 @@ def trajectories_to_dataproto(
             resp_attn[b, :n] = 1
             loss_mask[b, :n] = torch.tensor(row.mask, dtype=torch.float32)
             logps[b, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
+            versions[b, :n] = torch.tensor(row.versions, dtype=torch.long)
     attention_mask = torch.cat([prompt_mask, resp_attn], dim=1)
     batch = {
         "prompts": prompts,
@@ -245,6 +261,8 @@ def trajectories_to_dataproto(
         "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
         "response_mask": loss_mask,
         "rollout_log_probs": logps,
+        "rollout_versions": versions,
+        "rollout_aborted": torch.zeros(B, dtype=torch.bool),  # a failed turn fails its trajectory instead
     }
     sel = [trajectories[r.source] for r in specs]
     missing = sorted({_root_of(t) for t in sel} - set(source_of_root))

@@ -290,8 +290,16 @@ class EnvWorker(EnvWorkerMixin, RolloutWorker):
     """The rollout role on its own pool running the agent env: a rollout replica per rank + a sandbox; weights
     arrive over the weight-sync group."""
 
-    def __init__(self, model: ModelConfig, rollout: RolloutConfig, env: AgentEnvConfig, policy_factory=None):
-        super().__init__(model, rollout)
+    def __init__(
+        self,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        env: AgentEnvConfig,
+        policy_factory=None,
+        concurrent: bool = False,
+    ):
+        """``concurrent``: weights may arrive while the agents run (asynchronous RL, `RolloutWorker`)."""
+        super().__init__(model, rollout, concurrent=concurrent)
         self._env_init(env, policy_factory)
 
     @register(Dispatch.ONE_TO_ALL)
@@ -306,7 +314,8 @@ class EnvWorker(EnvWorkerMixin, RolloutWorker):
     @register(Dispatch.DP_SPLIT_PROTO)
     def generate_sequences(self, data: DataProto) -> DataProto:
         """Agent trajectories for this rank's chunk of prompts (module docstring)."""
-        return self._env_generate(data)
+        with self._generating:
+            return self._env_generate(data)
 
 
 class ActorRolloutEnvWorker(EnvWorkerMixin, ActorRolloutWorker):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.agents.chat_format import ChatFormat
 from workers.agents.limits import BudgetSpent
@@ -67,6 +67,7 @@ class ModelResponse:
     num_tokens: int  # generated tokens (for budgets)
     prompt_tokens: int = 0  # the whole request's prompt (usage accounting), not only ``prompt_ids``
     model: str = ""  # the LLM's name
+    versions: list[int] = field(default_factory=list)  # per token: the engine's weight version (if it tracks)
 
     def turn(self, index: int) -> TrajectoryTurn:
         """The record of this response as turn ``index`` of a trajectory (its environment part still empty)."""
@@ -77,6 +78,7 @@ class ModelResponse:
             prompt_token_ids=list(self.prompt_ids),
             response_token_ids=list(self.token_ids),
             response_logprobs=list(self.log_probs),
+            response_versions=list(self.versions),
             usage={
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.num_tokens,
@@ -164,6 +166,7 @@ class TokenConversation:
             num_tokens=len(ids),
             prompt_tokens=len(self.ids),
             model=self.llm.name,
+            versions=list(out.versions or []),
         )
         self.ids = self.ids + ids
         self.pending_ids, self.pending_text = [], ""

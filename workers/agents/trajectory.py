@@ -100,7 +100,8 @@ class TrajectoryTurn:
 
     ``prompt_text`` is what the model saw since its previous response (the initial chat prompt for
     turn 0, the observation plus chat-template text after that) and ``prompt_token_ids`` its
-    tokens; ``response_token_ids`` / ``response_logprobs`` are exactly what the engine produced.
+    tokens; ``response_token_ids`` / ``response_logprobs`` / ``response_versions`` are exactly what the
+    engine produced (the versions: of the weights that sampled each token, when the engine tracks them).
     """
 
     index: int
@@ -109,6 +110,7 @@ class TrajectoryTurn:
     prompt_token_ids: list[int] = field(default_factory=list)
     response_token_ids: list[int] = field(default_factory=list)
     response_logprobs: list[float] = field(default_factory=list)
+    response_versions: list[int] = field(default_factory=list)  # weight version per token (async RL)
     code_results: list[CodeResult] = field(default_factory=list)
     final: FinalCall | None = None  # the answer line outside code, if any (RLM)
     child_ids: list[str] = field(default_factory=list)  # child agents started by this turn (RLM)
@@ -122,6 +124,7 @@ class TrajectoryTurn:
         d["response_token_ids"] = [int(t) for t in self.response_token_ids]
         d["prompt_token_ids"] = [int(t) for t in self.prompt_token_ids]
         d["response_logprobs"] = [float(x) for x in self.response_logprobs]
+        d["response_versions"] = [int(v) for v in self.response_versions]
         return d
 
     @classmethod

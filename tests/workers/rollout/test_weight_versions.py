@@ -74,8 +74,8 @@ def test_an_update_from_another_thread_lands_mid_generation():
 def test_abort_running_at_an_update_aborts_only_requests_started_on_old_weights():
     engine = engine_for(tiny_model(seed=0), max_prefill_tokens=64)
     engine.config.max_num_seqs = 1  # the second request waits in the queue, not started
-    first, = engine.add_request(make_prompts([4])[0], GREEDY)
-    second, = engine.add_request(make_prompts([7], seed=2)[0], GREEDY)
+    (first,) = engine.add_request(make_prompts([4])[0], GREEDY)
+    (second,) = engine.add_request(make_prompts([7], seed=2)[0], GREEDY)
     engine.step()  # the first request: prefill + one decode step = 2 tokens
     assert engine.update_weights(new_weights(seed=1), version=1, abort_running=True) == 1
     while engine.has_unfinished():
