@@ -146,3 +146,37 @@ def test_async_modes_need_a_rollout_pool_of_their_own():
         "grpo_async", ["async_rl.mode=sync", "trainer.placement=colocated", "trainer.n_gpus_per_node=1"]
     )
     assert cfg.async_rl.mode == "sync"
+
+
+DIGIT_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The share of the response's characters that are digits."""
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+'''
+
+
+@pytest.mark.parametrize("mode", ["one_step", "full"])
+def test_async_grpo_raises_an_easy_reward(ray_session, tmp_path, mode):
+    """The same easy reward the synchronous GRPO test raises (share of digits), trained on samples up to one
+    version stale with the truncated-IS correction: it rises as well."""
+    reward_file = tmp_path / "digits.py"
+    reward_file.write_text(DIGIT_REWARD)
+    result = run(
+        tmp_path,
+        f"async_rl.mode={mode}",
+        f"custom_reward_function.path={reward_file}",
+        "trainer.total_training_steps=10",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "rollout.n=4",
+        "data.max_response_length=16",
+        "actor.optim.lr=3e-2",
+        "actor.use_kl_loss=false",
+        "algorithm.rollout_correction=tis",
+    )
+    rows = steps_of(result)
+    scores = [r["critic/score/mean"] for r in rows]
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert first < 0.05 and last > 0.3 and last > 10 * first, f"reward did not rise: {scores}"
+    assert max(r["async/staleness_max"] for r in rows) == 1  # it did train on stale samples
+    assert any(r["off_policy/is_weight_max"] != 1.0 for r in rows)  # the correction weighed them
