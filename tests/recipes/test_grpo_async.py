@@ -180,3 +180,19 @@ def test_async_grpo_raises_an_easy_reward(ray_session, tmp_path, mode):
     assert first < 0.05 and last > 0.3 and last > 10 * first, f"reward did not rise: {scores}"
     assert max(r["async/staleness_max"] for r in rows) == 1  # it did train on stale samples
     assert any(r["off_policy/is_weight_max"] != 1.0 for r in rows)  # the correction weighed them
+
+
+def test_a_wall_time_budget_ends_training_like_the_last_step(ray_session, tmp_path):
+    """trainer.max_train_time_s: the first step that ends past the budget is the last one: validation and a
+    checkpoint are due there as at the last of trainer.total_training_steps."""
+    result = run(
+        tmp_path,
+        "trainer.total_training_steps=500",
+        "trainer.max_train_time_s=1.5",
+        "trainer.test_freq=1000",
+        "trainer.save_freq=1000",
+    )
+    last = result["step"]
+    assert 1 <= last < 500
+    assert [s for s, _ in result["val_history"]] == [last]
+    assert (Path(result["run_dir"]) / "checkpoints/latest_step").read_text().strip() == str(last)
