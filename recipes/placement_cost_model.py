@@ -1,14 +1,27 @@
-"""A cost model of one synchronous RL step under a placement, from measured per-stage rates.
+"""A cost model of one RL step under a placement and a schedule, from measured per-stage rates.
 
-The recipe runs its stages one after another (``recipes/ppo.py``: gen, reward, old_log_prob, ref, values, adv,
-update_critic, update_actor, update_weights), each as a data-parallel call on the pool its role lives in, so
-the step time is the sum of the stage times; a pool is idle while the stages of other pools run.
+The recipe's stages (``recipes/ppo.py``: gen, reward, old_log_prob, ref, values, adv, update_critic,
+update_actor, update_weights) each run as a data-parallel call on the pool their role lives in. The schedule
+(``async_rl.mode``, ``recipes/grpo_async.py``) says which of them overlap:
+
+* ``sync``: one after another, so the step time is the sum of the stage times; a pool is idle while the stages
+  of other pools run.
+* ``one_step`` (rollout on its own pool): batch k+1 generates while batch k trains, so a step costs
+  ``max(gen, training stages) + update_weights``.
+* ``full`` (rollout on its own pool): every rollout device streams generate calls of ``call_sequences``
+  samples into a bounded buffer; the step costs the same ``max(..) + update_weights``, but generation is
+  limited by the pool's rate, with calls that each wait only for their own longest response, not the batch's.
 
 Stage time on a pool of ``d`` devices (``resource_pools.placement_plan`` gives each role's pool and its size):
 
-* ``gen``: each device decodes ``c = sequences / d`` sequences at once; one decode step costs
-  ``t0 + t1 * c`` seconds, so a device makes ``c / (t0 + t1 * c)`` tokens/s and generation takes
-  ``mean response length * (t0 + t1 * c)`` seconds.
+* ``gen``: a generate call of ``c`` sequences decodes until its longest response ``L(c)`` ends; a decode step
+  costs ``t0 + t1 * (sequences still running)`` seconds and finished sequences leave the running batch
+  (continuous batching), so the call takes ``t0 * L(c) + t1 * c * mean response length`` seconds: on average
+  ``c * mean / L(c)`` sequences run per step. ``L(c)`` is the expected longest of ``c`` responses drawn from the
+  workload's ``response_lengths`` (the mean when they are not given: every response equally long).
+  Under ``sync`` and ``one_step`` each of the ``d`` devices makes one call of ``c = sequences / d`` and the
+  step waits for the slowest, so ``L`` is the longest of all ``sequences``; under ``full`` a device makes
+  ``sequences / (d * call_sequences)`` calls of ``call_sequences`` each, back to back.
 * forward passes (``old_log_prob``, ``ref``, ``values``): ``tokens / (forward_tokens_per_s * d)``;
   updates (``update_actor``, ``update_critic``): ``tokens / (train_tokens_per_s * d)`` (data parallel, linear).
 * ``update_weights``: a fixed in-process time when rollout and actor share a pool (the hybrid engine), else
@@ -19,8 +32,8 @@ Stage time on a pool of ``d`` devices (``resource_pools.placement_plan`` gives e
   times slower than ``d`` independent devices would be.
 
 ``fit_rates`` estimates these rates from measured steps (least squares for ``t0, t1``; medians for the rest);
-``predict`` gives a plan's stage times, step time and idle time per pool; ``rank_plans`` orders candidate
-placements of a device count by predicted step time.
+``predict`` gives a plan's stage times, step time, samples/s and idle time per pool under a schedule;
+``rank_plans`` orders candidate placements of a device count by predicted step time.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ STAGE_ROLES: dict[str, tuple[str, ...]] = {
 FORWARD_STAGES = ("old_log_prob", "ref", "values")
 UPDATE_STAGES = ("update_actor", "update_critic")
 CONTROLLER = "controller"  # adv + per-call overhead: time the step spends outside every pool
+SCHEDULES = ("sync", "one_step", "full")  # async_rl.mode
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class Workload:
     weight_bytes: float  # policy weights pushed to the rollout engines
     has_ref: bool = True
     has_critic: bool = True
+    response_lengths: tuple[int, ...] = ()  # sampled response lengths: their spread (the long tail), if known
 
     def __post_init__(self):
         if self.sequences < 1 or self.response_tokens <= 0 or self.total_tokens <= 0:
@@ -65,10 +80,21 @@ class Workload:
                 f"workload needs sequences >= 1 and positive token counts, got sequences={self.sequences}, "
                 f"response_tokens={self.response_tokens}, total_tokens={self.total_tokens}"
             )
+        if any(n < 1 for n in self.response_lengths):
+            raise ValueError(f"response_lengths must be >= 1, got {min(self.response_lengths)}")
 
     @property
     def mean_response_length(self) -> float:
         return self.response_tokens / self.sequences
+
+    def longest_response(self, k: float) -> float:
+        """Expected longest of ``k`` responses drawn (with replacement) from ``response_lengths``, never below
+        the mean; the mean without ``response_lengths``. The i-th smallest of N lengths is the longest of k
+        draws with probability ``(i/N)^k - ((i-1)/N)^k``."""
+        lengths = sorted(self.response_lengths)
+        n = len(lengths)
+        expected = sum(x * ((i / n) ** k - ((i - 1) / n) ** k) for i, x in enumerate(lengths, start=1))
+        return max(expected, self.mean_response_length)
 
     def stages(self) -> list[str]:
         skip = set() if self.has_ref else {"ref"}
@@ -136,14 +162,29 @@ def shares_pool(plan: PlacementPlan) -> bool:
     return plan.pool_of("rollout") == plan.pool_of("actor")
 
 
-def stage_seconds(rates: StageRates, plan: PlacementPlan, work: Workload, stage: str) -> float:
+def generate_call(work: Workload, sequences: float, longest: float) -> tuple[float, float]:
+    """(decode steps, mean sequences running per step) of a generate call of ``sequences`` whose longest
+    response has ``longest`` tokens (finished sequences leave the running batch)."""
+    return longest, sequences * work.mean_response_length / longest
+
+
+def stage_seconds(
+    rates: StageRates, plan: PlacementPlan, work: Workload, stage: str, call_sequences: float | None = None
+) -> float:
+    """Seconds of ``stage`` in one step. ``gen`` with ``call_sequences``: the streamed generation of a batch,
+    in calls of that many sequences (``full``); without: one call per device, the step waiting for all."""
     if stage not in STAGE_ROLES:
         raise KeyError(f"no cost model for stage {stage!r}; known: {list(STAGE_ROLES)}")
     d = stage_devices(plan, stage)
     slow = contention(d, rates.parallel_limit)
     if stage == "gen":
-        c = work.sequences / d
-        return work.mean_response_length * (rates.decode_t0 + rates.decode_t1 * c) * slow
+        if call_sequences is None:  # each device one call of its share; the slowest holds the step
+            calls, c, longest = 1.0, work.sequences / d, work.longest_response(work.sequences)
+        else:
+            calls, c = work.sequences / (d * call_sequences), call_sequences
+            longest = work.longest_response(call_sequences)
+        steps, running = generate_call(work, c, longest)
+        return calls * steps * (rates.decode_t0 + rates.decode_t1 * running) * slow
     if stage in FORWARD_STAGES:
         return work.total_tokens / (rates.forward_tokens_per_s * d) * slow
     if stage in UPDATE_STAGES:
@@ -177,21 +218,53 @@ class Prediction:
     timings: dict[str, float]
     step_s: float
     idle_s: dict[str, float]
+    schedule: str  # SCHEDULES
+    samples_per_s: float  # generated sequences trained on per second
+    trainer_wait_s: float  # per step, the trainer waiting for its batch to be generated
 
     def as_dict(self) -> dict:
         return {
             "placement": describe(self.plan),
+            "schedule": self.schedule,
             "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "trainer_wait_s": self.trainer_wait_s,
+            "trainer_idle_frac": self.trainer_wait_s / self.step_s,
+            "rollout_idle_frac": max(self.step_s - self.timings["gen"], 0.0) / self.step_s,
             "timing_s": dict(self.timings),
             "idle_s": dict(self.idle_s),
         }
 
 
-def predict(rates: StageRates, plan: PlacementPlan, work: Workload) -> Prediction:
-    timings = {s: stage_seconds(rates, plan, work, s) for s in work.stages()}
+def predict(
+    rates: StageRates,
+    plan: PlacementPlan,
+    work: Workload,
+    schedule: str = "sync",
+    call_sequences: float | None = None,
+) -> Prediction:
+    """Stage times, step time and idle time per pool of ``plan`` under ``schedule`` (``SCHEDULES``);
+    ``call_sequences``: samples per generate call of ``full`` (``async_rl.groups_per_call * rollout.n``)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {SCHEDULES}")
+    if schedule != "sync" and shares_pool(plan):
+        raise ValueError(
+            f"schedule {schedule!r} overlaps generation with training: it needs the rollout on a pool of its "
+            f"own, not {describe(plan)}"
+        )
+    if (schedule == "full") != (call_sequences is not None):
+        raise ValueError("call_sequences is the generate-call size of schedule 'full' (and only of it)")
+    timings = {s: stage_seconds(rates, plan, work, s, call_sequences) for s in work.stages()}
     timings[CONTROLLER] = rates.controller_s
-    step = sum(timings.values())
-    return Prediction(plan, timings, step, idle_seconds(plan, timings, step))
+    train = sum(v for k, v in timings.items() if k not in ("gen", "update_weights"))
+    if schedule == "sync":
+        step, wait = sum(timings.values()), timings["gen"]
+    else:  # generation of the next batch overlaps this one's training; the weight swap stops both
+        step = max(timings["gen"], train) + timings.get("update_weights", 0.0)
+        wait = max(timings["gen"] - train, 0.0)
+    return Prediction(
+        plan, timings, step, idle_seconds(plan, timings, step), schedule, work.sequences / step, wait
+    )
 
 
 def describe(plan: PlacementPlan) -> str:
@@ -260,11 +333,10 @@ def fit_rates(observations: Sequence[Observation], parallel_limit: float = math.
     decode, fwd, train, local, bw, reward, controller = [], [], [], [], [], [], []
     for ob in observations:
         t, w, plan = ob.timings, ob.workload, ob.plan
-        if "gen" in t:
+        if "gen" in t:  # a sync step: one call per device, waiting for the longest response
             d = stage_devices(plan, "gen")
-            decode.append(
-                (w.sequences / d, t["gen"] / w.mean_response_length / contention(d, parallel_limit))
-            )
+            steps, running = generate_call(w, w.sequences / d, w.longest_response(w.sequences))
+            decode.append((running, t["gen"] / steps / contention(d, parallel_limit)))
         for stage in FORWARD_STAGES + UPDATE_STAGES:
             if t.get(stage, 0.0) > 0:
                 d = stage_devices(plan, stage)
