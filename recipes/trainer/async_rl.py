@@ -269,28 +269,31 @@ class RolloutStream:
         with self._cond:
             del self._inflight[rank]
             self._idle_from[rank] = time.perf_counter()
+            again = []
             for g in call.groups:
                 rows = rows_of[str(g.prompt.non_tensor_batch["uid"][0])]
                 if bool(aborted[rows].any()):
-                    self._counts["aborted_groups"] += 1
-                    self._todo.appendleft(g)
+                    again.append(g)
                     continue
                 g.samples = out.select_idxs(rows)
                 g.oldest, _, g.partial = group_versions(g.samples)
                 self._ready.append(g)
+            self._counts["aborted_groups"] += len(again)
+            self._todo.extendleft(reversed(again))  # next in line, in their order
             self._cond.notify_all()
 
     def _drop_stale(self, version: int) -> None:
         """Requeue the finished groups more than ``max_staleness`` versions behind ``version`` (lock held)."""
-        kept = deque()
+        kept, dropped = deque(), []
         for g in self._ready:
             if version - g.oldest > self.max_staleness:
-                self._counts["dropped_stale_groups"] += 1
                 g.samples = None
-                self._todo.appendleft(g)
+                dropped.append(g)
             else:
                 kept.append(g)
         self._ready = kept
+        self._counts["dropped_stale_groups"] += len(dropped)
+        self._todo.extendleft(reversed(dropped))  # next in line, in their order
 
     def _mark_busy(self, rank: int) -> None:
         since = self._idle_from[rank]

@@ -195,3 +195,19 @@ def test_non_blocking_future(group3):
     out = fut.get()
     assert fut.resolved and out.batch["ids"].tolist() == list(range(5))
     assert fut.get() is out  # cached
+
+
+def test_call_rank_runs_one_rank_undispatched(group3):
+    """``call_rank``: one rank's call with the arguments as that rank takes them (an async rollout stream keeps
+    each rank busy on its own work); other ranks are not called."""
+    before = group3.report("double")
+    fut = group3.call_rank(2, "double", _batch(3))
+    assert not fut.resolved and fut.ranks == [2]
+    out = fut.get()
+    assert out.batch["rank"].tolist() == [2, 2, 2] and out.batch["y"].tolist() == [1.0, 3.0, 5.0]
+    seen = group3.report("double")
+    assert seen[2]["seen"] == [0, 1, 2] and [s["seen"] for s in seen[:2]] == [b["seen"] for b in before[:2]]
+    with pytest.raises(IndexError, match="ranks 0..2, not 3"):
+        group3.call_rank(3, "double", _batch(1))
+    with pytest.raises(AttributeError, match="no registered method 'nope'"):
+        group3.call_rank(0, "nope")
