@@ -74,21 +74,31 @@ class SyncRollout:
 
     def __init__(self, cfg: RecipeConfig, roles: Roles, prompts: Iterator[DataProto]):
         self.cfg, self.roles, self._prompts = cfg, roles, prompts
+        self._since = time.perf_counter()  # end of the previous take
 
     def __enter__(self) -> SyncRollout:
+        self._since = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
         pass
 
     def take(self, version: int) -> tuple[DataProto, dict[str, float]]:
+        """The next prompt batch, generated now: the trainer waits for all of it (``async/trainer_idle_s``), and
+        the engines were idle from the previous take until now (``async/rollout_idle_frac``)."""
+        t0 = time.perf_counter()
         batch = self.roles.generate(next(self._prompts), rollout_meta(self.cfg, version + 1))
+        t1 = time.perf_counter()
         oldest, _, partial = group_versions(batch)
         lag = float(version - oldest)
+        idle_frac = (t0 - self._since) / (t1 - self._since) if t1 > self._since else 0.0
+        self._since = t1
         return batch, {
+            "async/trainer_idle_s": t1 - t0,
+            "async/rollout_idle_frac": idle_frac,
             "async/staleness_mean": lag,
             "async/staleness_max": lag,
-            "async/partial_samples": partial,
+            "async/partial_samples": float(partial),
         }
 
     def sync_weights(self, version: int) -> dict[str, float]:

@@ -196,3 +196,16 @@ def test_a_wall_time_budget_ends_training_like_the_last_step(ray_session, tmp_pa
     assert 1 <= last < 500
     assert [s for s, _ in result["val_history"]] == [last]
     assert (Path(result["run_dir"]) / "checkpoints/latest_step").read_text().strip() == str(last)
+
+
+def test_sync_mode_generates_then_trains_with_the_same_metrics(ray_session, tmp_path):
+    """async_rl.mode=sync (colocated here): every batch comes from the trainer's own weights, the trainer waits for
+    all of generation and the engines wait for all of training -- the baseline the asynchronous modes are
+    measured against."""
+    result = run(tmp_path, "async_rl.mode=sync", "trainer.placement=colocated", "trainer.n_gpus_per_node=1")
+    for r in steps_of(result):
+        assert r["async/staleness_max"] == 0 and r["async/partial_samples"] == 0
+        assert 0 < r["async/trainer_idle_frac"] < 1 and 0 < r["async/rollout_idle_frac"] < 1
+        assert r["off_policy/log_ratio_abs_max"] < 1e-3  # same weights: only numerics between the engines
+    last = result["last_batch"]
+    assert set(last.batch["rollout_versions"][last.batch["response_mask"] > 0].tolist()) == {3}
