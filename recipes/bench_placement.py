@@ -17,7 +17,9 @@ fitted on all runs and fitted leaving that placement's own run out, and the mode
 count. Writes ``<out>/bench_placement.json`` and ``<out>/bench_placement.png`` (stacked step-time bars).
 
 On CPU every "device" is a CPU bundle and all of them share the machine's cores: a functional run of the
-machinery, not a speed claim.
+machinery, not a speed claim. The asynchronous schedules (GRPO generating while it trains: ``async_rl.mode``
+sync / one_step / full, colocated and disaggregated, equal wall time, held-out accuracy) are benchmarked by
+``recipes/bench_placement_async.py``.
 """
 
 from __future__ import annotations
