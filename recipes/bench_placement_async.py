@@ -161,16 +161,6 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def idle_fracs(rows: list[dict]) -> tuple[float | None, float | None]:
-    """Mean (trainer, rollout) idle fractions: the recipe's ``async/trainer_idle_frac`` (waiting for the batch
-    / step) and ``async/rollout_idle_frac``; a sync run logs no rollout fraction: its engines generate exactly
-    while the trainer waits, so they idle the rest of the step."""
-    trainer, rollout = _mean(rows, "async/trainer_idle_frac"), _mean(rows, "async/rollout_idle_frac")
-    if rollout is None and trainer is not None:
-        rollout = 1.0 - trainer
-    return trainer, rollout
-
-
 def measure(history: list[dict], val_history: list[tuple[int, dict]], rows_per_step: int) -> dict:
     """One run's numbers: throughput and idle fractions over the steps after the first, accuracy before and
     after, the mean stage times (the cost model's observations)."""
@@ -183,14 +173,13 @@ def measure(history: list[dict], val_history: list[tuple[int, dict]], rows_per_s
         k.removeprefix("timing_s/"): _mean(kept, k) for k in set().union(*kept) if k.startswith("timing_s/")
     }
     vals = [(s, m["val/accuracy"]) for s, m in val_history if "val/accuracy" in m]
-    trainer_idle, rollout_idle = idle_fracs(kept)
     return {
         "steps": len(steps),
         "steps_averaged": len(kept),
         "step_s": step_s,
         "samples_per_s": rows_per_step / step_s,
-        "trainer_idle_frac": trainer_idle,
-        "rollout_idle_frac": rollout_idle,
+        "trainer_idle_frac": _mean(kept, "async/trainer_idle_frac"),
+        "rollout_idle_frac": _mean(kept, "async/rollout_idle_frac"),
         "staleness_mean": _mean(kept, "async/staleness_mean"),
         "dropped_stale_groups": sum(r.get("async/dropped_stale_groups", 0.0) for r in steps),
         "val_before": vals[0][1] if vals and vals[0][0] == 0 else None,

@@ -49,25 +49,20 @@ def _row(step: int, step_s: float, **extra) -> dict:
 
 
 def test_measure_a_recorded_sync_history():
+    def idle(trainer: float, rollout: float) -> dict:
+        return {"async/trainer_idle_frac": trainer, "async/rollout_idle_frac": rollout}
+
     history = [
         {"step": 0, "val/accuracy": 0.3},
-        _row(1, 3.0, **{"async/trainer_idle_frac": 0.5, "timing_s/wait_rollout": 1.5}),  # warm-up: left out
-        _row(
-            2,
-            2.0,
-            **{"async/trainer_idle_frac": 0.25, "timing_s/wait_rollout": 0.5, "response_length/max": 90},
-        ),
-        _row(
-            3,
-            4.0,
-            **{"async/trainer_idle_frac": 0.75, "timing_s/wait_rollout": 3.0, "response_length/max": 70},
-        ),
+        _row(1, 3.0, **idle(0.5, 0.9), **{"timing_s/wait_rollout": 1.5}),  # warm-up: left out
+        _row(2, 2.0, **idle(0.25, 0.8), **{"timing_s/wait_rollout": 0.5, "response_length/max": 90}),
+        _row(3, 4.0, **idle(0.75, 0.4), **{"timing_s/wait_rollout": 3.0, "response_length/max": 70}),
     ]
     m = bench.measure(history, [(0, {"val/accuracy": 0.3}), (3, {"val/accuracy": 0.6})], rows_per_step=128)
     assert m["steps"] == 3 and m["steps_averaged"] == 2
     assert m["step_s"] == pytest.approx(3.0) and m["samples_per_s"] == pytest.approx(128 / 3.0)
     assert m["trainer_idle_frac"] == pytest.approx(0.5)
-    assert m["rollout_idle_frac"] == pytest.approx(0.5)  # sync: the engines idle while the trainer works
+    assert m["rollout_idle_frac"] == pytest.approx(0.6)
     assert m["timing_s"]["wait_rollout"] == pytest.approx(1.75)
     assert (m["val_before"], m["val_after"], m["val_after_step"]) == (0.3, 0.6, 3)
     assert m["response_length_max"] == 90 and m["staleness_mean"] is None
@@ -75,10 +70,10 @@ def test_measure_a_recorded_sync_history():
         bench.measure([{"step": 0}], [], 8)
 
 
-def test_measure_takes_the_streams_own_rollout_idle():
-    history = [_row(1, 1.0), _row(2, 1.0, **{"async/rollout_idle_frac": 0.1, "async/trainer_idle_frac": 0.0})]
+def test_measure_a_stream_history():
+    history = [_row(1, 1.0), _row(2, 1.0, **{"async/dropped_stale_groups": 3.0, "async/staleness_mean": 0.5})]
     m = bench.measure(history, [], rows_per_step=16)
-    assert m["rollout_idle_frac"] == pytest.approx(0.1) and m["trainer_idle_frac"] == 0.0
+    assert m["dropped_stale_groups"] == 3.0 and m["staleness_mean"] == 0.5 and m["trainer_idle_frac"] is None
     assert m["val_before"] is None and m["val_after"] is None
 
 
