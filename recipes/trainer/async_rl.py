@@ -25,8 +25,10 @@ group's staleness at training time is ``version - (its oldest token's version)``
     partial``: the native engine swaps the weights between two decode steps and the requests go on with the
     new ones (their later tokens record the new version; SGLang finishes the running call first).
     ``abort``: the running requests are aborted and their prompts requeued, to be generated afresh.
-  - ``max_staleness``: a group older than this many versions when a batch is taken is dropped and its prompt
-    requeued (generated again with newer weights): nothing is lost.
+  - ``max_staleness``: generation runs ahead of the trainer only as far as its groups will be trained on
+    within this many versions (``_fresh_enough``; groups are taken in order); a group still older when a batch
+    is taken (one overtaken by later ones, or left from before a resume) is dropped and its prompt requeued
+    (generated again with newer weights): nothing is lost.
   - Checkpoints: the prompts not yet trained on (queued, in flight, buffered) are saved with the data loader's
     position (``checkpoint_state``); their generated samples are not: a resumed run generates them afresh with
     the resumed weights.
@@ -131,8 +133,11 @@ class RolloutStream:
         roles: Roles,
         prompts: Iterator[DataProto],
         requeued: list[DataProto] | None = None,
+        version: int = 0,
         poll_s: float = 0.02,
     ):
+        """``version``: the policy version the rollout engines and the trainer hold at the start (the step a
+        resumed run starts from)."""
         a = cfg.async_rl  # type: ignore[attr-defined]
         self.cfg, self.roles, self._prompts, self.poll_s = cfg, roles, prompts, poll_s
         self.batch_groups = cfg.data.train_batch_size
@@ -145,6 +150,8 @@ class RolloutStream:
             self.groups_per_call = a.groups_per_call
         self.max_staleness = a.max_staleness
         self.abort_on_update = a.on_weight_update == "abort"
+        self._rollout_version = version  # of the weights the rollout engines hold now
+        self._next_take_version = version  # the trainer's version at its next take
         self._todo: deque[_Group] = deque(_Group(p) for p in requeued or [])
         self._ready: deque[_Group] = deque()
         self._inflight: dict[int, _Call] = {}
@@ -192,6 +199,7 @@ class RolloutStream:
                     break
                 self._cond.wait(timeout=1.0)
             groups = [self._ready.popleft() for _ in range(self.batch_groups)]
+            self._next_take_version = version + 1
             counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
             idle_frac = self._rollout_idle_frac()
             buffered = len(self._ready)
@@ -214,7 +222,11 @@ class RolloutStream:
         """Push the trainer's weights (policy ``version``) into the rollout engines while they generate; with
         ``on_weight_update=abort`` the requests that started on the old weights are aborted at the swap (their
         groups are requeued when their call returns)."""
-        return self.roles.weight_sync.sync(version=version, abort_running=self.abort_on_update)
+        metrics = self.roles.weight_sync.sync(version=version, abort_running=self.abort_on_update)
+        with self._cond:
+            self._rollout_version = version
+            self._cond.notify_all()  # generation may run further ahead now
+        return metrics
 
     def checkpoint_state(self, loader) -> dict:
         """The data loader's position and the prompts pulled from it but not trained on yet, taken together
@@ -252,7 +264,8 @@ class RolloutStream:
         for rank in range(self.ranks):
             if rank in self._inflight:
                 continue
-            room = self.capacity - len(self._ready) - sum(len(c.groups) for c in self._inflight.values())
+            held = len(self._ready) + sum(len(c.groups) for c in self._inflight.values())
+            room = min(self.capacity, self._fresh_enough()) - held
             groups = self._next_groups(min(room, self.groups_per_call))
             if not groups:
                 return
@@ -262,6 +275,14 @@ class RolloutStream:
             future = self.roles.rollout.call_rank(rank, "generate_sequences", prompts)
             self._inflight[rank] = _Call(future, groups)
             self._mark_busy(rank)
+
+    def _fresh_enough(self) -> int:
+        """How many groups may be held (finished or in flight) so that one started now, with the rollout's
+        current weights, is trained on within ``max_staleness`` versions: groups are taken in order, a batch
+        per version, so the p-th held group is trained at version ``next_take + ceil(p / batch) - 1``. Without
+        this bound the stream would generate groups only to drop them as stale (lock held)."""
+        ahead = self.max_staleness + 1 + self._rollout_version - self._next_take_version
+        return max(ahead, 0) * self.batch_groups
 
     def _next_groups(self, k: int) -> list[_Group]:
         while len(self._todo) < k:
@@ -329,4 +350,5 @@ def rollout_source(session) -> SyncRollout | RolloutStream:
     prompts = prompt_batches(session.loader)
     if cfg.async_rl.mode == "sync":
         return SyncRollout(cfg, session.roles, prompts)
-    return RolloutStream(cfg, session.roles, prompts, requeued=session.state.pending_prompts)
+    state = session.state
+    return RolloutStream(cfg, session.roles, prompts, requeued=state.pending_prompts, version=state.step)

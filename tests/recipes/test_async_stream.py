@@ -72,11 +72,15 @@ def stream(rollout, *overrides):
     cfg = load_config(
         "grpo_async", ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", f"rollout.n={N}", *overrides]
     )
-    return RolloutStream(cfg, SimpleNamespace(rollout=rollout), prompt_batches(2), poll_s=0.005)
+    # stands in for the weight sync: the scripted engine takes the new version at once
+    weight_sync = SimpleNamespace(sync=lambda version, abort_running: rollout.script(version=version) and {})
+    roles = SimpleNamespace(rollout=rollout, weight_sync=weight_sync)
+    return RolloutStream(cfg, roles, prompt_batches(2), poll_s=0.005)
 
 
 def test_the_buffer_holds_at_most_buffer_batches_and_groups_stay_whole(rollout):
-    with stream(rollout, "async_rl.buffer_batches=2", "async_rl.groups_per_call=1") as s:
+    overrides = ["async_rl.buffer_batches=2", "async_rl.groups_per_call=1", "async_rl.max_staleness=5"]
+    with stream(rollout, *overrides) as s:
         batch, metrics = s.take(0)
         assert list(batch.non_tensor_batch["uid"]) == ["p0", "p0", "p1", "p1"]  # whole groups, in order
         time.sleep(0.5)  # the stream fills the buffer up to 2 batches = 4 groups, then waits
@@ -85,13 +89,28 @@ def test_the_buffer_holds_at_most_buffer_batches_and_groups_stay_whole(rollout):
     assert metrics["async/staleness_max"] == 0.0 and metrics["async/trainer_idle_s"] >= 0
 
 
+def test_generation_runs_ahead_only_as_far_as_max_staleness_allows(rollout):
+    """Taken in order, a batch per version: after the trainer took batch 1 (version 0) and before version 1
+    reaches the engines, a group started now would be trained at version 1 at the earliest, so with
+    max_staleness=1 only one more batch is started; the next once the new weights are in."""
+    with stream(rollout, "async_rl.max_staleness=1", "async_rl.buffer_batches=4") as s:
+        s.take(0)
+        time.sleep(0.3)
+        assert rollout.script()[0] == 2  # p0 p1 | p2 p3 (groups_per_call=2): one batch ahead, not four
+        s.sync_weights(1)
+        time.sleep(0.3)
+        assert rollout.script()[0] == 3  # now a second batch ahead (trained at version 2 at the latest)
+        batch, metrics = s.take(1)
+    assert metrics["async/staleness_max"] == 1.0 and metrics["async/dropped_stale_groups"] == 0.0
+
+
 def test_stale_groups_are_dropped_and_generated_again(rollout):
     with stream(rollout, "async_rl.max_staleness=1", "async_rl.buffer_batches=2") as s:
         s.take(0)
-        time.sleep(0.3)  # 4 groups of version 0 wait in the buffer
-        rollout.script(version=3)
+        time.sleep(0.3)  # p2, p3 of version 0 wait in the buffer
+        s.sync_weights(3)  # three updates at once, as if the trainer had moved on
         batch, metrics = s.take(3)  # version 0 is 3 behind: dropped, their prompts generated again by v3
-    assert metrics["async/dropped_stale_groups"] == 4.0
+    assert metrics["async/dropped_stale_groups"] == 2.0
     assert list(batch.non_tensor_batch["uid"]) == ["p2", "p2", "p3", "p3"]  # requeued first, in order
     assert set(batch.batch["rollout_versions"].flatten().tolist()) == {3}
 
