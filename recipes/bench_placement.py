@@ -308,8 +308,8 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(fmt(r[c]).ljust(widths[c]) for c in cols))
 
 
-def plot(report: dict, path: Path) -> str | None:
-    """Stacked bars of the measured stage times per placement, the predicted step time as a marker."""
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (with a note) when it is not installed."""
     try:
         import matplotlib
 
@@ -317,6 +317,14 @@ def plot(report: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return None
+    return plt
+
+
+def plot(report: dict, path: Path) -> str | None:
+    """Stacked bars of the measured stage times per placement, the predicted step time as a marker."""
+    plt = pyplot()
+    if plt is None:
         return None
     names = list(report["placements"])
     labels = [n.replace("(", "\n(") for n in names]

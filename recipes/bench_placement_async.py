@@ -45,7 +45,7 @@ import torch
 
 from recipes import grpo_async
 from recipes import placement_cost_model as cm
-from recipes.bench_placement import plan_overrides, print_table
+from recipes.bench_placement import plan_overrides, print_table, pyplot
 from recipes.config import ConfigError, load_config
 from recipes.trainer import demonstrations, start_run, warm_start
 from recipes.trainer.data import prompt_batches, train_loader
@@ -273,13 +273,8 @@ def table_rows(report: dict) -> list[dict]:
 
 def plot(report: dict, path: Path) -> str | None:
     """Samples/s per configuration (bars) with the prediction (markers), and held-out accuracy before / after."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return None
     names = list(report["configs"])
     entries = [report["configs"][n] for n in names]
