@@ -106,9 +106,8 @@ class WeightSync:
         if self.strategy == "disaggregated":
             metrics = self._stream(bucket_bytes, version, abort_running)
         elif bucket_bytes is not None or abort_running:
-            raise ValueError(
-                f"bucket_bytes and abort_running apply to the disaggregated weight sync, not to {self.strategy!r}"
-            )
+            what = "bucket_bytes" if bucket_bytes is not None else "abort_running"
+            raise ValueError(f"{what} applies to the disaggregated weight sync, not to {self.strategy!r}")
         else:  # the worker returns rank 0's metrics
             metrics = getattr(self.actor, _IN_PROCESS_METHOD[self.strategy])(version=version)
         metrics = {k: float(v) for k, v in metrics.items()}

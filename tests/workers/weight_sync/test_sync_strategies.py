@@ -13,8 +13,9 @@ class Group:
     def __init__(self):
         self.calls = []
 
-    def sync_weights(self):
+    def sync_weights(self, version=None):
         self.calls.append("sync_weights")
+        self.versions = [*getattr(self, "versions", []), version]
         return {"perf/weight_sync_bytes": 12, "timing_s/update_weights": 0.0}
 
 
@@ -35,6 +36,8 @@ def test_inconsistent_strategies_are_refused():
         WeightSync(a, a, "nccl")
     with pytest.raises(ValueError, match="bucket_bytes applies to the disaggregated"):
         WeightSync(a, a, "colocated").sync(bucket_bytes=1024)
+    with pytest.raises(ValueError, match="abort_running applies to the disaggregated"):
+        WeightSync(a, a, "colocated").sync(abort_running=True)  # no generation runs beside an in-process sync
     assert a.calls == []
 
 
@@ -45,3 +48,5 @@ def test_colocated_sync_reports_bytes_and_controller_time():
     assert group.calls == ["sync_weights"]
     assert m["perf/weight_sync_bytes"] == 12.0 and m["timing_s/update_weights"] > 0
     assert sync.syncs == 1 and sync.last == m and sync.link is None
+    sync.sync(version=4)  # the policy version the rollout engines tag their tokens with
+    assert group.versions == [None, 4]
