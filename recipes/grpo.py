@@ -30,6 +30,7 @@ from recipes.trainer import (
     score_and_log_probs,
     start_run,
     timer,
+    update_actor,
 )
 
 
@@ -44,7 +45,8 @@ def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataP
     check_env_errors(batch, s.state.step)
     batch = fill_mini_batches(cfg, batch, roles.critic is not None)
     # 2. reward (the rule verifier's score on each response's last token), then log-probs of the sampled
-    #    tokens under the current policy and the frozen reference (and PPO: the critic's values)
+    #    tokens under the current policy (unless the update computes them: algorithm.old_log_prob) and the
+    #    frozen reference (and PPO: the critic's values)
     batch = score_and_log_probs(cfg, roles, batch, timings)
     if roles.critic is not None:
         with timer("values", timings):
@@ -59,8 +61,7 @@ def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataP
     # 5. policy update (clipped surrogate + KL loss) once a critic has warmed up, then the new weights to the
     #    rollout engine
     if s.state.step > cfg.trainer.critic_warmup:
-        with timer("update_actor", timings):
-            metrics |= metrics_of(roles.actor.update_actor(batch))
+        metrics |= update_actor(roles, batch, timings)
         with timer("update_weights", timings):
             metrics |= roles.sync_weights()
     return batch

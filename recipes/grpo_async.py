@@ -25,11 +25,11 @@ from recipes.trainer import (
     cli,
     compute_advantage,
     fill_mini_batches,
-    metrics_of,
     parse_args,
     score_and_log_probs,
     start_run,
     timer,
+    update_actor,
 )
 from recipes.trainer.async_rl import RolloutStream, SyncRollout, rollout_source
 
@@ -45,14 +45,13 @@ def async_step(s: Session, source: SyncRollout | RolloutStream, metrics: dict, t
     check_env_errors(batch, s.state.step)
     batch = fill_mini_batches(cfg, batch, with_critic=False)
     # 2. reward, the current policy's log-probs (the proximal policy) and the reference's
-    batch = score_and_log_probs(cfg, roles, batch, timings)
+    batch = score_and_log_probs(cfg, roles, batch, timings, old_log_probs_needed=True)
     # 3. off-policy correction: proximal / behaviour (the rollout engine's log-probs) per token
     metrics |= apply_rollout_correction(batch, cfg.algorithm)
     # 4. group-relative advantages, then the policy update
     with timer("adv", timings):
         metrics |= compute_advantage(batch, cfg.algorithm, s.kl_ctrl)
-    with timer("update_actor", timings):
-        metrics |= metrics_of(roles.actor.update_actor(batch))
+    metrics |= update_actor(roles, batch, timings)
     # 5. version + 1 to the rollout engines, while they generate
     with timer("update_weights", timings):
         metrics |= source.sync_weights(version + 1)

@@ -38,7 +38,6 @@ from recipes.trainer import (
     cli,
     compute_advantage,
     fill_mini_batches,
-    metrics_of,
     parse_args,
     print_summary,
     replayed,
@@ -46,6 +45,7 @@ from recipes.trainer import (
     score_and_log_probs,
     start_run,
     timer,
+    update_actor,
     warm_start,
 )
 from recipes.trainer.hybrid import (
@@ -72,7 +72,7 @@ def hybrid_step(
     check_env_errors(batch, s.state.step)  # every trajectory failed (no sandbox, no engine): stop loudly
     batch = fill_mini_batches(cfg, batch, with_critic=False)  # step-wise turns / children vary the row count
     # 2. outcome reward (the \boxed{} answer), log-probs under the policy and the reference
-    batch = score_and_log_probs(cfg, roles, batch, timings)
+    batch = score_and_log_probs(cfg, roles, batch, timings, old_log_probs_needed=hybrid)  # the OPD term
     # 3. process reward model: step votes and bridge thoughts
     if prm is not None:
         with timer("prm", timings):
@@ -89,8 +89,7 @@ def hybrid_step(
         else:
             metrics |= compute_advantage(batch, cfg.algorithm, s.kl_ctrl)
     # 6. PPO update, then the new weights to the rollout engine
-    with timer("update_actor", timings):
-        metrics |= metrics_of(roles.actor.update_actor(batch))
+    metrics |= update_actor(roles, batch, timings)
     with timer("update_weights", timings):
         metrics |= roles.sync_weights()
     return batch

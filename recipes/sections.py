@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the schemas are made of these sections
     from recipes.schemas import RecipeConfig
 
 LOGGERS = ("console", "tensorboard", "wandb")
+OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")  # algorithm.old_log_prob
 
 
 @dataclass
@@ -187,6 +188,12 @@ class AlgorithmConfig:
     # weights than the trainer's (proximal) policy: none | tis | seq_tis | decoupled_ppo (algorithms.off_policy)
     rollout_correction: str = "none"
     rollout_correction_cap: float | None = 2.0  # truncation (tis, seq_tis) / masking (decoupled_ppo) bound
+    # The policy-loss ratio's denominator (old_log_probs): auto | recompute | rollout. recompute: the actor's
+    # forward pass before the update (verl's default). auto: that pass only when something reads old_log_probs
+    # before the update or the update is not strictly on-policy (more than one epoch or mini-batch); else the
+    # update's own forward gives them (the same numbers, one pass fewer). rollout: the rollout engine's
+    # log-probs (rollout_log_probs; no pass), so the ratio is current / behaviour policy, as verl's bypass mode.
+    old_log_prob: str = "auto"
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
         """The estimator against the samples per prompt, the KL controller, gamma and lambda (which estimator a
@@ -196,6 +203,16 @@ class AlgorithmConfig:
             errors.append(
                 f"algorithm.rollout_correction={self.rollout_correction!r}; registered: "
                 f"{list_rollout_corrections()}"
+            )
+        if self.old_log_prob not in OLD_LOG_PROB_SOURCES:
+            errors.append(
+                f"algorithm.old_log_prob must be one of {list(OLD_LOG_PROB_SOURCES)}, got {self.old_log_prob!r}"
+            )
+        elif self.old_log_prob == "rollout" and self.rollout_correction != "none":
+            errors.append(
+                f"algorithm.old_log_prob=rollout makes the rollout engine's log-probs the old ones, so "
+                f"algorithm.rollout_correction={self.rollout_correction!r} (old vs rollout) would weigh every "
+                f"token by 1: set one of them"
             )
         cap = self.rollout_correction_cap
         if cap is not None and not cap > 0:

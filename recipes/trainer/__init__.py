@@ -54,6 +54,7 @@ from recipes.trainer.steps import (
     rollout_meta,
     save_checkpoint,
     score_and_log_probs,
+    update_actor,
 )
 from recipes.trainer.tracking import Tracker, console_line, plot_curves
 from recipes.trainer.validation import PassAtK, greedy_accuracy, pass_at_k, print_accuracy_change, val_meta
@@ -102,6 +103,7 @@ __all__ = [
     "timing_metrics",
     "total_steps",
     "train_loader",
+    "update_actor",
     "val_batches",
     "val_meta",
     "validation_metrics",

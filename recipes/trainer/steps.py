@@ -14,7 +14,7 @@ from recipes.schemas import RecipeConfig
 from recipes.sections import AlgorithmConfig
 from recipes.trainer import checkpoint as ckpt
 from recipes.trainer.metrics import timer
-from recipes.trainer.roles import Roles
+from recipes.trainer.roles import Roles, metrics_of
 from recipes.trainer.run import RunAborted
 from recipes.trainer.sources import fill_rows, run_estimator_on_sources
 
@@ -39,19 +39,55 @@ def rollout_meta(cfg: RecipeConfig, step: int) -> dict:
     }
 
 
-def score_and_log_probs(cfg: RecipeConfig, roles: Roles, batch: DataProto, timings: dict) -> DataProto:
+def score_and_log_probs(
+    cfg: RecipeConfig, roles: Roles, batch: DataProto, timings: dict, *, old_log_probs_needed: bool = False
+) -> DataProto:
     """What every policy-gradient step computes between rollout and advantages: the reward worker's scores
-    (``token_level_scores``), the current policy's log-probs of the sampled tokens (``old_log_probs``) and, when
-    a KL term needs them, the frozen reference's (``ref_log_prob``); timed as ``reward``, ``old_log_prob``,
-    ``ref``."""
+    (``token_level_scores``), the log-probs of the sampled tokens the policy loss divides by
+    (``old_log_probs``, per ``algorithm.old_log_prob``: see `old_log_prob_source`) and, when a KL term needs
+    them, the frozen reference's (``ref_log_prob``); timed as ``reward``, ``old_log_prob``, ``ref``.
+    ``old_log_probs_needed``: the recipe reads ``old_log_probs`` before the update (e.g. an off-policy
+    correction or a distillation term in its advantages)."""
     with timer("reward", timings):
         batch = batch.union(roles.reward.compute_rm_score(batch))
-    with timer("old_log_prob", timings):
-        batch = batch.union(roles.actor.compute_log_prob(batch))
+    source = old_log_prob_source(cfg, batch, old_log_probs_needed)
+    if source == "recompute":
+        with timer("old_log_prob", timings):
+            batch = batch.union(roles.actor.compute_log_prob(batch))
+    elif source == "rollout":
+        if "rollout_log_probs" not in batch.batch:
+            raise ValueError(
+                "algorithm.old_log_prob=rollout takes the rollout engine's log-probs, but the generated batch "
+                "has no rollout_log_probs column (this rollout path does not return them): use auto or recompute"
+            )
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         with timer("ref", timings):
             batch = batch.union(roles.ref.compute_ref_log_prob(batch))
     return batch
+
+
+def old_log_prob_source(cfg: RecipeConfig, batch: DataProto, needed_before_update: bool) -> str:
+    """Where this step's ``old_log_probs`` come from: ``recompute`` (the actor's forward pass now),
+    ``rollout`` (the engine's ``rollout_log_probs``) or ``update`` (the update's own forward pass, which runs on
+    the same weights when the update is strictly on-policy: one epoch, one mini-batch of the whole batch; the
+    update returns them, `update_actor`)."""
+    alg, actor = cfg.algorithm, cfg.actor
+    if alg.old_log_prob != "auto":
+        return alg.old_log_prob
+    on_policy = actor.ppo_epochs == 1 and len(batch) == actor.ppo_mini_batch_size * cfg.rollout.n
+    read_before = needed_before_update or alg.use_kl_in_reward or alg.rollout_correction != "none"
+    return "update" if on_policy and not read_before else "recompute"
+
+
+def update_actor(roles: Roles, batch: DataProto, timings: dict) -> dict[str, float]:
+    """The policy update (timed as ``update_actor``); its metrics. A batch without ``old_log_probs`` gets the
+    ones the update's forward pass computed (`old_log_prob_source` ``update``), for the step's metrics."""
+    with timer("update_actor", timings):
+        out = roles.actor.update_actor(batch)
+    if "old_log_probs" not in batch.batch:
+        batch.batch["old_log_probs"] = out.batch["old_log_probs"]
+    return metrics_of(out)
 
 
 def apply_rollout_correction(batch: DataProto, alg: AlgorithmConfig) -> dict[str, float]:

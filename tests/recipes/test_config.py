@@ -308,3 +308,13 @@ def test_recipe_rules_stop_the_command_line_before_ray(capsys):
         with pytest.raises(SystemExit) as exc:
             parse_args(recipe, [override])
         assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_old_log_prob_source_is_checked():
+    assert load_config("grpo", []).algorithm.old_log_prob == "auto"
+    assert "algorithm.old_log_prob must be one of ['auto', 'recompute', 'rollout'], got 'cached'" in _errors(
+        ["algorithm.old_log_prob=cached"]
+    )
+    msg = _errors(["algorithm.old_log_prob=rollout", "algorithm.rollout_correction=tis"], recipe="grpo_async")
+    assert "algorithm.old_log_prob=rollout makes the rollout engine's log-probs the old ones" in msg
+    assert load_config("grpo", ["algorithm.old_log_prob=rollout"]).algorithm.old_log_prob == "rollout"

@@ -58,7 +58,6 @@ STEP_METRICS = [
     "actor/lr",
     "timing_s/gen",
     "timing_s/reward",
-    "timing_s/old_log_prob",
     "timing_s/ref",
     "timing_s/adv",
     "timing_s/update_actor",
@@ -66,6 +65,7 @@ STEP_METRICS = [
     "timing_s/step",
     "perf/throughput",
     "perf/weight_sync_bytes",
+    "training/rollout_logprob_diff_mean",  # engine vs trainer log-probs: old_log_probs exist either way
 ]
 
 
@@ -97,6 +97,10 @@ def test_recipe_runs_and_writes_everything(ray_session, tmp_path, recipe, placem
         devices = 1 if placement == "colocated" else 3
         expect = row["perf/total_num_tokens"] / row["perf/time_per_step"] / devices
         assert row["perf/throughput"] == pytest.approx(expect)
+        # algorithm.old_log_prob=auto: GRPO's one mini-batch per step takes the old log-probs from its update's
+        # forward pass; PPO's two mini-batches need the pass before the update
+        assert ("timing_s/old_log_prob" in row) == (recipe == "ppo")
+        assert row["training/rollout_logprob_diff_mean"] < 1e-3  # the engine holds the trainer's weights
         if recipe == "ppo":
             assert {"critic/vf_loss", "critic/values/mean", "critic/returns/mean", "timing_s/values"} <= set(
                 row
@@ -184,3 +188,27 @@ def test_quickstart_flow(ray_session, tmp_path, capsys):
         assert (Path(d) / "tokenizer.json").is_file()
     assert Path(out["plot"]).is_file() and str(run_dir / "tensorboard") in text
     assert list((run_dir / "tensorboard" / "sft").glob("events.out.tfevents.*"))
+
+
+def test_grpo_without_the_old_log_prob_pass_trains_the_same(ray_session, tmp_path):
+    """algorithm.old_log_prob=auto (no compute_log_prob pass: the update's forward gives the old log-probs) and
+    recompute (the pass first) sample, score and update alike: the same metrics step by step; rollout takes
+    the rollout engine's log-probs instead."""
+    common = [*PLACEMENT["colocated"], *RECIPES["grpo"][1], "trainer.save_freq=-1", "actor.optim.lr=1e-2"]
+    runs = {
+        mode: _run(grpo, "grpo", tmp_path / mode, [*common, f"algorithm.old_log_prob={mode}"])["history"]
+        for mode in ("auto", "recompute", "rollout")
+    }
+    assert "timing_s/old_log_prob" in runs["recompute"][1] and "timing_s/old_log_prob" not in runs["auto"][1]
+    for auto, recompute in zip(runs["auto"][1:], runs["recompute"][1:]):
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"):
+            assert auto[key] == pytest.approx(recompute[key], rel=1e-4, abs=1e-6), key
+    assert runs["auto"][2]["val/accuracy"] == runs["recompute"][2]["val/accuracy"]
+    assert runs["auto"][1]["actor/grad_norm"] != runs["auto"][2]["actor/grad_norm"]  # two different updates
+    # rollout: the engine's log-probs are the old ones (no pass); its first step sampled what the others did
+    rollout = runs["rollout"][1]
+    assert "timing_s/old_log_prob" not in rollout and rollout["training/rollout_logprob_diff_max"] == 0.0
+    assert rollout["critic/score/mean"] == runs["auto"][1]["critic/score/mean"]
+    assert (
+        rollout["actor/ppo_kl"] != 0.0 and abs(rollout["actor/ppo_kl"]) < 1e-3
+    )  # trainer vs engine numerics

@@ -16,9 +16,16 @@ Loss of `update_actor`, per PPO mini-batch (``actor.ppo_mini_batch_size * rollou
 
 every term aggregated by ``actor.loss_agg_mode`` over the *global* mini-batch (``ctx.global_batch_info``),
 so the gradient does not depend on the micro-batch size or the number of ranks.
+
+A strictly on-policy update (one epoch, one mini-batch) may come without ``old_log_probs``
+(``algorithm.old_log_prob=auto``): its only forward pass runs on the weights before its only optimizer step,
+so its own log-probs, detached, are the old ones (a ``compute_log_prob`` pass first would compute the same
+numbers); the call returns them as ``old_log_probs``.
 """
 
 from __future__ import annotations
+
+import torch
 
 from algorithms import KL_PENALTY_NAMES, agg_loss, compute_kl_loss, get_policy_loss_fn
 from controller import Dispatch, Inputs, register
@@ -39,9 +46,11 @@ from workers.roles.common import (
 # Optional per-token weights (rollout importance-sampling correction) passed to the policy loss when present.
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 UPDATE_INPUTS = Inputs(
-    batch=("input_ids", "attention_mask", "responses", "response_mask", "old_log_probs", "advantages"),
-    optional=("ref_log_prob", ROLLOUT_IS_WEIGHTS),  # ref_log_prob: needed with actor.use_kl_loss
+    batch=("input_ids", "attention_mask", "responses", "response_mask", "advantages"),
+    # ref_log_prob: needed with actor.use_kl_loss; old_log_probs: unless the update is strictly on-policy
+    optional=("old_log_probs", "ref_log_prob", ROLLOUT_IS_WEIGHTS),
 )
+ROW_INDEX = "_row"  # the row of each micro-batch row in the call's batch (on-policy old log-probs go there)
 
 
 class ActorWorker(EngineRoleWorker):
@@ -93,13 +102,20 @@ class ActorWorker(EngineRoleWorker):
         """PPO epochs over mini-batches of this rank's chunk; returns ``DataProto(meta_info={"metrics": ...})``
         with verl's names (``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``,
         ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``, ``actor/lr``, ``actor/skipped_steps``).
-        Loss metrics are global (all ranks) and averaged over the call's optimizer steps."""
+        Loss metrics are global (all ranks) and averaged over the call's optimizer steps. A batch without
+        ``old_log_probs`` must be one epoch of one mini-batch (see the module docstring); the result then has
+        the ``old_log_probs`` [B, R] its forward pass computed."""
         engine = self._require_engine("update_actor")
         a = self.actor_config
         if a.use_kl_loss:
             self._require_keys(data, ["ref_log_prob"], "update_actor")
         temperature, _ = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
         mbs = self._ppo_mini_batch_rows("actor", a, len(data), "update_actor")
+        own_old = self._on_policy_old_log_probs(data, mbs)
+        if own_old is not None:
+            data = DataProto(
+                batch={**data.batch, ROW_INDEX: torch.arange(len(data))}, meta_info=data.meta_info
+            )
         policy_loss_fn = get_policy_loss_fn(a.policy_loss)
         names = ["pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "entropy"]
         if a.use_kl_loss:
@@ -110,8 +126,13 @@ class ActorWorker(EngineRoleWorker):
             log_prob, entropy = outputs["log_probs"], outputs["entropy"]
             mask = micro["response_mask"]
             info = ctx.global_batch_info
+            if own_old is None:
+                old_log_prob = micro["old_log_probs"]
+            else:  # strictly on-policy: this forward's log-probs are the old ones
+                old_log_prob = log_prob.detach()
+                own_old[micro[ROW_INDEX].cpu()] = old_log_prob.float().cpu()
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss_fn(
-                micro["old_log_probs"],
+                old_log_prob,
                 log_prob,
                 micro["advantages"],
                 mask,
@@ -147,7 +168,26 @@ class ActorWorker(EngineRoleWorker):
         losses = metrics.reduce(engine)
         if a.use_kl_loss:
             losses["kl_coef"] = float(a.kl_loss_coef)
-        return self._train_result("update_actor", "actor", m, losses)
+        result = self._train_result("update_actor", "actor", m, losses)
+        if own_old is not None:
+            result = DataProto.from_dict({"old_log_probs": own_old}, meta_info=result.meta_info)
+        return result
+
+    def _on_policy_old_log_probs(self, data: DataProto, mini_batch_rows: int) -> torch.Tensor | None:
+        """None when the batch has ``old_log_probs``; else the [B, R] buffer the update's forward fills, after
+        checking that the update is strictly on-policy (otherwise its later mini-batches and epochs would run
+        on weights the samples did not come from)."""
+        if "old_log_probs" in data.batch:
+            return None
+        a = self.actor_config
+        if a.ppo_epochs != 1 or mini_batch_rows != len(data):
+            raise ValueError(
+                f"{self.tag}: update_actor: the batch has no old_log_probs, which only a strictly on-policy "
+                f"update may leave out (actor.ppo_epochs=1 and one mini-batch); this one has actor.ppo_epochs="
+                f"{a.ppo_epochs} and {len(data) // mini_batch_rows} mini-batches of {mini_batch_rows} rows "
+                f"per rank: compute old_log_probs first (algorithm.old_log_prob=recompute)"
+            )
+        return torch.zeros(data.batch["responses"].shape, dtype=torch.float32)
 
     @register(ACTOR_MESH, inputs=Inputs(batch=(*FORWARD_KEYS, "response_mask")))
     def sft_step(self, data: DataProto) -> DataProto:

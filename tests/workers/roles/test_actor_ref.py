@@ -348,3 +348,58 @@ def test_errors_name_role_rank_and_key(groups, tokenizer):
         groups["ref2"].compute_ref_log_prob(DataProto.from_dict({"input_ids": data.batch["input_ids"]}))
     with pytest.raises(WorkerGroupError, match="not a multiple of 2"):  # 6 rows, 4 per step over 2 ranks
         groups["actor2"].update_actor(rl_batch(groups, tokenizer, seed=8).select_idxs(list(range(6))))
+
+
+# ------------------------------------------------------- strictly on-policy update without old log-probs
+
+
+@pytest.fixture(scope="module")
+def on_policy_actor(ray_session, model_dir):
+    """dp=2, one epoch of one mini-batch per 8-row batch (4 prompts x n=2): a strictly on-policy update."""
+    pool = ResourcePool([2], name="roles_actor_on_policy")
+    config = actor_config(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=25)
+    config.ppo_mini_batch_size, config.ppo_epochs, config.use_kl_loss = 4, 1, False
+    wg = RayWorkerGroup(
+        pool,
+        RayClassWithInitArgs(ActorWorker, ModelConfig(path=model_dir), config, ROLLOUT),
+        name_prefix="onpol",
+    )
+    wg.init_model()
+    yield wg
+    wg.shutdown()
+    pool.remove()
+
+
+def test_on_policy_update_without_old_log_probs_equals_recomputing_them(on_policy_actor, tokenizer):
+    """algorithm.old_log_prob=auto: the update's own forward gives the old log-probs; the update, its metrics
+    and the returned old_log_probs equal those of the path with a compute_log_prob pass first."""
+    actor = on_policy_actor
+    data, probe = make_batch(tokenizer, seed=30), make_batch(tokenizer, seed=31)
+    adv = signed_advantages(data)
+    reset(actor)
+    old = actor.compute_log_prob(data).batch["old_log_probs"]
+    recomputed = actor.update_actor(with_tensors(data, old_log_probs=old, advantages=adv))
+    after_recomputed = actor.compute_log_prob(probe).batch["old_log_probs"]
+    assert "old_log_probs" not in recomputed.batch  # given: nothing to return
+
+    reset(actor)
+    own = actor.update_actor(with_tensors(data, advantages=adv))
+    torch.testing.assert_close(own.batch["old_log_probs"], old, atol=1e-6, rtol=0)  # rows in input order
+    padding = 1 - data.batch["attention_mask"][:, P:]
+    assert float((own.batch["old_log_probs"] * padding).abs().sum()) == 0.0  # zeros on padding, as computed
+    assert_metrics_close(own.meta_info["metrics"], recomputed.meta_info["metrics"], atol=1e-6)
+    assert own.meta_info["metrics"]["actor/ppo_kl"] == 0.0  # ratio exactly 1
+    moved = actor.compute_log_prob(probe).batch["old_log_probs"]
+    torch.testing.assert_close(moved, after_recomputed, atol=1e-6, rtol=0)
+    reset(actor)
+    assert not torch.allclose(
+        moved, actor.compute_log_prob(probe).batch["old_log_probs"], atol=1e-4
+    )  # it learnt
+
+
+def test_update_without_old_log_probs_must_be_strictly_on_policy(on_policy_actor, tokenizer):
+    data = make_batch(tokenizer, n=16, seed=32)  # 16 rows: two mini-batches of 8
+    with pytest.raises(
+        WorkerGroupError, match=r"ActorWorker rank \d/2: update_actor: the batch has no old_log_p"
+    ):
+        on_policy_actor.update_actor(with_tensors(data, advantages=signed_advantages(data)))
