@@ -8,14 +8,19 @@ dense block-diagonal [T, T] mask for `sdpa`/`eager`: correct, but the attention 
 sequences are still computed and then thrown away (for 8 sequences of 256 tokens, 7/8 of the score
 matrix). `flash_attention_2` uses the varlen kernel, with no waste, but exists on CUDA only.
 
-This module registers one more implementation, ``"hyflow_varlen"``, that runs
-`scaled_dot_product_attention(is_causal=True)` on each sequence's slice: no score between two sequences is
-ever computed and no [T, T] mask is built. Sequence boundaries come from the FlashAttention-style kwargs
+This module registers one more implementation, ``"hyflow_varlen"``, in which no score between two sequences
+is ever computed and no [T, T] mask is built: a long sequence gets `scaled_dot_product_attention(is_causal=True)`
+on its own slice; short ones (a call per sequence would cost more than its math, forward and backward) are
+gathered into one padded [n, heads, L, head_dim] call with a causal mask over each one's real keys, as long as
+the padding stays small (`attention_plan`). Sequence boundaries come from the FlashAttention-style kwargs
 ``cu_seq_lens_q`` that the engine passes through the model forward, or else from the positions where
 ``position_ids == 0``. Anything else (a 2D padding mask, a KV cache, batch > 1) falls back to `sdpa`.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -81,27 +86,99 @@ def varlen_sdpa_attention_forward(
         )
     total = query.shape[2]
     bounds = _segment_bounds(kwargs, total)
+    plan = attention_plan(tuple(bounds), sliding_window)
     gqa = query.shape[1] != key.shape[1]
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end <= start:
+    for group in plan.groups:
+        if group.index is None:  # one sequence: its slice, plain causal attention
+            start, end = group.span
+            o = F.scaled_dot_product_attention(
+                query[:, :, start:end],
+                key[:, :, start:end],
+                value[:, :, start:end],
+                dropout_p=dropout,
+                scale=scaling,
+                is_causal=True,
+                enable_gqa=gqa,
+            )
+            outs.append(o[0])
             continue
-        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        length = end - start
-        if sliding_window is not None and length > sliding_window:
-            idx = torch.arange(length, device=q.device)
-            diff = idx[:, None] - idx[None, :]
-            mask = (diff >= 0) & (diff < sliding_window)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
-            )
-        else:
-            o = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
-            )
-        outs.append(o)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+        # several sequences padded to the longest: [n, heads, L, head_dim], one call, then the real tokens
+        index, valid, mask = (t.to(query.device) for t in (group.index, group.valid, group.mask))
+        q, k, v = (x[0][:, index].transpose(0, 1) for x in (query, key, value))
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        )
+        outs.append(o.transpose(0, 1)[:, valid])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if plan.restore is not None:
+        out = out.index_select(1, plan.restore.to(out.device))
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+# A group's padded score matrix (count x longest^2) may be at most this many times its real one (sum of
+# length^2), and hold at most this many entries per head beyond a single sequence's own.
+MAX_PADDING_RATIO = 2.0
+MAX_GROUP_SCORES = 1 << 22
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended in one call: ``span`` (start, end) of a single sequence (``index`` None), or
+    ``index`` [n, L] packed positions of n sequences padded to the longest L (padding repeats a sequence's
+    first position), ``valid`` [n, L] the real ones and ``mask`` [n, 1, L, L] causal over real keys."""
+
+    span: tuple[int, int]
+    index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    groups: list[AttentionGroup]
+    restore: torch.Tensor | None  # packed order of the groups' concatenated outputs; None: already in order
+
+
+@functools.lru_cache(maxsize=16)
+def attention_plan(bounds: tuple[int, ...], sliding_window: int | None = None) -> AttentionPlan:
+    """How to attend within the sequences of one packed row: one call per sequence costs a kernel launch and
+    its autograd node each, which dominates for many short sequences (RL responses of a few dozen tokens), so
+    sequences are batched, longest first, into padded calls while the padding stays within
+    ``MAX_PADDING_RATIO``. Cached: every layer of a forward (and its backward) sees the same boundaries."""
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
+    members: list[list[int]] = []
+    for i in order:
+        if members:
+            group = members[-1]
+            longest, count = lengths[group[0]], len(group) + 1
+            real = sum(lengths[j] ** 2 for j in group) + lengths[i] ** 2
+            if count * longest**2 <= MAX_PADDING_RATIO * real and count * longest**2 <= MAX_GROUP_SCORES:
+                group.append(i)
+                continue
+        members.append([i])
+    groups, positions = [], []
+    for group in members:
+        starts = torch.tensor([bounds[i] for i in group])
+        lens = torch.tensor([lengths[i] for i in group])
+        if len(group) == 1 and (sliding_window is None or lengths[group[0]] <= sliding_window):
+            groups.append(AttentionGroup(span=(bounds[group[0]], bounds[group[0] + 1])))
+            positions.append(torch.arange(bounds[group[0]], bounds[group[0] + 1]))
+            continue
+        longest = int(lens[0])
+        steps = torch.arange(longest)
+        valid = steps[None, :] < lens[:, None]
+        index = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])
+        allowed = steps[None, :] <= steps[:, None]  # causal
+        if sliding_window is not None:
+            allowed &= steps[:, None] - steps[None, :] < sliding_window
+        mask = (allowed[None] & valid[:, None, :]).unsqueeze(1)
+        groups.append(AttentionGroup(span=(0, 0), index=index, valid=valid, mask=mask))
+        positions.append(index[valid])
+    order_out = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+    in_order = bool((order_out == torch.arange(len(order_out))).all())
+    return AttentionPlan(groups, None if in_order else torch.argsort(order_out))
 
 
 def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

@@ -1,0 +1,82 @@
+"""The packed attention ``hyflow_varlen`` (workers/engine/attention.py): batching several sequences into one
+padded call gives the outputs and gradients of one causal call per sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.engine.attention import MAX_PADDING_RATIO, attention_plan, varlen_sdpa_attention_forward
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+class CausalModule:
+    is_causal = True
+
+
+def per_sequence(q, k, v, bounds, window=None):
+    """The reference: one call per sequence (a banded mask for a sliding window)."""
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        n = end - start
+        mask = None
+        if window is not None:
+            i = torch.arange(n)
+            mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        qs, ks, vs = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
+        outs.append(o)
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def packed_inputs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(1, HEADS, total, HEAD_DIM, generator=g, requires_grad=True)
+    k = torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=g, requires_grad=True)
+    v = torch.randn(1, KV_HEADS, total, HEAD_DIM, generator=g, requires_grad=True)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    return q, k, v, bounds
+
+
+@pytest.mark.parametrize(
+    "lengths, window",
+    [
+        ([20, 25, 28, 13, 27, 22, 3, 1], None),  # RL-like: many short sequences, one padded call
+        ([200, 7, 9, 180, 12, 1, 150], None),  # long ones apart from short ones; order restored
+        ([30, 12, 25, 6], 8),  # a sliding window shorter than some sequences
+    ],
+)
+def test_batched_attention_equals_one_call_per_sequence(lengths, window):
+    q, k, v, bounds = packed_inputs(lengths)
+    cu = torch.tensor(bounds)
+    out, _ = varlen_sdpa_attention_forward(
+        CausalModule(), q, k, v, None, sliding_window=window, cu_seq_lens_q=cu
+    )
+    ref = per_sequence(q, k, v, bounds, window)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    grad = torch.randn_like(out)
+    mine = torch.autograd.grad((out * grad).sum(), (q, k, v))
+    theirs = torch.autograd.grad((ref * grad).sum(), (q, k, v))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_batches_short_sequences_and_keeps_padding_bounded():
+    lengths = [200, 7, 9, 180, 12, 1, 150]
+    bounds = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    plan = attention_plan(bounds)
+    batched = [g for g in plan.groups if g.index is not None]
+    members = sorted(int(g.index.shape[0]) for g in batched)
+    assert sum(members) + len(plan.groups) - len(batched) == len(lengths)
+    for g in batched:
+        real = (g.valid.sum(1) ** 2).sum()
+        assert g.valid.numel() * g.valid.shape[1] <= MAX_PADDING_RATIO * real  # padded scores vs real ones
+    assert plan.restore is not None  # longest first: the outputs are put back in packed order
+    # equal short lengths: a single call with no padding, outputs already in order
+    same = attention_plan((0, 10, 20, 30, 40))
+    assert len(same.groups) == 1 and bool(same.groups[0].valid.all()) and same.restore is None
