@@ -43,7 +43,8 @@ from workers.engine.packing import (
     scatter_response,
 )
 from workers.engine.train_steps import EngineCall, EngineSteps, call_loss_fn, load_module_state, module_state
-from workers.models.loading import is_value_model, load_model
+from workers.models.loading import build_on_meta, can_build_on_meta, is_value_model, load_model
+from workers.models.meta_init import materialize
 
 
 class FSDPEngine(EngineSteps):
@@ -94,17 +95,22 @@ class FSDPEngine(EngineSteps):
             register_varlen_attention()
         self.attn_implementation = attn
 
+        build = dict(
+            value_head=config.value_head,
+            dtype=config.param_dtype,
+            attn_implementation=attn,
+            trust_remote_code=config.trust_remote_code,
+            config_overrides=config.config_overrides,
+        )
+        # Sharded: built on the meta device, then each rank fills only its own shards (no rank ever holds the
+        # whole model). Otherwise (one replica, or weights that cannot be read piece by piece) loaded whole.
+        meta_init = use_fsdp and can_build_on_meta(config.model_path, value_head=config.value_head)
         with torch.random.fork_rng(devices=[]):  # seeded init of any new weights; caller's RNG untouched
             torch.manual_seed(config.seed)
-            model = load_model(
-                config.model_path,
-                value_head=config.value_head,
-                dtype=config.param_dtype,
-                attn_implementation=attn,
-                trust_remote_code=config.trust_remote_code,
-                device="cpu",
-                config_overrides=config.config_overrides,
-            )
+            if meta_init:
+                model, source = build_on_meta(config.model_path, **build)
+            else:
+                model = load_model(config.model_path, device="cpu", **build)
         self.is_value_model = is_value_model(model)
         if hasattr(model, "config"):
             model.config.use_cache = False
@@ -118,6 +124,8 @@ class FSDPEngine(EngineSteps):
         if self.use_fsdp:
             self.device_mesh = device_mesh or self._make_mesh()
             self._shard(model)
+            if meta_init:
+                materialize(model, source, device=self.device)
         else:
             self.device_mesh = device_mesh
             model.to(self.device)

@@ -7,6 +7,10 @@ Critics use the same model classes with a scalar head: ``<Arch>ForTokenClassific
 transformers has one for the architecture (Qwen2, Qwen3, Llama, Mistral, ...), else :class:`ValueHeadModel`
 (the base model plus a ``Linear(hidden, 1)`` named ``score``). Either way ``model(...).logits`` has shape
 [batch, seq, 1] and the value head is randomly initialised from the seed set by the caller.
+
+Sharded training builds models on the meta device instead (`build_on_meta`, then `meta_init.materialize`
+after sharding): each rank reads only its pieces of the safetensors files, or draws only its pieces of a
+random-init directory's seeded weights (`meta_init.write_random_init_model`: real shapes, no weights file).
 """
 
 from __future__ import annotations
@@ -22,11 +26,21 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.modeling_outputs import TokenClassifierOutput
+
+from workers.models.meta_init import (
+    CheckpointWeights,
+    RandomWeights,
+    WeightSource,
+    materialize,
+    parameters_on_meta,
+    random_init_seed,
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -168,6 +182,93 @@ class ValueHeadModel(nn.Module):
         return TokenClassifierOutput(logits=self.score(hidden.to(self.score.weight.dtype)))
 
 
+def model_from_config(
+    config: PretrainedConfig,
+    *,
+    value_head: bool = False,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+) -> nn.Module:
+    """A causal LM (or a critic with a scalar head) of ``config``'s architecture with freshly initialised
+    weights; inside `meta_init.parameters_on_meta` it costs no memory."""
+    torch_dtype = resolve_dtype(dtype)
+    kwargs: dict = dict(trust_remote_code=trust_remote_code, dtype=torch_dtype)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if not value_head:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    _as_value_config(config)
+    if type(config) in AutoModelForTokenClassification._model_mapping:
+        return AutoModelForTokenClassification.from_config(config, **kwargs)
+    return ValueHeadModel(AutoModel.from_config(config, **kwargs)).to(torch_dtype)
+
+
+def _as_value_config(config: PretrainedConfig) -> None:
+    config.num_labels = 1
+    config.classifier_dropout = 0.0  # a value head must be deterministic in train mode
+
+
+def weight_source(path: str | os.PathLike, config: PretrainedConfig) -> WeightSource | None:
+    """Where the weights of the model directory ``path`` can be read piece by piece: its random init (a
+    random-init directory), its safetensors files, else None (e.g. ``pytorch_model.bin`` only)."""
+    seed = random_init_seed(path)
+    if seed is not None:
+        return RandomWeights(seed, std=getattr(config, "initializer_range", 0.02))
+    if CheckpointWeights.available(path):
+        return CheckpointWeights(path)
+    return None
+
+
+def _register_attention(attn_implementation: str | None) -> None:
+    if attn_implementation == "hyflow_varlen":
+        # not at the top: workers.engine imports this module (a cycle through workers/engine/__init__.py)
+        from workers.engine.attention import register_varlen_attention
+
+        register_varlen_attention()
+
+
+def build_on_meta(
+    path: str | os.PathLike,
+    *,
+    value_head: bool = False,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+    config_overrides: dict | None = None,
+) -> tuple[nn.Module, WeightSource]:
+    """The model of directory ``path`` with its parameters on the meta device, and the `WeightSource` that
+    `meta_init.materialize` fills it from (after sharding, each rank reads only its pieces). ValueError when
+    the weights cannot be read piece by piece (no safetensors; a critic's new head on a checkpoint)."""
+    p = check_model_dir(path)
+    _register_attention(attn_implementation)
+    config = load_config(p, trust_remote_code=trust_remote_code, **(config_overrides or {}))
+    source = weight_source(p, config)
+    if source is None or (value_head and isinstance(source, CheckpointWeights)):
+        raise ValueError(
+            f"model {str(p)!r} cannot be built on the meta device (no safetensors, or a new head)"
+        )
+    with parameters_on_meta():
+        model = model_from_config(
+            config,
+            value_head=value_head,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    if (p / "generation_config.json").is_file():  # what from_pretrained would have read
+        model.generation_config = GenerationConfig.from_pretrained(p)
+    return model, source
+
+
+def can_build_on_meta(path: str | os.PathLike, *, value_head: bool = False) -> bool:
+    """Whether `build_on_meta` takes ``path``: a random-init directory, or safetensors for a causal LM (a
+    critic's head is new, and keeps Hugging Face's own init through `load_model`)."""
+    if random_init_seed(path) is not None:
+        return True
+    return not value_head and CheckpointWeights.available(path)
+
+
 def load_model(
     path: str | os.PathLike,
     *,
@@ -181,15 +282,22 @@ def load_model(
     """Load a causal LM (``value_head=False``) or a critic with a scalar head (``value_head=True``).
 
     ``attn_implementation`` is any name transformers knows, including ``"hyflow_varlen"`` from
-    ``workers.engine.attention`` (registered on import). Returns the model on ``device`` in ``dtype``.
+    ``workers.engine.attention`` (registered on import). Returns the model on ``device`` in ``dtype``. A
+    random-init directory (`meta_init.write_random_init_model`) gives its seeded weights.
     """
+    if random_init_seed(path) is not None:
+        model, source = build_on_meta(
+            path,
+            value_head=value_head,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            config_overrides=config_overrides,
+        )
+        return materialize(model, source, device=device)
     p = check_model_dir(path, need_weights=True)
     torch_dtype = resolve_dtype(dtype)
-    if attn_implementation == "hyflow_varlen":
-        # not at the top: workers.engine imports this module (a cycle through workers/engine/__init__.py)
-        from workers.engine.attention import register_varlen_attention
-
-        register_varlen_attention()
+    _register_attention(attn_implementation)
     config = load_config(p, trust_remote_code=trust_remote_code, **(config_overrides or {}))
     kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype)
     if attn_implementation is not None:
@@ -198,8 +306,7 @@ def load_model(
         if not value_head:
             model = AutoModelForCausalLM.from_pretrained(p, config=config, **kwargs)
         else:
-            config.num_labels = 1
-            config.classifier_dropout = 0.0  # a value head must be deterministic in train mode
+            _as_value_config(config)
             if type(config) in AutoModelForTokenClassification._model_mapping:
                 model = AutoModelForTokenClassification.from_pretrained(p, config=config, **kwargs)
             else:

@@ -24,7 +24,7 @@ from controller import PAD_ROWS_KEY, Dispatch, Worker, register
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.engine.distributed import default_device
-from workers.models import load_config, load_tokenizer, pad_token_id_of, resolve_dtype
+from workers.models import load_config, load_model, load_tokenizer, pad_token_id_of, resolve_dtype
 from workers.roles.sync_member import WeightSyncMember
 from workers.rollout.native import EngineConfig, NativeEngine
 from workers.rollout.sampling import SamplingParams
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 def build_rollout_engine(
     model: ModelConfig, rollout: RolloutConfig, tokenizer, *, rank: int = 0, tp_group=None
 ):
-    """The rollout engine of one rank, loaded from ``model.path``: `NativeEngine` (``rollout.name ==
+    """The rollout engine of one rank, loaded from ``model.path`` (a random-init directory: its seeded weights): `NativeEngine` (``rollout.name ==
     "native"``) or `SGLangRollout` (``"sglang"``). Pad/EOS ids come from the tokenizer (and the model's
     generation config for EOS); responses are padded to ``rollout.response_length``; sampling streams are
     seeded from ``(rollout.seed, rank)`` so data-parallel ranks draw different samples. ``tp_group``: the
@@ -62,13 +62,11 @@ def build_rollout_engine(
             response_length=rollout.response_length,
             seed=seed,
         )
-        return NativeEngine.from_pretrained(
-            model.path,
-            tokenizer=tokenizer,
-            config=cfg,
-            tp_group=tp_group,
-            trust_remote_code=model.trust_remote_code,
+        # load_model: a random-init directory (no weights file) gives the same seeded weights as the trainer's
+        hf_model = load_model(
+            model.path, dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code
         )
+        return NativeEngine(hf_model, tokenizer, cfg, tp_group=tp_group)
     if rollout.name == "sglang":
         if tp_group is not None:
             raise ValueError("rollout.name='sglang' takes no tp_group (SGLang: rollout.tensor_parallel_size)")

@@ -1,0 +1,101 @@
+"""Sharded engines built on the meta device: each of 2 gloo FSDP2 ranks fills only its own shards, from a
+random-init directory (seeded, the same weights at any DP size) or from safetensors, with the same weights,
+loss and grad norm as one process, and a peak memory well under one full copy of the model."""
+
+from __future__ import annotations
+
+import os
+
+import engine_testlib as T
+import meta_init_testlib as M
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from workers.engine import FSDPEngine
+from workers.engine.distributed import run_in_processes
+from workers.models import load_model
+from workers.models.meta_init import RandomWeights, random_init_seed, write_random_init_model
+
+# An embedding-heavy shape (the 0.5B's vocabulary is 27% of its weights): 131072 x 64 fp32 = 32 MiB, far
+# above the noise of a process's resident memory; 129 MLP rows shard unevenly (65 + 64).
+SHAPE = dict(vocab_size=131072, intermediate_size=129)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("meta_init")
+    random_dir = write_random_init_model(root / "random", T.tiny_config(**SHAPE), seed=5)
+    load_model(random_dir).save_pretrained(root / "ckpt")  # the same weights as safetensors
+    return {"random": random_dir, "ckpt": str(root / "ckpt"), "warmup": T.make_model_dir(root / "warmup")}
+
+
+@pytest.fixture(scope="module")
+def dist_results(dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("meta_init_dist")
+    measured = {k: dirs[k] for k in ("random", "ckpt")}
+    # glibc's dynamic mmap threshold would serve large buffers from the heap after the first free, hiding
+    # allocations in reused memory; a fixed threshold maps and unmaps them, so resident memory tells them
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        run_in_processes(M.meta_init_scenarios, 2, dirs["warmup"], measured, str(out))
+    finally:
+        if threshold is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = threshold
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_random_init_is_seeded_and_independent_of_the_pieces_asked_for(dirs):
+    assert random_init_seed(dirs["random"]) == 5 and random_init_seed(dirs["ckpt"]) is None
+    model = load_model(dirs["random"])
+    embed = model.model.embed_tokens.weight.detach()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # ties survive materialisation
+    assert embed.std().item() == pytest.approx(0.02, rel=0.02)
+    assert torch.equal(model.model.norm.weight.detach(), torch.ones(64))
+    piece = torch.empty(1000, 64)
+    RandomWeights(5, std=0.02).fill("model.embed_tokens.weight", (131072, 64), (16000, 0), piece)
+    assert torch.equal(piece, embed[16000:17000])
+    other = write_random_init_model(dirs["random"] + "_seed6", T.tiny_config(**SHAPE), seed=6)
+    assert not torch.equal(load_model(other).model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("key", ["random", "ckpt"])
+def test_two_ranks_fill_their_shards_with_the_single_process_weights(dirs, dist_results, key):
+    _, res = dist_results
+    ref = {k: v.detach() for k, v in load_model(dirs[key]).named_parameters()}
+    total = sum(v.numel() for v in ref.values())
+    for r in range(2):
+        assert set(res[r][f"{key}/params"]) == set(ref)
+        for name, v in ref.items():
+            assert torch.equal(res[r][f"{key}/params"][name], v), name
+        assert total // 2 - 200 <= res[r][f"{key}/local_numel"] <= total // 2 + 200
+
+
+@pytest.mark.parametrize("key", ["random", "ckpt"])
+def test_building_a_sharded_engine_never_holds_the_whole_model(dist_results, key):
+    """Peak resident growth of the engine build: this rank's half plus one random-init block (4 MiB), well
+    under one fp32 copy of the model (loading it whole and then sharding, as before, grew by the full copy)."""
+    _, res = dist_results
+    full_kib = sum(v.numel() for v in res[0][f"{key}/params"].values()) * 4 // 1024
+    for r in range(2):
+        assert res[r][f"{key}/growth_kib"] < 0.8 * full_kib, (res[r][f"{key}/growth_kib"], full_kib)
+
+
+@pytest.mark.parametrize("key", ["random", "ckpt"])
+def test_two_rank_step_matches_one_process(dirs, dist_results, key):
+    _, res = dist_results
+    engine = FSDPEngine(T.engine_config(dirs[key], lr=1e-3))
+    metrics = engine.train_step(T.make_batch(8, seed=7), T.pg_loss, micro_batch_size=2)
+    for r in range(2):
+        assert res[r][f"{key}/loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+        assert res[r][f"{key}/grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+
+
+def test_export_is_written_by_rank_zero_and_loads_the_trained_weights(dist_results):
+    out, res = dist_results
+    assert res[0]["export"] == str(out / "hf") and res[1]["export"] is None
+    loaded = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True)
+    assert loaded.model.embed_tokens.weight.shape == (131072, 64)
