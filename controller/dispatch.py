@@ -163,11 +163,12 @@ def collect_rank_zero(wg, outputs: list):
     return outputs[0]
 
 
-def chunk_proto_args(num_chunks: int, args: tuple, kwargs: dict):
-    """Split every DataProto argument into ``num_chunks`` object refs, each chunk put once.
+def chunk_proto_args(num_chunks: int, args: tuple, kwargs: dict, by_value: bool = False):
+    """Split every DataProto argument into ``num_chunks`` object refs, each chunk put once, or with
+    ``by_value`` into the chunks themselves (see ``ship_chunk``).
 
     A DataProtoFuture already made of ``num_chunks`` chunks is passed through ref by ref; any other
-    future is resolved on the controller first. Returns (per-arg chunk refs, per-kwarg chunk refs, pad).
+    future is resolved on the controller first. Returns (per-arg chunks, per-kwarg chunks, pad).
     """
     pads: dict[str, int] = {}
     lengths: dict[str, int] = {}
@@ -182,7 +183,7 @@ def chunk_proto_args(num_chunks: int, args: tuple, kwargs: dict):
             raise TypeError(f"{label} must be a DataProto or DataProtoFuture, got {type(value).__name__}")
         lengths[label] = len(value)
         padded, pads[label] = pad_dataproto_to_divisor(value, num_chunks)
-        return [ray.put(chunk) for chunk in padded.chunk(num_chunks)]
+        return [ship_chunk(chunk, by_value) for chunk in padded.chunk(num_chunks)]
 
     arg_chunks = [split(f"positional arg {i}", a) for i, a in enumerate(args)]
     kw_chunks = {k: split(f"keyword arg {k!r}", v) for k, v in kwargs.items()}
@@ -193,8 +194,17 @@ def chunk_proto_args(num_chunks: int, args: tuple, kwargs: dict):
     return arg_chunks, kw_chunks, next(iter(pads.values()), 0)
 
 
+def ship_chunk(chunk: DataProto, by_value: bool):
+    """How a chunk that goes to ONE rank travels: an object ref (one ``ray.put``), or with ``by_value`` the
+    chunk itself inside the call, which Ray inlines in the task when it is small (under Ray's
+    ``max_direct_call_object_size``, 100 KiB by default) and puts in the object store itself otherwise. The
+    inlined chunk skips the object store's round trips (put, then the worker's fetch), which dominate a group
+    call on small batches. A chunk shared by several ranks is always put once."""
+    return chunk if by_value else ray.put(chunk)
+
+
 def dispatch_dp_compute_proto(wg, *args, **kwargs) -> Dispatched:
-    arg_chunks, kw_chunks, pad = chunk_proto_args(wg.world_size, args, kwargs)
+    arg_chunks, kw_chunks, pad = chunk_proto_args(wg.world_size, args, kwargs, wg.chunks_by_value)
     return Dispatched(arg_chunks, kw_chunks, pad)
 
 
@@ -218,9 +228,9 @@ def _split_rows(num_rows: int, num_chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _split_proto_arg(args: tuple, kwargs: dict, num_chunks: int) -> tuple[DataProto, list]:
-    """(the single DataProto argument, object refs of its ``num_chunks`` contiguous chunks; a chunk that
-    would be empty is one copy of row 0 flagged as a placeholder)."""
+def _split_proto_arg(args: tuple, kwargs: dict, num_chunks: int, by_value: bool) -> tuple[DataProto, list]:
+    """(the single DataProto argument, its ``num_chunks`` contiguous chunks shipped as ``ship_chunk`` says;
+    a chunk that would be empty is one copy of row 0 flagged as a placeholder)."""
     protos = [a for a in (*args, *kwargs.values()) if isinstance(a, DataProto)]
     if len(protos) != 1:
         raise TypeError(f"split dispatch takes exactly one DataProto argument, got {len(protos)}")
@@ -235,13 +245,15 @@ def _split_proto_arg(args: tuple, kwargs: dict, num_chunks: int) -> tuple[DataPr
         else:  # fewer rows than chunks: a placeholder row whose output is dropped
             chunk = data.slice(0, 1)
             chunk.meta_info[PAD_ROWS_KEY] = 1
-        chunks.append(ray.put(chunk))
+        chunks.append(ship_chunk(chunk, by_value))
     return data, chunks
 
 
 def _split_dispatched(wg, args: tuple, kwargs: dict, chunk_of_rank: list[int], num_chunks: int) -> Dispatched:
     """Rank r gets chunk ``chunk_of_rank[r]`` of the DataProto argument; other arguments go to every rank."""
-    data, chunks = _split_proto_arg(args, kwargs, num_chunks)
+    # Chunks go by value only when each goes to one rank (tensor-parallel replicas share theirs).
+    by_value = len(chunk_of_rank) == num_chunks and wg.chunks_by_value
+    data, chunks = _split_proto_arg(args, kwargs, num_chunks, by_value)
 
     def per_rank(value) -> list:
         return [chunks[c] for c in chunk_of_rank] if value is data else [value] * wg.world_size
@@ -288,7 +300,9 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
 
     def dispatch(wg, *args, **kwargs) -> Dispatched:
         dp_of_rank, collect_ranks = mesh_layout(wg, mesh_name)
-        arg_chunks, kw_chunks, pad = chunk_proto_args(len(collect_ranks), args, kwargs)
+        # By value only with one rank per dp rank: a chunk shared by replicas is put once.
+        by_value = len(collect_ranks) == wg.world_size and wg.chunks_by_value
+        arg_chunks, kw_chunks, pad = chunk_proto_args(len(collect_ranks), args, kwargs, by_value)
         return Dispatched(
             [[chunks[dp] for dp in dp_of_rank] for chunks in arg_chunks],
             {k: [chunks[dp] for dp in dp_of_rank] for k, chunks in kw_chunks.items()},

@@ -13,14 +13,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from controller.errors import WorkerGroupError, WorkerGroupTimeoutError
 
 
-def _get_one(ref, role: str, rank: int, method: str):
+def _get_one(ref, role: str, rank: int, method: str, timeout_s: float | None = None):
+    """``ray.get(ref)``, a failure raised as a WorkerGroupError naming the call (GetTimeoutError passes)."""
     try:
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError:
+        raise
     except RayTaskError as err:
         cause = getattr(err, "cause", None)
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else "the worker raised"
@@ -72,21 +75,40 @@ def wait_for_calls(
     results: list = [None] * len(refs)
     pending = list(refs)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def timed_out() -> WorkerGroupTimeoutError:
+        assert timeout_s is not None  # without a deadline nothing times out
+        first = calls[position[pending[0]]]
+        same_call = [c for c in (calls[position[ref]] for ref in pending) if c.role == first.role]
+        stuck = sorted(c.rank for c in same_call if c.method == first.method)
+        return WorkerGroupTimeoutError(
+            first.role, first.method, stuck, timeout_s, time.perf_counter() - started
+        )
+
     while pending:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if len(pending) == 1:  # nothing else to fail first: one timed get instead of a wait and a get
+            i = position[pending[0]]
+            try:
+                results[i] = _get_one(pending[0], calls[i].role, calls[i].rank, calls[i].method, remaining)
+            except GetTimeoutError:
+                raise timed_out() from None
+            return results
         ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
         if not ready:
-            assert timeout_s is not None  # without a deadline ray.wait returns only once a ref is ready
-            first = calls[position[pending[0]]]
-            same_call = [c for c in (calls[position[ref]] for ref in pending) if c.role == first.role]
-            stuck = sorted(c.rank for c in same_call if c.method == first.method)
-            raise WorkerGroupTimeoutError(
-                first.role, first.method, stuck, timeout_s, time.perf_counter() - started
-            )
+            raise timed_out()
         if pending:  # pick up everything else already finished in the same pass
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             ready += more
-        for ref in ready:
-            i = position[ref]
-            results[i] = _get_one(ref, calls[i].role, calls[i].rank, calls[i].method)
+        for ref, value in zip(ready, _get_ready(ready, [calls[position[ref]] for ref in ready])):
+            results[position[ref]] = value
     return results
+
+
+def _get_ready(refs: list, calls: list[RankCall]) -> list:
+    """Values of finished ``refs`` in one ``ray.get``; only when one of them failed are they fetched one by
+    one, so that the error names the failing call."""
+    try:
+        return ray.get(refs)
+    except RayError:
+        return [_get_one(ref, call.role, call.rank, call.method) for ref, call in zip(refs, calls)]

@@ -33,6 +33,7 @@ _INSTANCE_ATTRS = {
     "master_port",
     "call_timeout_s",
     "call_timeout_per_row_s",
+    "chunks_by_value",
 }
 
 
@@ -97,9 +98,12 @@ class RayWorkerGroup:
         start_timeout_s: float = 300.0,
         actor_options: dict | None = None,
         call_timeout_per_row_s: float = 0.0,
+        chunks_by_value: bool = False,
     ):
         """``call_timeout_s`` (None: no limit) + ``call_timeout_per_row_s`` per row of a call's DataProto
-        arguments bounds every call whose method sets no ``timeout_s`` of its own."""
+        arguments bounds every call whose method sets no ``timeout_s`` of its own. With ``chunks_by_value``
+        the DataProto chunks of the chunking modes travel inside the calls instead of one ``ray.put`` per
+        chunk (``controller.dispatch.ship_chunk``: Ray inlines small ones; faster on small batches)."""
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"expected RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}")
         name = name_prefix or ray_cls_with_init.cls.__name__
@@ -112,12 +116,14 @@ class RayWorkerGroup:
             name, resource_pool, slots, ray_cls_with_init, start_timeout_s, actor_options
         )
         timeouts = (call_timeout_s, call_timeout_per_row_s)
-        self._setup(name, actors, ray_cls_with_init.cls, "", resource_pool, master, timeouts)
+        self._setup(name, actors, ray_cls_with_init.cls, "", resource_pool, master, timeouts, chunks_by_value)
 
     @classmethod
-    def _from_actors(cls, name, actors, worker_cls, method_prefix, pool, master, timeouts) -> RayWorkerGroup:
+    def _from_actors(
+        cls, name, actors, worker_cls, method_prefix, pool, master, timeouts, chunks_by_value
+    ) -> RayWorkerGroup:
         group = cls.__new__(cls)
-        group._setup(name, actors, worker_cls, method_prefix, pool, master, timeouts)
+        group._setup(name, actors, worker_cls, method_prefix, pool, master, timeouts, chunks_by_value)
         return group
 
     @staticmethod
@@ -163,7 +169,9 @@ class RayWorkerGroup:
             raise
         return actors, master
 
-    def _setup(self, name, actors, worker_cls, method_prefix, pool, master, timeouts) -> None:
+    def _setup(
+        self, name, actors, worker_cls, method_prefix, pool, master, timeouts, chunks_by_value
+    ) -> None:
         self.name = name
         self._actors = list(actors)
         self._worker_cls = worker_cls
@@ -171,6 +179,7 @@ class RayWorkerGroup:
         self.resource_pool = pool
         self.master_addr, self.master_port = master
         self.call_timeout_s, self.call_timeout_per_row_s = timeouts
+        self.chunks_by_value = chunks_by_value
         self._mesh_info: dict[str, list[tuple[int, bool]]] = {}
         self._bind_methods()
 
@@ -290,6 +299,7 @@ class RayWorkerGroup:
                 self.resource_pool,
                 (self.master_addr, self.master_port),
                 (self.call_timeout_s, self.call_timeout_per_row_s),
+                self.chunks_by_value,
             )
             for role in prefix_set
         }
