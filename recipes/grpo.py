@@ -24,10 +24,11 @@ from recipes.trainer import (
     cli,
     compute_advantage,
     fill_mini_batches,
+    generate_and_score,
+    log_probs,
     metrics_of,
     parse_args,
     rollout_meta,
-    score_and_log_probs,
     start_run,
     timer,
     update_actor,
@@ -37,17 +38,16 @@ from recipes.trainer import (
 def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataProto:
     """One step on a batch of prompts; returns the batch with every column the step computed."""
     cfg, roles = s.cfg, s.roles
-    # 1. rollout: rollout.n samples per prompt (rows a,a,..,b,b,..), seeded by the step
-    with timer("gen", timings):
-        batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    # 1. rollout: rollout.n samples per prompt (rows a,a,..,b,b,..), seeded by the step, then the reward (the
+    #    rule verifier's score on each response's last token), chained on the workers
+    batch = generate_and_score(roles, batch, rollout_meta(cfg, s.state.step), timings)
     # an agent env whose every trajectory failed stops the run; step-wise turns and children as rows vary the
     # row count: filled up to whole PPO mini-batches with rows that carry no loss
     check_env_errors(batch, s.state.step)
     batch = fill_mini_batches(cfg, batch, roles.critic is not None)
-    # 2. reward (the rule verifier's score on each response's last token), then log-probs of the sampled
-    #    tokens under the current policy (unless the update computes them: algorithm.old_log_prob) and the
-    #    frozen reference (and PPO: the critic's values)
-    batch = score_and_log_probs(cfg, roles, batch, timings)
+    # 2. log-probs of the sampled tokens under the current policy (unless the update computes them:
+    #    algorithm.old_log_prob) and the frozen reference (and PPO: the critic's values)
+    batch = log_probs(cfg, roles, batch, timings)
     if roles.critic is not None:
         with timer("values", timings):
             batch = batch.union(roles.critic.compute_values(batch))
@@ -61,9 +61,7 @@ def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataP
     # 5. policy update (clipped surrogate + KL loss) once a critic has warmed up, then the new weights to the
     #    rollout engine
     if s.state.step > cfg.trainer.critic_warmup:
-        metrics |= update_actor(roles, batch, timings)
-        with timer("update_weights", timings):
-            metrics |= roles.sync_weights()
+        metrics |= update_actor(roles, batch, timings, sync_weights=True)
     return batch
 
 

@@ -25,8 +25,9 @@ from recipes.trainer import (
     cli,
     compute_advantage,
     fill_mini_batches,
+    log_probs,
     parse_args,
-    score_and_log_probs,
+    score,
     start_run,
     timer,
     update_actor,
@@ -45,7 +46,7 @@ def async_step(s: Session, source: SyncRollout | RolloutStream, metrics: dict, t
     check_env_errors(batch, s.state.step)
     batch = fill_mini_batches(cfg, batch, with_critic=False)
     # 2. reward, the current policy's log-probs (the proximal policy) and the reference's
-    batch = score_and_log_probs(cfg, roles, batch, timings, old_log_probs_needed=True)
+    batch = log_probs(cfg, roles, score(roles, batch, timings), timings, old_log_probs_needed=True)
     # 3. off-policy correction: proximal / behaviour (the rollout engine's log-probs) per token
     metrics |= apply_rollout_correction(batch, cfg.algorithm)
     # 4. group-relative advantages, then the policy update

@@ -38,11 +38,12 @@ from recipes.trainer import (
     cli,
     compute_advantage,
     fill_mini_batches,
+    generate_and_score,
+    log_probs,
     parse_args,
     print_summary,
     replayed,
     rollout_meta,
-    score_and_log_probs,
     start_run,
     timer,
     update_actor,
@@ -66,13 +67,13 @@ def hybrid_step(
     """One step on a batch of prompts; returns the batch with every column the step computed."""
     cfg, roles = s.cfg, s.roles
     hybrid = cfg.algorithm.adv_estimator == "hybrid"  # else the GRPO baseline
-    # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox
-    with timer("gen", timings):
-        batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox; their outcome reward (the
+    #    \boxed{} answer)
+    batch = generate_and_score(roles, batch, rollout_meta(cfg, s.state.step), timings)
     check_env_errors(batch, s.state.step)  # every trajectory failed (no sandbox, no engine): stop loudly
     batch = fill_mini_batches(cfg, batch, with_critic=False)  # step-wise turns / children vary the row count
-    # 2. outcome reward (the \boxed{} answer), log-probs under the policy and the reference
-    batch = score_and_log_probs(cfg, roles, batch, timings, old_log_probs_needed=hybrid)  # the OPD term
+    # 2. log-probs under the policy (before the update: the OPD term reads them) and the reference
+    batch = log_probs(cfg, roles, batch, timings, old_log_probs_needed=hybrid)
     # 3. process reward model: step votes and bridge thoughts
     if prm is not None:
         with timer("prm", timings):
@@ -89,9 +90,7 @@ def hybrid_step(
         else:
             metrics |= compute_advantage(batch, cfg.algorithm, s.kl_ctrl)
     # 6. PPO update, then the new weights to the rollout engine
-    metrics |= update_actor(roles, batch, timings)
-    with timer("update_weights", timings):
-        metrics |= roles.sync_weights()
+    metrics |= update_actor(roles, batch, timings, sync_weights=True)
     return batch
 
 

@@ -1,6 +1,7 @@
-"""The pieces of one RL step that every recipe shares: sampling settings, reward and log-probs
-(``score_and_log_probs``), advantages on the controller, when a periodic action is due, reward-error checks,
-and the trainer state kept in checkpoints."""
+"""The pieces of one RL step that every recipe shares: sampling settings, rollout and reward
+(``generate_and_score``, ``score``), log-probs (``log_probs``), advantages on the controller, the update
+(``update_actor``), when a periodic action is due, reward-error checks, and the trainer state kept in
+checkpoints."""
 
 from __future__ import annotations
 
@@ -39,17 +40,35 @@ def rollout_meta(cfg: RecipeConfig, step: int) -> dict:
     }
 
 
-def score_and_log_probs(
+def generate_and_score(roles: Roles, batch: DataProto, meta: dict, timings: dict) -> DataProto:
+    """The rollout's samples of ``batch`` (sampling settings ``meta``), scored by the reward worker
+    (``token_level_scores``). The two calls are chained: the reward call goes out with the rollout's future, so
+    the reward ranks take the samples where the rollout ranks left them (the same processes when colocated)
+    and the controller waits once, not once per call. Timed as ``gen`` (until the samples are back) and
+    ``reward`` (the rest)."""
+    with timer("gen", timings):
+        generated = roles.generate(batch, meta, blocking=False)
+        scored = roles.reward.compute_rm_score.with_options(blocking=False)(generated)
+        batch = generated.get()
+    with timer("reward", timings):
+        return batch.union(scored.get())
+
+
+def score(roles: Roles, batch: DataProto, timings: dict) -> DataProto:
+    """The reward worker's scores (``token_level_scores``) of samples that are already here; timed as
+    ``reward``."""
+    with timer("reward", timings):
+        return batch.union(roles.reward.compute_rm_score(batch))
+
+
+def log_probs(
     cfg: RecipeConfig, roles: Roles, batch: DataProto, timings: dict, *, old_log_probs_needed: bool = False
 ) -> DataProto:
-    """What every policy-gradient step computes between rollout and advantages: the reward worker's scores
-    (``token_level_scores``), the log-probs of the sampled tokens the policy loss divides by
-    (``old_log_probs``, per ``algorithm.old_log_prob``: see `old_log_prob_source`) and, when a KL term needs
-    them, the frozen reference's (``ref_log_prob``); timed as ``reward``, ``old_log_prob``, ``ref``.
-    ``old_log_probs_needed``: the recipe reads ``old_log_probs`` before the update (e.g. an off-policy
-    correction or a distillation term in its advantages)."""
-    with timer("reward", timings):
-        batch = batch.union(roles.reward.compute_rm_score(batch))
+    """What every policy-gradient step computes between scoring and advantages: the log-probs of the sampled
+    tokens the policy loss divides by (``old_log_probs``, per ``algorithm.old_log_prob``: see
+    `old_log_prob_source`) and, when a KL term needs them, the frozen reference's (``ref_log_prob``); timed
+    as ``old_log_prob`` and ``ref``. ``old_log_probs_needed``: the recipe reads ``old_log_probs`` before the
+    update (e.g. an off-policy correction or a distillation term in its advantages)."""
     source = old_log_prob_source(cfg, batch, old_log_probs_needed)
     if source == "recompute":
         with timer("old_log_prob", timings):
@@ -80,14 +99,25 @@ def old_log_prob_source(cfg: RecipeConfig, batch: DataProto, needed_before_updat
     return "update" if on_policy and not read_before else "recompute"
 
 
-def update_actor(roles: Roles, batch: DataProto, timings: dict) -> dict[str, float]:
+def update_actor(
+    roles: Roles, batch: DataProto, timings: dict, *, sync_weights: bool = False, version: int | None = None
+) -> dict[str, float]:
     """The policy update (timed as ``update_actor``); its metrics. A batch without ``old_log_probs`` gets the
-    ones the update's forward pass computed (`old_log_prob_source` ``update``), for the step's metrics."""
+    ones the update's forward pass computed (`old_log_prob_source` ``update``), for the step's metrics.
+    ``sync_weights``: then the new weights to the rollout engines as policy ``version`` (timed as
+    ``update_weights``); an in-process sync is sent right behind the update (``WeightSync.submit``), so the
+    trainer ranks start it without a controller round trip."""
     with timer("update_actor", timings):
-        out = roles.actor.update_actor(batch)
+        update = roles.actor.update_actor.with_options(blocking=False)(batch)
+        chained = roles.weight_sync.submit(version) if sync_weights else None
+        out = update.get()
     if "old_log_probs" not in batch.batch:
         batch.batch["old_log_probs"] = out.batch["old_log_probs"]
-    return metrics_of(out)
+    metrics = metrics_of(out)
+    if sync_weights:
+        with timer("update_weights", timings):
+            metrics |= chained() if chained is not None else roles.sync_weights(version)
+    return metrics
 
 
 def apply_rollout_correction(batch: DataProto, alg: AlgorithmConfig) -> dict[str, float]:

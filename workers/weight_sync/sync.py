@@ -22,7 +22,8 @@ Strategies, one sequence of group calls each:
   waits for both with `controller.wait_all`, so the first error of either side is raised at once instead of
   leaving the other side waiting in a collective. The group is held by this object (``link``).
 
-Every ``sync()`` returns metrics: ``timing_s/update_weights`` (controller wall time of the whole sync),
+Every ``sync()`` returns metrics: ``timing_s/update_weights`` (controller wall time of the whole sync; of a
+``submit()``-ted one, the wait for it after the call it queued behind),
 ``perf/weight_sync_bytes`` (tensor bytes loaded into one rollout replica) and the strategy's
 ``weight_sync/*`` details; ``syncs`` counts the syncs and ``last`` keeps the latest metrics.
 """
@@ -30,6 +31,7 @@ Every ``sync()`` returns metrics: ``timing_s/update_weights`` (controller wall t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from controller import RayWorkerGroup, WorkerGroupError, wait_all
@@ -102,14 +104,33 @@ class WeightSync:
         version the rollout engines then tag their tokens with (None: they keep theirs). Disaggregated only:
         ``bucket_bytes`` overrides the trainer's ``rollout.weight_bucket_mb``; ``abort_running`` aborts the
         requests that a concurrent rollout worker started on the old weights (``RolloutWorker.receive_weights``)."""
-        t0 = time.perf_counter()
         if self.strategy == "disaggregated":
-            metrics = self._stream(bucket_bytes, version, abort_running)
-        elif bucket_bytes is not None or abort_running:
+            t0 = time.perf_counter()
+            return self._record(self._stream(bucket_bytes, version, abort_running), t0)
+        if bucket_bytes is not None or abort_running:
             what = "bucket_bytes" if bucket_bytes is not None else "abort_running"
             raise ValueError(f"{what} applies to the disaggregated weight sync, not to {self.strategy!r}")
-        else:  # the worker returns rank 0's metrics
-            metrics = getattr(self.actor, _IN_PROCESS_METHOD[self.strategy])(version=version)
+        wait = self.submit(version)
+        assert wait is not None  # in process
+        return wait()
+
+    def submit(self, version: int | None = None) -> Callable[[], dict[str, float]] | None:
+        """An in-process sync sent now without waiting for it: the trainer ranks run it after the calls already
+        sent to them (e.g. the update that produced the weights), so no controller round trip sits between the
+        two. Returns the function that waits for it and returns `sync`'s metrics, timed from that wait (the
+        sync's own time, not the call it queued behind); None for the disaggregated strategy (use `sync`)."""
+        if self.strategy == "disaggregated":
+            return None
+        method = getattr(self.actor, _IN_PROCESS_METHOD[self.strategy])
+        pending = method.with_options(blocking=False)(version=version)
+
+        def wait() -> dict[str, float]:
+            t0 = time.perf_counter()
+            return self._record(pending.get(), t0)  # the worker returns rank 0's metrics
+
+        return wait
+
+    def _record(self, metrics: dict, t0: float) -> dict[str, float]:
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["timing_s/update_weights"] = time.perf_counter() - t0
         self.syncs += 1

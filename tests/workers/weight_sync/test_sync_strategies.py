@@ -7,13 +7,37 @@ import pytest
 from workers.weight_sync import WeightSync
 
 
+class Sent:
+    """Stands in for the DataProtoFuture of a ``blocking=False`` call (the call has run)."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def get(self):
+        return self.result
+
+
+class SyncMethod:
+    """Stands in for a group method: a plain call waits, ``with_options(blocking=False)`` returns a future."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, version=None):
+        return self.group.run_sync(version)
+
+    def with_options(self, blocking=True):
+        return self if blocking else (lambda version=None: Sent(self.group.run_sync(version)))
+
+
 class Group:
     """Stands in for a RayWorkerGroup whose in-process sync returns rank 0's metrics."""
 
     def __init__(self):
         self.calls = []
+        self.sync_weights = SyncMethod(self)
 
-    def sync_weights(self, version=None):
+    def run_sync(self, version):
         self.calls.append("sync_weights")
         self.versions = [*getattr(self, "versions", []), version]
         return {"perf/weight_sync_bytes": 12, "timing_s/update_weights": 0.0}
@@ -50,3 +74,16 @@ def test_colocated_sync_reports_bytes_and_controller_time():
     assert sync.syncs == 1 and sync.last == m and sync.link is None
     sync.sync(version=4)  # the policy version the rollout engines tag their tokens with
     assert group.versions == [None, 4]
+
+
+def test_submitted_sync_is_sent_at_once_and_waited_for_later():
+    """The chained form (recipes: update, then the sync queued behind it): sent without waiting; the metrics
+    come from the wait. A disaggregated sync has no such form."""
+    group = Group()
+    sync = WeightSync(group, group, "colocated")
+    wait = sync.submit(version=3)
+    assert wait is not None and group.calls == ["sync_weights"] and sync.syncs == 0
+    m = wait()
+    assert m["perf/weight_sync_bytes"] == 12.0 and m["timing_s/update_weights"] >= 0 and group.versions == [3]
+    assert sync.syncs == 1 and sync.last == m
+    assert WeightSync(Group(), Group(), "disaggregated").submit(version=1) is None
