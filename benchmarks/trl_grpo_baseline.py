@@ -1,0 +1,174 @@
+"""The TRL side of ``benchmarks/bench_vs_trl.py``: Hugging Face TRL's ``GRPOTrainer`` on the benchmark's work.
+
+    .venv-trl/bin/python benchmarks/trl_grpo_baseline.py SPEC.json OUT.json
+
+Runs in the TRL virtualenv (``benchmarks/trl_env.sh``), never in hyflow's: it imports only the standard
+library, torch, transformers, datasets and trl (those last three inside ``train``, so hyflow's tests can check
+the spec and the reward without TRL installed). ``SPEC.json`` (written by the benchmark) names the warm-started
+model directory, the training prompts with their answers and the GRPO settings; ``OUT.json`` receives, per
+optimizer step, the wall time (a ``TrainerCallback`` from step begin to step end: generation, reward, loss,
+backward and the optimizer step), the completion tokens and the mean reward, plus the token ids TRL's own chat
+rendering gives the first prompts (the benchmark checks they equal hyflow's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import time
+
+SPEC_KEYS = {
+    "model_dir": str,
+    "prompts": list,  # [{"question": str, "answer": str}]
+    "steps": int,
+    "n_prompts": int,  # prompts per optimizer step
+    "n_samples": int,  # completions per prompt (the GRPO group)
+    "max_new_tokens": int,
+    "lr": float,
+    "temperature": float,
+    "clip_ratio": float,
+    "grad_clip": float,
+    "seed": int,
+}
+N_RENDERED = 4  # prompts whose rendered token ids are reported
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_INT = re.compile(r"[+-]?\d{1,30}")
+
+
+def load_spec(path: str) -> dict:
+    """The spec at ``path``, with every key present and of its type (ints accepted where floats are)."""
+    with open(path) as f:
+        spec = json.load(f)
+    for key, kind in SPEC_KEYS.items():
+        if key not in spec:
+            raise ValueError(f"spec {path} lacks {key!r}")
+        value = spec[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            spec[key] = float(value)
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"spec {path}: {key} must be {kind.__name__}, got {value!r}")
+    if not spec["prompts"] or not all({"question", "answer"} <= set(p) for p in spec["prompts"]):
+        raise ValueError(f"spec {path}: prompts must be a non-empty list of {{question, answer}}")
+    return spec
+
+
+def messages(question: str) -> list[dict]:
+    """The conversational prompt, the same one message hyflow's task rows hold."""
+    return [{"role": "user", "content": question}]
+
+
+def render_ids(tokenizer, questions: list[str]) -> list[list[int]]:
+    """The prompt token ids GRPOTrainer generates from: its call on conversational prompts."""
+    ids = tokenizer.apply_chat_template(
+        [messages(q) for q in questions], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    return [list(map(int, row)) for row in ids]
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 when the last ``\\boxed{...}`` holds the integer ``answer`` (spaces and a sign allowed), else 0.0:
+    hyflow's arithmetic rule (recipes/tasks/scoring.py)."""
+    found = _BOXED.findall(completion)
+    if not found or not _INT.fullmatch(found[-1].strip()):
+        return 0.0
+    return float(int(found[-1].strip()) == int(answer))
+
+
+def exact_match_reward(completions: list, answer: list[str], **_) -> list[float]:
+    """TRL reward function: ``completions`` are message lists (conversational prompts) or strings."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [exact_match(t, a) for t, a in zip(texts, answer)]
+
+
+def train(spec: dict) -> dict:
+    """``spec["steps"]`` GRPO optimizer steps; returns the per-step times, tokens and rewards."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.step_s: list[float] = []
+            self.logs: list[dict] = []
+            self._t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_s.append(time.perf_counter() - self._t0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.logs.append(dict(logs))
+
+    torch.manual_seed(spec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    rows = [{"prompt": messages(p["question"]), "answer": str(p["answer"])} for p in spec["prompts"]]
+    rendered = render_ids(tokenizer, [p["question"] for p in spec["prompts"][:N_RENDERED]])
+    batch = spec["n_prompts"] * spec["n_samples"]
+    with tempfile.TemporaryDirectory(prefix="trl-grpo-") as out_dir:
+        config = GRPOConfig(
+            output_dir=out_dir,
+            max_steps=spec["steps"],
+            per_device_train_batch_size=batch,  # completions per step: one mini-batch, one optimizer step
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+            num_iterations=1,
+            num_generations=spec["n_samples"],
+            max_completion_length=spec["max_new_tokens"],
+            temperature=spec["temperature"],
+            learning_rate=spec["lr"],
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=spec["grad_clip"],
+            epsilon=spec["clip_ratio"],
+            beta=0.0,  # no KL: no reference model
+            loss_type="dapo",  # token mean over the batch, as hyflow's token-mean
+            scale_rewards="group",
+            bf16=False,
+            gradient_checkpointing=False,
+            use_cpu=True,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            seed=spec["seed"],
+            disable_tqdm=True,
+        )
+        timer = StepTimer()
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=exact_match_reward,
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            callbacks=[timer],
+        )
+        trainer.train()
+    lengths = [log["completions/mean_length"] for log in timer.logs]
+    return {
+        "step_s": timer.step_s,
+        "completion_tokens": [mean * batch for mean in lengths],
+        "reward": [log["reward"] for log in timer.logs],
+        "prompt_ids": rendered,
+        "eos_token_ids": trainer.eos_token_ids,  # generation stops on any of them
+        "versions": {"torch": torch.__version__, "trl": sys.modules["trl"].__version__},
+    }
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        sys.exit("usage: trl_grpo_baseline.py SPEC.json OUT.json")
+    result = train(load_spec(argv[0]))
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
