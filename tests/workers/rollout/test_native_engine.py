@@ -10,6 +10,7 @@ import transformers
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from workers.rollout.native import BatchSampler, EngineConfig, NativeEngine
+from workers.rollout.native.sampler import greedy_sample
 from workers.rollout.sampling import SamplingParams
 
 LOGPROB_TOL = 1e-4  # fp32; observed differences are ~5e-7
@@ -251,6 +252,44 @@ def test_sampler_rows_are_independent_of_each_other():
         tok_i, lp_i = single.sample(logits[i : i + 1], [u[i]])
         assert tok_i.item() == tokens[i].item() and torch.allclose(lp_i, logp[i : i + 1])
     assert tokens[0].item() == logits[0].argmax().item()
+
+
+def test_greedy_sample_equals_argmax_and_log_softmax():
+    """The all-greedy fast path (max + one exp pass) picks argmax's token, the first on ties, and reports
+    the log_softmax of it."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 500) * torch.tensor([[4.0], [1.0], [0.01], [8.0], [1.0], [2.0]])
+    logits[4, 17] = logits[4, 300] = logits[4].max() + 1.0  # a tie: the lower index wins
+    logits[5] = 0.5  # all equal
+    tokens, logp = greedy_sample(logits)
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert tokens[4].item() == 17 and tokens[5].item() == 0
+    ref = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    assert (logp.double() - ref).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_prefill_attention_groups_equal_one_group(kind):
+    """Prefill attention split into per-length groups (forced: no group cost) gives the logits and KV cache
+    of one padded group, and the greedy tokens of HF."""
+    model = tiny_model(kind)
+    prompts = make_prompts([40, 33, 21, 20, 9, 5, 2, 1])
+    split = NativeEngine(model, config=EngineConfig(max_num_seqs=8, max_model_len=64))
+    whole = NativeEngine(model, config=EngineConfig(max_num_seqs=8, max_model_len=64))
+    split.model.PREFILL_GROUP_COST = 0
+    whole.model.PREFILL_GROUP_COST = 10**9
+    lengths = [len(p) for p in prompts]
+    assert len(split.model._row_groups(lengths, 0, split.model.MIN_PREFILL_GROUP_ROWS, squared=True)) > 1
+    with torch.inference_mode():
+        for engine in (split, whole):
+            engine.model.allocate_kv()
+        a, b = split.model.prefill(prompts, 0), whole.model.prefill(prompts, 0)
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    for i, n in enumerate(lengths):
+        assert torch.allclose(split.model.k_cache[:, i, :, :n], whole.model.k_cache[:, i, :, :n], atol=1e-5)
+    outs = split.generate_batch(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    for prompt, (out,) in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, prompt, 8)
 
 
 # ---- stopping -----------------------------------------------------------------------------------------

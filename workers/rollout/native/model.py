@@ -10,8 +10,8 @@ the transformer itself:
 * The KV cache is static: ``[layers, slots, kv_heads, max_model_len, head_dim]`` for keys and for values.
   A running request owns one slot; the running batch always occupies slots ``0..B-1`` (the engine
   compacts slots when requests leave), so a decode step reads the cache as a plain view, with no gather.
-* ``prefill`` runs a right-padded batch of prompts (causal attention alone keeps real tokens from seeing
-  the padding that follows them) and writes their keys/values into consecutive slots; ``decode`` runs one
+* ``prefill`` runs a packed batch of prompts, right-padded per group only for attention (causal attention
+  alone keeps real tokens from seeing the padding that follows them) and writes their keys/values into consecutive slots; ``decode`` runs one
   token per running request at its own position, with a per-row mask over the cache positions.
 
 Parameter names (for ``update_weights``) are the Hugging Face state-dict names; tied embeddings map
@@ -494,14 +494,13 @@ class NativeCausalLM:
         """Run prompts from position 0 and store their keys/values in slots ``slot_start ...``; return the
         float32 logits of each prompt's last token, ``[N, vocab]``.
 
-        Tokens are packed (no padding) for every matmul; only attention pads the queries to ``[N, P]``
-        and reads the keys/values back from the cache slots (causal masking keeps each query from the
+        Tokens are packed (no padding) for every matmul; only attention pads the queries, per group of
+        prompts to the group's longest, ``[rows, P_g]``, and reads the keys/values back from the cache slots (causal masking keeps each query from the
         slot positions past its own, which hold stale entries of earlier requests)."""
         s = self.spec
         dev = self.device
         N = len(prompts)
         lengths = [len(p) for p in prompts]
-        P = max(lengths)
         nkv, hd, T_max = s.num_kv_heads, s.head_dim, self.max_model_len
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
         lens = torch.tensor(lengths, dtype=torch.long, device=dev)
@@ -510,47 +509,68 @@ class NativeCausalLM:
         pos = torch.arange(tokens.shape[0], device=dev) - starts[row]
         cos = self.cos[pos][:, None, :]
         sin_signed = self.sin_signed[pos][:, None, :]
-        padded = row * P + pos  # token -> row of the padded [N*P] query layout
+        # Attention runs per group of consecutive prompts, each padded only to its own longest prompt
+        # (the engine passes prompts longest first): one group for the batch would pad every query row
+        # to the longest prompt and attend over its full causal square.
+        groups = self._row_groups(lengths, self.PREFILL_GROUP_COST, self.MIN_PREFILL_GROUP_ROWS, squared=True)
+        token_starts = [0]
+        for n in lengths:
+            token_starts.append(token_starts[-1] + n)
+        # per group: its packed token range and each token's row in its padded [rows * P_g] query layout
+        spans = [
+            (a, e, t, token_starts[a], token_starts[e], (row[token_starts[a] : token_starts[e]] - a) * t
+             + pos[token_starts[a] : token_starts[e]])
+            for a, e, t in groups
+        ]  # fmt: skip
         cache_rows = (
             ((row + slot_start)[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * T_max
             + pos[:, None]
         ).reshape(-1)
-        slots = slice(slot_start, slot_start + N)
         gqa = s.num_kv_heads != s.num_heads
         h = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self._layer_qkv(h, layer, cos, sin_signed)
             self.k_cache[li].view(-1, hd).index_copy_(0, cache_rows, k.reshape(-1, hd))
             self.v_cache[li].view(-1, hd).index_copy_(0, cache_rows, v.reshape(-1, hd))
-            q_pad = q.new_zeros(N * P, s.num_heads, hd).index_copy_(0, padded, q)
-            q_pad = q_pad.view(N, P, s.num_heads, hd).transpose(1, 2)
-            keys = self.k_cache[li, slots, :, :P]
-            values = self.v_cache[li, slots, :, :P]
-            attn = F.scaled_dot_product_attention(
-                q_pad, keys, values, is_causal=True, scale=hd**-0.5, enable_gqa=gqa
-            )
-            attn = attn.transpose(1, 2).reshape(N * P, s.q_size).index_select(0, padded)
-            h = self._layer_out(h, attn, layer)
+            parts = []
+            for a, e, t, ta, tb, padded in spans:
+                q_pad = q.new_zeros((e - a) * t, s.num_heads, hd).index_copy_(0, padded, q[ta:tb])
+                q_pad = q_pad.view(e - a, t, s.num_heads, hd).transpose(1, 2)
+                keys = self.k_cache[li, slot_start + a : slot_start + e, :, :t]
+                values = self.v_cache[li, slot_start + a : slot_start + e, :, :t]
+                attn = F.scaled_dot_product_attention(
+                    q_pad, keys, values, is_causal=True, scale=hd**-0.5, enable_gqa=gqa
+                )
+                parts.append(attn.transpose(1, 2).reshape((e - a) * t, s.q_size).index_select(0, padded))
+            h = self._layer_out(h, parts[0] if len(parts) == 1 else torch.cat(parts), layer)
         return self._logits(h[starts + lens - 1])
 
-    def _attention_groups(self, lengths: list[int]) -> list[tuple[int, int, int]]:
-        """Split rows 0..B-1 into contiguous groups ``(start, end, keys)`` that each read only up to their
-        own longest row: decode attention is bound by reading the cache, and one group for the whole
-        batch reads every row up to the batch's longest. A group costs a few more small ops, counted as
-        ``GROUP_COST_TOKENS`` cache positions."""
+    def _row_groups(
+        self, lengths: list[int], group_cost: int, min_rows: int, squared: bool = False
+    ) -> list[tuple[int, int, int]]:
+        """Split rows 0..B-1 into contiguous groups ``(start, end, longest)`` whose attention reads only up
+        to their own longest row: one group for the whole batch pads every row to the batch's longest.
+        Cost of a group: rows * longest (decode: cache positions read) or rows * longest**2 with
+        ``squared`` (prefill: the padded causal square), plus ``group_cost`` for its extra small ops.
+        Tries halving group sizes down to ``min_rows`` and keeps the cheapest split."""
         B = len(lengths)
-        best, best_cost = [(0, B, max(lengths))], B * max(lengths)
+        power = 2 if squared else 1
+        best, best_cost = [(0, B, max(lengths))], B * max(lengths) ** power
         size = B // 2
-        while size >= self.MIN_GROUP_ROWS:
+        while size >= min_rows:
             groups = [(s, min(s + size, B), max(lengths[s : s + size])) for s in range(0, B, size)]
-            cost = sum((e - s) * t for s, e, t in groups) + len(groups) * self.GROUP_COST_TOKENS
+            cost = sum((e - s) * t**power for s, e, t in groups) + len(groups) * group_cost
             if cost < best_cost:
                 best, best_cost = groups, cost
             size //= 2
         return best
 
     MIN_GROUP_ROWS = 4
-    GROUP_COST_TOKENS = 256
+    GROUP_COST_TOKENS = 256  # decode: a group's extra ops cost about as much as reading this many positions
+    MIN_PREFILL_GROUP_ROWS = 1
+    # prefill: a group's extra ops (padding, one more attention call) cost about as much as this many
+    # query x key positions of attention (measured on CPU: ~0.1 ms)
+    PREFILL_GROUP_COST = 8192
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token per running request: ``tokens[b]`` at ``positions[b]`` for the request in slot ``b``
@@ -560,7 +580,7 @@ class NativeCausalLM:
         B = len(tokens)
         nkv, g, hd, T_max = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim, self.max_model_len
         dev = self.device
-        groups = self._attention_groups([p + 1 for p in positions])
+        groups = self._row_groups([p + 1 for p in positions], self.GROUP_COST_TOKENS, self.MIN_GROUP_ROWS)
         T = max(t for _, _, t in groups)
         tokens_t = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)

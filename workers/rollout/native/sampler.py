@@ -29,6 +29,14 @@ NUCLEUS_CANDIDATES = 256
 _U_MAX = 1.0 - 1e-6  # keeps u * total strictly below the total mass in float32
 
 
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [B, V]`` -> (argmax tokens [B], their log_softmax [B]) in two passes over the logits: ``max``
+    returns the first index on ties, as ``argmax`` does (and is ~3x faster on CPU), and the log-prob of the
+    maximum is ``-log(sum(exp(logits - max)))``, so no ``[B, V]`` log-softmax is materialised."""
+    top, tokens = logits.max(dim=-1, keepdim=True)
+    return tokens[:, 0], (logits - top).exp_().sum(dim=-1).log_().neg_()
+
+
 class BatchSampler:
     """Holds the per-row settings of one batch; build once per batch composition, call ``sample`` per step."""
 
@@ -57,9 +65,7 @@ class BatchSampler:
     def sample(self, logits: torch.Tensor, uniforms: list[float] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``logits [B, V]`` float32 -> (tokens [B] int64, log-probs [B] float32)."""
         if self.all_greedy:
-            tokens = logits.argmax(dim=-1)
-            logp = torch.log_softmax(logits, dim=-1)
-            return tokens, logp.gather(1, tokens[:, None])[:, 0]
+            return greedy_sample(logits)
         logp = torch.log_softmax(logits / self.temps, dim=-1)  # greedy rows: temperature 1
         probs = logp.exp()
         vocab = probs.shape[-1]
