@@ -1,9 +1,12 @@
-"""The one wait loop: results of group calls, failing on the first error instead of blocking on the others.
+"""The one wait: results of group calls, failing on the first error instead of blocking on the others.
 
-A single ``ray.get(refs)`` would block until every rank returns; if one rank dies, the others may be
-stuck forever in a collective waiting for it. Waiting ref by ref with ``ray.wait`` surfaces the first
-failure at once. The refs may belong to several calls in flight together (the two sides of a weight
-sync: a sender stuck in a broadcast must not hide that the receivers already failed).
+If one rank dies, the others may be stuck forever in a collective waiting for it, so the wait must surface
+the first failure at once. Ray's ``ray.get(refs)`` does: it returns when every ref is ready or raises as soon
+as any of them holds an error (a raised exception or a dead actor; ``tests/controller/test_failures.py`` and
+``test_split_and_wait_all.py`` check that it comes at once). One ``ray.get`` is also the cheapest wait, as
+cheap as a bare Ray round trip; only after a failure or a timeout are the refs looked at one by one, to name
+the failing rank or the ranks still running. The refs may belong to several calls in flight together (the
+two sides of a weight sync: a sender stuck in a broadcast must not hide that the receivers already failed).
 """
 
 from __future__ import annotations
@@ -18,12 +21,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from controller.errors import WorkerGroupError, WorkerGroupTimeoutError
 
 
-def _get_one(ref, role: str, rank: int, method: str, timeout_s: float | None = None):
-    """``ray.get(ref)``, a failure raised as a WorkerGroupError naming the call (GetTimeoutError passes)."""
+def _get_one(ref, role: str, rank: int, method: str):
     try:
-        return ray.get(ref, timeout=timeout_s)
-    except GetTimeoutError:
-        raise
+        return ray.get(ref)
     except RayTaskError as err:
         cause = getattr(err, "cause", None)
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else "the worker raised"
@@ -71,44 +71,23 @@ def wait_for_calls(
     naming its group, rank and method; after ``timeout_s`` a WorkerGroupTimeoutError names the first call
     still running and its pending ranks."""
     started = time.perf_counter() if started is None else started
-    position = {ref: i for i, ref in enumerate(refs)}
-    results: list = [None] * len(refs)
-    pending = list(refs)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def timed_out() -> WorkerGroupTimeoutError:
-        assert timeout_s is not None  # without a deadline nothing times out
-        first = calls[position[pending[0]]]
-        same_call = [c for c in (calls[position[ref]] for ref in pending) if c.role == first.role]
-        stuck = sorted(c.rank for c in same_call if c.method == first.method)
-        return WorkerGroupTimeoutError(
-            first.role, first.method, stuck, timeout_s, time.perf_counter() - started
-        )
-
-    while pending:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if len(pending) == 1:  # nothing else to fail first: one timed get instead of a wait and a get
-            i = position[pending[0]]
-            try:
-                results[i] = _get_one(pending[0], calls[i].role, calls[i].rank, calls[i].method, remaining)
-            except GetTimeoutError:
-                raise timed_out() from None
-            return results
-        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
-        if not ready:
-            raise timed_out()
-        if pending:  # pick up everything else already finished in the same pass
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            ready += more
-        for ref, value in zip(ready, _get_ready(ready, [calls[position[ref]] for ref in ready])):
-            results[position[ref]] = value
-    return results
-
-
-def _get_ready(refs: list, calls: list[RankCall]) -> list:
-    """Values of finished ``refs`` in one ``ray.get``; only when one of them failed are they fetched one by
-    one, so that the error names the failing call."""
+    refs = list(refs)
     try:
-        return ray.get(refs)
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        assert timeout_s is not None  # without a deadline ray.get does not time out
+        pending = set(ray.wait(refs, num_returns=len(refs), timeout=0)[1])
+        if not pending:  # all finished between the get's deadline and this look: take the results
+            return wait_for_calls(refs, calls, None, started)
+        running = [calls[i] for i, ref in enumerate(refs) if ref in pending]
+        first = running[0]
+        stuck = sorted(c.rank for c in running if (c.role, c.method) == (first.role, first.method))
+        raise WorkerGroupTimeoutError(
+            first.role, first.method, stuck, timeout_s, time.perf_counter() - started
+        ) from None
     except RayError:
-        return [_get_one(ref, call.role, call.rank, call.method) for ref, call in zip(refs, calls)]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for i, ref in enumerate(refs):  # the failed ref is ready; the first one in call order is named
+            if ref in ready:
+                _get_one(ref, calls[i].role, calls[i].rank, calls[i].method)
+        raise  # not reached: the ref that failed the get fails here too

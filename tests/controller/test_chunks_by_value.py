@@ -1,7 +1,7 @@
 """A group built with ``chunks_by_value=True``: DataProto chunks travel inside the calls (no ``ray.put``), and
 every rank still receives exactly its rows (padding for DP_COMPUTE_PROTO, uneven unpadded chunks and a
-placeholder row for DP_SPLIT_PROTO, chunks bigger than Ray's inline limit). Also the wait's fast paths: the
-finished ranks fetched in one get still name a failing rank, and a single pending call times out naming it."""
+placeholder row for DP_SPLIT_PROTO, chunks bigger than Ray's inline limit). Also the wait (one ``ray.get`` of
+every rank): a failure is still pinned on its rank, and a timeout on the rank still running."""
 
 import sys
 import time
