@@ -236,3 +236,26 @@ def materialize(model: nn.Module, source: WeightSource, device: str | torch.devi
         local, offset = local_piece_of(param)
         source.fill(name, tuple(param.shape), offset, local)
     return model
+
+
+def full_tensors(model: nn.Module, source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every parameter of ``model`` (tied ones once), read from ``source`` one
+    parameter at a time in the parameter's dtype: a consumer that copies each away holds one at a time."""
+    for name, param in model.named_parameters():
+        out = torch.empty(param.shape, dtype=param.dtype)
+        source.fill(name, tuple(param.shape), (0,) * param.dim(), out)
+        yield name, out
+
+
+def use_placeholders(model: nn.Module) -> nn.Module:
+    """Replace ``model``'s meta parameters by zero-stride views of one zero element (real tensors of the right
+    shape and dtype that cost no memory), ties kept: for code that copies a module's weights elsewhere and is
+    then given the real ones (e.g. the native rollout engine, then ``full_tensors``). Returns ``model``."""
+    seen: dict[int, nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if id(param) not in seen:
+            view = torch.zeros((), dtype=param.dtype).expand(param.shape)
+            seen[id(param)] = nn.Parameter(view, requires_grad=False)
+        module_name, _, attr = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[attr] = seen[id(param)]
+    return model

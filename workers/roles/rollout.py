@@ -25,6 +25,8 @@ from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.engine.distributed import default_device
 from workers.models import load_config, load_model, load_tokenizer, pad_token_id_of, resolve_dtype
+from workers.models.loading import build_on_meta, can_build_on_meta
+from workers.models.meta_init import full_tensors, use_placeholders
 from workers.roles.sync_member import WeightSyncMember
 from workers.rollout.native import EngineConfig, NativeEngine
 from workers.rollout.sampling import SamplingParams
@@ -62,11 +64,15 @@ def build_rollout_engine(
             response_length=rollout.response_length,
             seed=seed,
         )
-        # load_model: a random-init directory (no weights file) gives the same seeded weights as the trainer's
-        hf_model = load_model(
-            model.path, dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code
-        )
-        return NativeEngine(hf_model, tokenizer, cfg, tp_group=tp_group)
+        load = dict(dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code)
+        if not can_build_on_meta(model.path):
+            return NativeEngine(load_model(model.path, **load), tokenizer, cfg, tp_group=tp_group)
+        # One copy of the weights, the engine's: its layout is made from a model without weights, then the
+        # weights are read in one tensor at a time (a random-init directory: the trainer's seeded weights).
+        hf_model, source = build_on_meta(model.path, **load)
+        engine = NativeEngine(use_placeholders(hf_model), tokenizer, cfg, tp_group=tp_group)
+        engine.update_weights(full_tensors(hf_model, source))
+        return engine
     if rollout.name == "sglang":
         if tp_group is not None:
             raise ValueError("rollout.name='sglang' takes no tp_group (SGLang: rollout.tensor_parallel_size)")

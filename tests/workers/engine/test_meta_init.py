@@ -12,10 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from workers.config import ModelConfig, RolloutConfig
 from workers.engine import FSDPEngine
 from workers.engine.distributed import run_in_processes
 from workers.models import load_model
 from workers.models.meta_init import RandomWeights, random_init_seed, write_random_init_model
+from workers.roles.rollout import build_rollout_engine
 
 # An embedding-heavy shape (the 0.5B's vocabulary is 27% of its weights): 131072 x 64 fp32 = 32 MiB, far
 # above the noise of a process's resident memory; 129 MLP rows shard unevenly (65 + 64).
@@ -99,3 +101,17 @@ def test_export_is_written_by_rank_zero_and_loads_the_trained_weights(dist_resul
     assert res[0]["export"] == str(out / "hf") and res[1]["export"] is None
     loaded = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True)
     assert loaded.model.embed_tokens.weight.shape == (131072, 64)
+
+
+@pytest.mark.parametrize("key", ["random", "ckpt"])
+def test_native_rollout_engine_holds_the_directory_weights(dirs, key):
+    """The rollout engine is built from a model without weights and then reads them in one tensor at a time:
+    the same weights as the model loaded whole (a random-init directory: the trainer's)."""
+    engine = build_rollout_engine(
+        ModelConfig(path=dirs[key]), RolloutConfig(prompt_length=16, response_length=4), tokenizer=None
+    )
+    ref = dict(load_model(dirs["random"]).named_parameters(remove_duplicate=False))
+    got = dict(engine.named_weights())
+    assert set(got) == set(ref)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, ref[name].detach()), name
