@@ -1,6 +1,6 @@
 """A GRPO step of hyflow against Hugging Face TRL's ``GRPOTrainer`` on the same work, in one run.
 
-    python -m benchmarks.bench_vs_trl [--steps 40] [--rounds 2] [--warmup 5] [--sft-steps 1200]
+    python -m benchmarks.bench_vs_trl [--steps 40] [--rounds 2] [--warmup 5] [--sft-steps 800]
 
 The same work on both sides: the tiny Qwen2 (workers/models/tiny.py, ~1M parameters) and its locally built
 tokenizer, warm-started once by hyflow's SFT (``recipes.trainer.warm_start``) on 2-digit additions written
@@ -262,7 +262,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="GRPO steps per round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per side, alternating hyflow / TRL")
     p.add_argument("--warmup", type=int, default=5, help="steps of each round left out of the statistics")
-    p.add_argument("--sft-steps", type=int, default=1200, help="hyflow SFT steps of the shared warm start")
+    p.add_argument("--sft-steps", type=int, default=800, help="hyflow SFT steps of the shared warm start")
     p.add_argument(
         "--n-train", type=int, default=2000, help="RL training prompts (as many SFT demonstrations)"
     )
@@ -291,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"[bench_vs_trl] model {model_dir}; prompt of {len(prompt_ids[0])} tokens: {prompt_ids[0]}",
         flush=True,
     )
+    load_before = os.getloadavg()  # the machine is shared: the load beside the numbers
     rounds: dict[str, list[dict]] = {"hyflow": [], "trl": []}
     for i in range(args.rounds):
         rounds["hyflow"].append(hyflow_round(model_dir, files, args.steps, args.work_dir / f"hyflow_{i}"))
@@ -308,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"warm start: greedy held-out accuracy {rounds['hyflow'][0]['val_accuracy_before']:.3f} (hyflow's validator)"
     )
+    load = {"before": load_before, "after": os.getloadavg()}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
     ratio = summary["hyflow"]["median_step_s"] / summary["trl"]["median_step_s"] if "trl" in summary else None
     if ratio is not None:
         print(f"hyflow / TRL median step time: {ratio:.2f}")
@@ -318,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_ids": prompt_ids,
         "summary": summary,
         "ratio_hyflow_over_trl": ratio,
+        "load_average": load,
         "rounds": rounds,
         "trl_versions": rounds["trl"][0]["versions"] if rounds["trl"] else None,
     }
