@@ -2,9 +2,9 @@
 
 Runs ``recipes.rlm`` (tiny model, one GRPO step, S-NIAH contexts of ``--context-chars`` characters, the
 recipe's default ``env.include_json=true``, the KL loss on so the reference log-probs are computed) and records,
-for every group call, the size of each object the controller puts into Ray's object store for it, serialized as
-Ray does (cloudpickle protocol 5, tensor/numpy buffers out of band, both counted). Per call: rows of the batch,
-bytes put per call (all chunks) and per worker (the largest chunk), and the columns that travelled.
+for every group call, the size of each DataProto the controller ships for it (put into Ray's object store, or
+sent inside the call: ``controller.dispatch.ship_chunk``), serialized as Ray does (cloudpickle protocol 5, tensor/numpy buffers out of band, both counted). Per call: rows of the batch,
+bytes shipped per call (all chunks) and per worker (the largest chunk), and the columns that travelled.
 
 Run from the repository root: python -m benchmarks.bench_call_bytes [--context-chars 100000]
 The same script run on an older checkout (a git worktree) gives the "before" numbers.
@@ -18,7 +18,7 @@ import tempfile
 import ray
 
 from benchmarks.common import print_table, write_json
-from controller import RayWorkerGroup
+from controller import RayWorkerGroup, dispatch
 from dataproto import DataProto
 from recipes import rlm
 
@@ -34,16 +34,24 @@ def serialized_bytes(value) -> int:
 
 @contextlib.contextmanager
 def recording_puts():
-    """Record every DataProto ``ray.put`` made while a group call dispatches: (call number, method, bytes, rows,
-    columns)."""
+    """Record every DataProto shipped while a group call dispatches, by ``ray.put`` or inside the call: (call
+    number, method, bytes, rows, columns)."""
     records, current, call_ids = [], [], itertools.count()
-    real_put, real_call = ray.put, RayWorkerGroup._call
+    real_put, real_ship, real_call = ray.put, dispatch.ship_chunk, RayWorkerGroup._call
 
-    def put(value, **kwargs):
+    def record(value) -> None:
         if current and isinstance(value, DataProto):
             columns = sorted(value.batch) + sorted(value.non_tensor_batch)
             records.append((*current[-1], serialized_bytes(value), len(value), columns))
+
+    def put(value, **kwargs):
+        record(value)
         return real_put(value, **kwargs)
+
+    def ship(chunk, by_value):
+        if by_value:  # else ship_chunk puts it (recorded above)
+            record(chunk)
+        return real_ship(chunk, by_value)
 
     def call(self, gm, args, kwargs):
         current.append((next(call_ids), gm.name))
@@ -52,11 +60,11 @@ def recording_puts():
         finally:
             current.pop()
 
-    ray.put, RayWorkerGroup._call = put, call
+    ray.put, dispatch.ship_chunk, RayWorkerGroup._call = put, ship, call
     try:
         yield records
     finally:
-        ray.put, RayWorkerGroup._call = real_put, real_call
+        ray.put, dispatch.ship_chunk, RayWorkerGroup._call = real_put, real_ship, real_call
 
 
 def run_recipe(context_chars: int, out_dir: str) -> list:
@@ -86,7 +94,7 @@ def run_recipe(context_chars: int, out_dir: str) -> list:
 
 
 def summarize(records: list) -> list[dict]:
-    """One row per call of the measured methods, in call order: rows, bytes put (all chunks), the largest chunk
+    """One row per call of the measured methods, in call order: rows, bytes shipped (all chunks), the largest chunk
     (what one worker received) and the columns that travelled."""
     calls: dict[int, list] = {}
     for call_id, name, size, n, columns in records:
@@ -115,7 +123,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
         rows = summarize(run_recipe(args.context_chars, out_dir))
     print(
-        f"\nbytes put per group call, RLM recipe, 1 GRPO step, contexts of {args.context_chars} chars ({args.label})"
+        f"\nbytes shipped per group call, RLM recipe, 1 GRPO step, contexts of {args.context_chars} chars ({args.label})"
     )
     print_table(rows, ["method", "rows", "bytes_per_call", "bytes_per_worker", "num_columns"])
     path = write_json(

@@ -98,12 +98,13 @@ class RayWorkerGroup:
         start_timeout_s: float = 300.0,
         actor_options: dict | None = None,
         call_timeout_per_row_s: float = 0.0,
-        chunks_by_value: bool = False,
+        chunks_by_value: bool = True,
     ):
         """``call_timeout_s`` (None: no limit) + ``call_timeout_per_row_s`` per row of a call's DataProto
         arguments bounds every call whose method sets no ``timeout_s`` of its own. With ``chunks_by_value``
-        the DataProto chunks of the chunking modes travel inside the calls instead of one ``ray.put`` per
-        chunk (``controller.dispatch.ship_chunk``: Ray inlines small ones; faster on small batches)."""
+        (default) the DataProto chunks of the chunking modes travel inside the calls instead of one ``ray.put``
+        per chunk (``controller.dispatch.ship_chunk``: Ray inlines small ones and puts big ones itself, so it is
+        never slower, and 1.6-2.2x faster on small batches: benchmarks/bench_dispatch.py)."""
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"expected RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}")
         name = name_prefix or ray_cls_with_init.cls.__name__

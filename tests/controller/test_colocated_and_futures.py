@@ -84,9 +84,12 @@ def groups(ray_session):
             "ref": RayClassWithInitArgs(StageWorker, tag="ref"),
         }
     )
-    colocated = RayWorkerGroup(pool2, fused, name_prefix="actor_ref")
+    colocated = RayWorkerGroup(pool2, fused, name_prefix="actor_ref", chunks_by_value=False)  # counts puts
     critic = RayWorkerGroup(
-        pool3, RayClassWithInitArgs(StageWorker, "critic", join_dist_in_ctor=True), name_prefix="critic"
+        pool3,
+        RayClassWithInitArgs(StageWorker, "critic", join_dist_in_ctor=True),
+        name_prefix="critic",
+        chunks_by_value=False,
     )
     roles = colocated.spawn(prefix_set={"actor", "ref"})
     yield {"colocated": colocated, "actor": roles["actor"], "ref": roles["ref"], "critic": critic}

@@ -106,7 +106,9 @@ class EchoWorker(Worker):
 @pytest.fixture(scope="module")
 def group3(ray_session):
     pool = ResourcePool([3], name="test_dispatch_pool")
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, tag="e"), name_prefix="echo")
+    wg = RayWorkerGroup(  # chunks put once each (the by-value path: tests/controller/test_chunks_by_value.py)
+        pool, RayClassWithInitArgs(EchoWorker, tag="e"), name_prefix="echo", chunks_by_value=False
+    )
     yield wg
     wg.shutdown()
     pool.remove()

@@ -112,7 +112,9 @@ def test_optional_input_absent_says_so():
 @pytest.fixture(scope="module")
 def readers(ray_session):
     pool = ResourcePool([2], name="test_inputs")
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ReaderWorker), name_prefix="readers")
+    wg = RayWorkerGroup(
+        pool, RayClassWithInitArgs(ReaderWorker), name_prefix="readers", chunks_by_value=False
+    )
     yield wg
     wg.shutdown()
     pool.remove()

@@ -69,7 +69,7 @@ class MeshWorker(Worker):
 @pytest.fixture(scope="module")
 def mesh_group(ray_session):
     pool = ResourcePool([4], name="test_nd_pool")
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(MeshWorker), name_prefix="mesh")
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(MeshWorker), name_prefix="mesh", chunks_by_value=False)
     yield wg
     wg.shutdown()
     pool.remove()
