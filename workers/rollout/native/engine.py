@@ -66,10 +66,6 @@ class EngineConfig:
     seed: int | None = None  # draws seeds for requests that bring none; None: from os.urandom
     detokenize: bool = True  # fill GenerationOutput.text when a tokenizer is present
     step_in_thread: bool = True  # async API: run each step on a worker thread
-    # CPU float32 with MKL: decode steps at the full batch (max_num_seqs rows) multiply by MKL-packed copies
-    # of the weights (~20% faster matmuls, the same sgemm kernel's products; one extra copy of the matmul
-    # weights, rebuilt by update_weights). False: plain F.linear always.
-    packed_weights: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -156,7 +152,6 @@ class NativeEngine(RolloutEngine):
             dtype=self.config.dtype,
             device=self.config.device,
             tp_group=tp_group,
-            packed_weights=self.config.packed_weights,
         )
         # global rank of TP rank 0, the rank whose sampled tokens every TP rank takes
         self._sample_src = dist.get_global_rank(tp_group, 0) if self.model.tp_group is not None else None
@@ -686,17 +681,14 @@ class NativeEngine(RolloutEngine):
         with self._model_lock, torch.no_grad():
             if not store.allocated:
                 raise RuntimeError("weights are released; call resume_memory() before update_weights()")
-            written: set[str] = set()
             for name, tensor in named_tensors:
                 if name not in store.names:
                     unknown.append(name)
                     continue
                 store.target(name).copy_(self.model.local_shard(name, tensor))
-                written.add(store.names[name][0])
                 if name == "lm_head.weight" and self.model.spec.tie_word_embeddings:
                     name = "model.embed_tokens.weight"
                 self._missing_weights.discard(name)
-            self.model.pack_weights(written)
             if version is not None:
                 self.weight_version = int(version)
             started = [r for r in self._running if not r.finished] if abort_running else []

@@ -286,11 +286,9 @@ class _Layer:
         "gu_b",
         "down_w",
         "down_b",
-        "prefix",
     )
 
     def __init__(self, t: dict[str, torch.Tensor], i: int):
-        self.prefix = f"{i}."  # of this layer's WeightStore keys
         self.ln1 = t[f"{i}.ln1"]
         self.qkv_w = t[f"{i}.qkv_w"]
         self.qkv_b = t.get(f"{i}.qkv_b")
@@ -316,7 +314,6 @@ class NativeCausalLM:
         dtype=None,
         device=None,
         tp_group=None,
-        packed_weights: bool = True,
     ):
         first = next(hf_model.parameters())
         self.dtype = dtype or first.dtype
@@ -349,11 +346,7 @@ class NativeCausalLM:
         with torch.no_grad():
             for name, tensor in params.items():
                 self.store.target(name).copy_(self.local_shard(name, tensor))
-        # MKL-packed copies of the matmul weights for decode steps at the full batch (see pack_weights).
-        self.packed_batch = max_num_seqs if packed_weights and self.can_pack() else None
-        self._packed: dict[str, torch.Tensor] = {}
         self._bind()
-        self.pack_weights()
         # cos/sin for every position, from the model's own rotary module (same values HF computes per call).
         with torch.no_grad():
             rotary = hf_model.model.rotary_emb
@@ -368,54 +361,12 @@ class NativeCausalLM:
 
     # ---- weights -------------------------------------------------------------------------------------
 
-    # ---- MKL-packed weights ---------------------------------------------------------------------------
-    # A decode step multiplies [B, in] activations by every weight matrix; MKL's sgemm re-packs the weight
-    # into its kernel layout on each call, which at B = 32 costs ~20% of the matmul. Packing once per weight
-    # version (``torch.ops.mkl._mkl_reorder_linear_weight``, the kernel inductor uses for frozen CPU linears)
-    # removes that; the products are the same sgemm kernel's. A packed weight serves one batch size only, so
-    # it is built for ``max_num_seqs`` (a full engine's steady state); other batch sizes use F.linear.
-
-    PACKED_KEYS = ("qkv_w", "o_w", "gu_w", "down_w")
-
-    def can_pack(self) -> bool:
-        """MKL packing applies to float32 weights on a CPU build with MKL, without tensor parallelism."""
-        return (
-            self.device.type == "cpu"
-            and self.dtype == torch.float32
-            and self.tp_group is None
-            and torch.backends.mkl.is_available()
-        )
-
-    def _packed_keys(self) -> list[str]:
-        keys = [f"{i}.{k}" for i in range(self.spec.num_layers) for k in self.PACKED_KEYS]
-        return keys + ["embed" if self.spec.tie_word_embeddings else "lm_head"]
-
-    def pack_weights(self, keys: set[str] | None = None) -> None:
-        """(Re)build the packed copies of the store entries ``keys`` (None: all); call after every write
-        into the weights (``update_weights`` does)."""
-        if self.packed_batch is None or not self.store.allocated:
-            return
-        for key in self._packed_keys():
-            if keys is None or key in keys:
-                self._packed[key] = torch.ops.mkl._mkl_reorder_linear_weight(
-                    self.store.tensors[key], self.packed_batch
-                )
-
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, key: str, bias=None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``, through the packed copy of store entry ``key`` when there is one
-        for ``x``'s batch size."""
-        packed = self._packed.get(key)
-        if packed is not None and x.shape[0] == self.packed_batch:
-            return torch.ops.mkl._mkl_linear(x, packed, weight, bias, self.packed_batch)
-        return F.linear(x, weight, bias)
-
     def _bind(self) -> None:
         t = self.store.tensors
         self.layers = [_Layer(t, i) for i in range(self.spec.num_layers)]
         self.embed = t["embed"]
         self.norm = t["norm"]
         self.lm_head = t["embed"] if self.spec.tie_word_embeddings else t["lm_head"]
-        self.lm_head_key = "embed" if self.spec.tie_word_embeddings else "lm_head"
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """The unsharded HF shape of parameter ``name``."""
@@ -455,7 +406,6 @@ class NativeCausalLM:
 
     def free_weights(self) -> None:
         self.store.free()
-        self._packed = {}
         self.layers, self.embed, self.norm, self.lm_head = [], None, None, None
 
     def allocate_weights(self) -> None:
@@ -497,8 +447,7 @@ class NativeCausalLM:
         """h [n, H] -> (q [n, nq, hd], k [n, nkv, hd], v [n, nkv, hd]) with Qwen3 q/k norms and RoPE."""
         s = self.spec
         n = h.shape[0]
-        x = self._norm(h, layer.ln1, s.rms_norm_eps)
-        qkv = self._linear(x, layer.qkv_w, layer.prefix + "qkv_w", layer.qkv_b)
+        qkv = F.linear(self._norm(h, layer.ln1, s.rms_norm_eps), layer.qkv_w, layer.qkv_b)
         if layer.q_norm is None:
             qk = qkv[:, : s.q_size + s.kv_size].view(n, s.num_heads + s.num_kv_heads, s.head_dim)
         else:
@@ -514,17 +463,12 @@ class NativeCausalLM:
         if self.tp_group is not None:
             return self._layer_out_tp(h, attn, layer)
         s = self.spec
-        if h.shape[0] == self.packed_batch:
-            h = h + self._linear(attn, layer.o_w, layer.prefix + "o_w", layer.o_b)
-        elif layer.o_b is None:
+        if layer.o_b is None:
             h = torch.addmm(h, attn, layer.o_w.t())
         else:
             h = h + F.linear(attn, layer.o_w, layer.o_b)
-        x = self._norm(h, layer.ln2, s.rms_norm_eps)
-        gu = self._linear(x, layer.gu_w, layer.prefix + "gu_w", layer.gu_b)
+        gu = F.linear(self._norm(h, layer.ln2, s.rms_norm_eps), layer.gu_w, layer.gu_b)
         act = self._act(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]
-        if h.shape[0] == self.packed_batch:
-            return h + self._linear(act, layer.down_w, layer.prefix + "down_w", layer.down_b)
         if layer.down_b is None:
             return torch.addmm(h, act, layer.down_w.t())
         return h + F.linear(act, layer.down_w, layer.down_b)
@@ -544,8 +488,7 @@ class NativeCausalLM:
         return h + self._row_parallel(act, layer.down_w, layer.down_b)
 
     def _logits(self, h):
-        x = self._norm(h, self.norm, self.spec.rms_norm_eps)
-        return self._linear(x, self.lm_head, self.lm_head_key).float()
+        return F.linear(self._norm(h, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
 
     def prefill(self, prompts: list[list[int]], slot_start: int) -> torch.Tensor:
         """Run prompts from position 0 and store their keys/values in slots ``slot_start ...``; return the
