@@ -58,6 +58,9 @@ ADDITION_KNOBS: dict[str, Any] = {
 }
 _ADDITION = re.compile(r"Compute (\d+)\+(\d+)\.")
 
+N_VAL = 200  # held-out prompts
+RACE_MAX_STEPS = 100_000  # a race ends on time, long before this
+
 WORK = {  # the GRPO settings both sides run
     "n_prompts": 4,
     "n_samples": 8,
@@ -112,6 +115,7 @@ def common_overrides(files: dict[str, str], run_dir: Path) -> list[str]:
         f"data.train_files=[{files['train']}]",
         f"data.val_files=[{files['val']}]",
         "data.max_prompt_length=32",
+        f"data.val_max_samples={N_VAL}",
         f"data.max_response_length={WORK['max_new_tokens']}",
         f"trainer.default_local_dir={run_dir}",
         "trainer.logger=[console]",
@@ -172,9 +176,12 @@ def hyflow_prompt_ids(model_dir: str, train_file: str, n: int) -> list[list[int]
     return [list(dataset[i]["input_ids"]) for i in range(n)]
 
 
-def hyflow_round(model_dir: str, files: dict[str, str], steps: int, run_dir: Path) -> dict:
-    """``steps`` steps of ``recipes.grpo`` on the work; per step: seconds (``timing_s/step``), completion tokens
-    and mean reward; and the greedy held-out accuracy before the first step."""
+def hyflow_round(
+    model_dir: str, files: dict[str, str], steps: int, run_dir: Path, race_s: float | None = None
+) -> dict:
+    """``steps`` steps of ``recipes.grpo`` on the work (with ``race_s``: as many as fit in that many seconds of
+    training); per step: seconds (``timing_s/step``), completion tokens and mean reward; the greedy held-out
+    accuracy before the first step (and with ``race_s``, after the last)."""
     n_rows = WORK["n_prompts"] * WORK["n_samples"]
     overrides = [
         *common_overrides(files, run_dir),
@@ -197,7 +204,12 @@ def hyflow_round(model_dir: str, files: dict[str, str], steps: int, run_dir: Pat
         "algorithm.norm_adv_by_std_in_grpo=true",
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=true",  # the warm start's greedy held-out accuracy, before the timed steps
-        "trainer.test_freq=-1",
+        # a race validates once more, at its last step (a run out of time makes that step the last)
+        *(
+            [f"trainer.max_train_time_s={race_s}", f"trainer.test_freq={steps}"]
+            if race_s
+            else ["trainer.test_freq=-1"]
+        ),
         "trainer.save_freq=-1",
         "trainer.export_hf=false",
     ]
@@ -205,6 +217,7 @@ def hyflow_round(model_dir: str, files: dict[str, str], steps: int, run_dir: Pat
     history = [row for row in result["history"] if "timing_s/step" in row]  # not the validation row of step 0
     return {
         "val_accuracy_before": result["val_history"][0][1]["val/accuracy"],
+        "val_accuracy_after": result["val_history"][-1][1]["val/accuracy"] if race_s else None,
         "step_s": [row["timing_s/step"] for row in history],
         "completion_tokens": [row["response_length/mean"] * n_rows for row in history],
         "reward": [row["critic/score/mean"] for row in history],
@@ -220,13 +233,20 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
-def trl_spec(model_dir: str, files: dict[str, str], steps: int) -> dict:
-    """The TRL script's spec: the model, the training prompts (question, answer) in file order, the work."""
-    rows = json.loads(pd.read_parquet(files["train"]).to_json(orient="records"))  # plain JSON types
-    prompts = [
+def questions_and_answers(parquet: str) -> list[dict]:
+    rows = json.loads(pd.read_parquet(parquet).to_json(orient="records"))  # plain JSON types
+    return [
         {"question": r["prompt"][0]["content"], "answer": r["reward_model"]["ground_truth"]} for r in rows
     ]
-    return {"model_dir": model_dir, "prompts": prompts, "steps": steps, **WORK}
+
+
+def trl_spec(model_dir: str, files: dict[str, str], steps: int, race_s: float | None = None) -> dict:
+    """The TRL script's spec: the model, the training prompts (question, answer) in file order, the work; for a
+    race, the seconds of training and the held-out prompts its greedy accuracy is measured on afterwards."""
+    spec = {"model_dir": model_dir, "prompts": questions_and_answers(files["train"]), "steps": steps, **WORK}
+    if race_s:
+        spec |= {"train_seconds": race_s, "held_out": questions_and_answers(files["val"])}
+    return spec
 
 
 def trl_round(python: Path, spec: dict, run_dir: Path) -> dict:
@@ -241,6 +261,35 @@ def trl_round(python: Path, spec: dict, run_dir: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"the TRL round failed (exit {done.returncode}); see {run_dir / 'trl.log'}")
     return json.loads(out_path.read_text())
+
+
+def race(python: Path | None, model_dir: str, files: dict[str, str], seconds: float, work_dir: Path) -> dict:
+    """Each side trains ``seconds`` of wall time from the same warm start (start-up and validation not counted);
+    steps done and greedy held-out accuracy after, printed as a table."""
+    ours = hyflow_round(model_dir, files, RACE_MAX_STEPS, work_dir / "race_hyflow", race_s=seconds)
+    # before: each side's own greedy evaluation of the same warm start (hyflow's engine, HF generate): equal
+    out: dict = {
+        "seconds": seconds,
+        "hyflow": {
+            "steps": len(ours["step_s"]),
+            "held_out_before": ours["val_accuracy_before"],
+            "held_out_after": ours["val_accuracy_after"],
+        },
+    }
+    if python is not None:
+        theirs = trl_round(python, trl_spec(model_dir, files, RACE_MAX_STEPS, seconds), work_dir / "race_trl")
+        out["trl"] = {
+            "steps": len(theirs["step_s"]),
+            "held_out_before": theirs["held_out_accuracy_before"],
+            "held_out_after": theirs["held_out_accuracy"],
+        }
+    print(f"race: {seconds:g} s of GRPO each from the warm start, greedy held-out accuracy before and after")
+    sides = [side for side in ("hyflow", "trl") if side in out]
+    print_table(
+        [{"side": side, **out[side]} for side in sides],
+        ["side", "steps", "held_out_before", "held_out_after"],
+    )
+    return out
 
 
 def summarize(rounds: list[dict], warmup: int) -> dict:
@@ -270,6 +319,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=ROOT / "outputs" / "bench_vs_trl")
     p.add_argument("--trl-venv", type=Path, default=TRL_VENV)
     p.add_argument(
+        "--race-s",
+        type=float,
+        default=None,
+        help="also race: each side trains this many seconds from the warm start, then greedy held-out accuracy",
+    )
+    p.add_argument(
         "--hyflow-only", action="store_true", help="no TRL rounds (hyflow's side of the table only)"
     )
     return p.parse_args(argv)
@@ -280,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} leaves no step of {args.steps} to count")
     python = None if args.hyflow_only else ensure_trl_venv(args.trl_venv)
-    files = write_task(args.work_dir / "data", args.n_train, 200, args.n_train)
+    files = write_task(args.work_dir / "data", args.n_train, N_VAL, args.n_train)
     model_dir = warm_started_model(args.work_dir, files, args.sft_steps, args.n_train, args.tiny_size)
     spec = trl_spec(model_dir, files, args.steps)
     questions = [p["question"] for p in spec["prompts"][:N_RENDERED]]
@@ -325,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": rounds,
         "trl_versions": rounds["trl"][0]["versions"] if rounds["trl"] else None,
     }
+    if args.race_s:
+        payload["race"] = race(python, model_dir, files, args.race_s, args.work_dir)
     path = write_json("bench_vs_trl", payload)
     print(f"wrote {path}")
     return payload

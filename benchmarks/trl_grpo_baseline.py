@@ -32,6 +32,9 @@ SPEC_KEYS = {
     "grad_clip": float,
     "seed": int,
 }
+# a race adds: "train_seconds" (training stops at the first step end past it) and "held_out" ([{question, answer}],
+# greedy accuracy measured on them after training)
+RACE_KEYS = {"train_seconds": float, "held_out": list}
 N_RENDERED = 4  # prompts whose rendered token ids are reported
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -42,7 +45,8 @@ def load_spec(path: str) -> dict:
     """The spec at ``path``, with every key present and of its type (ints accepted where floats are)."""
     with open(path) as f:
         spec = json.load(f)
-    for key, kind in SPEC_KEYS.items():
+    race = "train_seconds" in spec or "held_out" in spec
+    for key, kind in (SPEC_KEYS | RACE_KEYS if race else SPEC_KEYS).items():
         if key not in spec:
             raise ValueError(f"spec {path} lacks {key!r}")
         value = spec[key]
@@ -50,8 +54,9 @@ def load_spec(path: str) -> dict:
             spec[key] = float(value)
         elif not isinstance(value, kind) or isinstance(value, bool):
             raise ValueError(f"spec {path}: {key} must be {kind.__name__}, got {value!r}")
-    if not spec["prompts"] or not all({"question", "answer"} <= set(p) for p in spec["prompts"]):
-        raise ValueError(f"spec {path}: prompts must be a non-empty list of {{question, answer}}")
+    for key in ("prompts", "held_out") if race else ("prompts",):
+        if not spec[key] or not all({"question", "answer"} <= set(p) for p in spec[key]):
+            raise ValueError(f"spec {path}: {key} must be a non-empty list of {{question, answer}}")
     return spec
 
 
@@ -96,11 +101,17 @@ def train(spec: dict) -> dict:
             self.logs: list[dict] = []
             self._t0 = 0.0
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.train_started = time.perf_counter()
+
         def on_step_begin(self, args, state, control, **kwargs):
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_s.append(time.perf_counter() - self._t0)
+            seconds = spec.get("train_seconds")
+            if seconds and time.perf_counter() - self.train_started >= seconds:
+                control.should_training_stop = True
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
@@ -141,6 +152,7 @@ def train(spec: dict) -> dict:
             seed=spec["seed"],
             disable_tqdm=True,
         )
+        held_out = spec.get("held_out")
         timer = StepTimer()
         trainer = GRPOTrainer(
             model=model,
@@ -150,9 +162,18 @@ def train(spec: dict) -> dict:
             processing_class=tokenizer,
             callbacks=[timer],
         )
+        # the warm start's greedy accuracy too: a check that both sides' evaluations agree before training
+        before = (
+            greedy_accuracy(model, tokenizer, held_out, spec, trainer.eos_token_ids) if held_out else None
+        )
         trainer.train()
     lengths = [log["completions/mean_length"] for log in timer.logs]
+    accuracy = (
+        greedy_accuracy(trainer.model, tokenizer, held_out, spec, trainer.eos_token_ids) if held_out else None
+    )
     return {
+        "held_out_accuracy_before": before,
+        "held_out_accuracy": accuracy,
         "step_s": timer.step_s,
         "completion_tokens": [mean * batch for mean in lengths],
         "reward": [log["reward"] for log in timer.logs],
@@ -160,6 +181,29 @@ def train(spec: dict) -> dict:
         "eos_token_ids": trainer.eos_token_ids,  # generation stops on any of them
         "versions": {"torch": torch.__version__, "trl": sys.modules["trl"].__version__},
     }
+
+
+def greedy_accuracy(model, tokenizer, held_out: list[dict], spec: dict, eos_token_ids: list[int]) -> float:
+    """Share of ``held_out`` prompts whose greedy completion (HF ``generate``, left-padded batch) is right."""
+    import torch
+
+    ids = render_ids(tokenizer, [p["question"] for p in held_out])
+    width = max(map(len, ids))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
+    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=spec["max_new_tokens"],
+            eos_token_id=eos_token_ids,
+            pad_token_id=pad,
+        )
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return sum(exact_match(t, p["answer"]) for t, p in zip(texts, held_out)) / len(held_out)
 
 
 def main(argv: list[str]) -> None:

@@ -62,6 +62,13 @@ def test_hyflow_round_reports_real_steps(task, warm_model, tmp_path):
     assert s["steps_counted"] == 1 and s["median_step_s"] == s["p90_step_s"] == r["step_s"][1]
 
 
+def test_hyflow_race_stops_on_time_and_validates_after(task, warm_model, tmp_path):
+    _, files = task
+    r = bench.hyflow_round(warm_model, files, steps=1000, run_dir=tmp_path / "race", race_s=0.001)
+    assert len(r["step_s"]) == 1  # out of time after the first step
+    assert 0.0 <= r["val_accuracy_after"] <= 1.0 and 0.0 <= r["val_accuracy_before"] <= 1.0
+
+
 def test_summary_leaves_out_each_rounds_warmup():
     rounds: list[dict] = [
         {
@@ -94,6 +101,20 @@ def test_trl_spec_round_trips_and_is_checked(task, tmp_path):
     path.write_text(json.dumps({**spec, "prompts": [{"question": "Compute 1+2."}]}))
     with pytest.raises(ValueError, match="prompts"):
         trl_side.load_spec(str(path))
+
+
+def test_race_spec_carries_the_held_out_prompts_and_seconds(task, tmp_path):
+    _, files = task
+    spec = bench.trl_spec("/some/model", files, steps=10, race_s=30.0)
+    path = tmp_path / "race.json"
+    path.write_text(json.dumps(spec))
+    loaded = trl_side.load_spec(str(path))
+    assert loaded["train_seconds"] == 30.0 and len(loaded["held_out"]) == 8  # the val split
+    assert {p["question"] for p in loaded["held_out"]}.isdisjoint(p["question"] for p in loaded["prompts"])
+    path.write_text(json.dumps({k: v for k, v in spec.items() if k != "held_out"}))
+    with pytest.raises(ValueError, match="lacks 'held_out'"):
+        trl_side.load_spec(str(path))
+    assert "train_seconds" not in bench.trl_spec("/some/model", files, steps=10)  # no race: no time limit
 
 
 @pytest.mark.parametrize(
