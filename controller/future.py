@@ -73,11 +73,40 @@ class DataProtoFuture:
             result = unpad_dataproto(result, self.pad_size)
         self._result, self.resolved = result, True
 
+    def selecting(self, select: Callable[[DataProto], DataProto]) -> DataProtoFuture:
+        """This future as the argument of a call that reads only some columns (``Inputs.select``): its chunk
+        refs pass through as they are (the receiving worker selects), but resolved on the controller (a group
+        of another size) only ``select``'s columns travel on."""
+        return SelectedFuture(self, select)
+
     def __repr__(self) -> str:
         return (
             f"DataProtoFuture({self.role}.{self.method}, ranks={self.ranks}, chunks={self.num_chunks}, "
             f"pad_size={self.pad_size}, resolved={self.resolved})"
         )
+
+
+class SelectedFuture(DataProtoFuture):
+    """`DataProtoFuture.selecting`: the same call's chunks, resolved through ``select``."""
+
+    def __init__(self, future: DataProtoFuture, select: Callable[[DataProto], DataProto]):
+        self._future, self._select = future, select
+        self.role, self.method, self.pad_size = future.role, future.method, future.pad_size
+        self.refs, self.ranks, self._timeout_s = future.refs, future.ranks, future._timeout_s
+
+    @property
+    def num_chunks(self) -> int | None:
+        return self._future.num_chunks
+
+    def chunk_refs(self) -> list[ray.ObjectRef]:
+        return self._future.chunk_refs()
+
+    @property
+    def resolved(self) -> bool:  # type: ignore[override]
+        return self._future.resolved
+
+    def get(self, timeout_s: float | None = None):
+        return self._select(self._future.get(timeout_s))
 
 
 def wait_all(futures: Sequence[DataProtoFuture], timeout_s: float | None = None) -> list:

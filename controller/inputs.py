@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controller.future import DataProtoFuture
 from dataproto import DataProto
 
 
@@ -47,9 +48,12 @@ class Inputs:
         )
 
     def select_args(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Every DataProto among a call's arguments reduced to the declared columns (others unchanged)."""
+        """Every DataProto among a call's arguments reduced to the declared columns, and every future to be
+        reduced if the controller resolves it (`DataProtoFuture.selecting`); other arguments unchanged."""
 
         def pick(value):
+            if isinstance(value, DataProtoFuture):
+                return value.selecting(self.select)
             return self.select(value) if isinstance(value, DataProto) else value
 
         return tuple(pick(a) for a in args), {k: pick(v) for k, v in kwargs.items()}

@@ -46,6 +46,10 @@ class ReaderWorker(Worker):
         return data
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    def echo(self, data: DataProto) -> DataProto:
+        return data
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
     def everything(self, data: DataProto) -> DataProto:
         return DataProto.from_dict(
             non_tensors={"seen": [sorted(data.batch) + sorted(data.non_tensor_batch)] * len(data)}
@@ -136,6 +140,25 @@ def test_group_puts_only_declared_columns(readers, monkeypatch):
         assert sorted(chunk.batch) == ["ids", "mask"] and sorted(chunk.non_tensor_batch) == ["uid"]
         assert chunk.meta_info == {"temperature": 0.7}
     assert all(seen == ["ids", "mask", "uid"] for seen in out.non_tensor_batch["seen"])
+
+
+def test_future_resolved_on_the_controller_ships_only_declared_columns(readers, monkeypatch):
+    """A chained call's future from a group of another size (3 chunks for 2 ranks) is fetched and re-chunked
+    here: the re-chunked batch carries only the columns the method declares, like a plain batch."""
+    pool = ResourcePool([3], name="test_inputs_3")
+    three = RayWorkerGroup(pool, RayClassWithInitArgs(ReaderWorker), name_prefix="readers3")
+    try:
+        future = three.echo.with_options(blocking=False)(_batch(6))
+        puts = _record_puts(monkeypatch)
+        out = readers.columns(future)
+        assert out.batch["ids"].tolist() == [0, 2, 4, 6, 8, 10]
+        assert len(puts) == 2
+        for chunk in puts:
+            assert sorted(chunk.batch) == ["ids", "mask"] and sorted(chunk.non_tensor_batch) == ["uid"]
+        assert "trajectory" in future.get().non_tensor_batch  # the future itself keeps every column
+    finally:
+        three.shutdown()
+        pool.remove()
 
 
 def test_undeclared_method_gets_the_whole_batch(readers):
