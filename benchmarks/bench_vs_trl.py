@@ -221,6 +221,8 @@ def hyflow_round(
         "step_s": [row["timing_s/step"] for row in history],
         "completion_tokens": [row["response_length/mean"] * n_rows for row in history],
         "reward": [row["critic/score/mean"] for row in history],
+        # where a step goes: each stage the recipe times (gen, reward, update_actor, update_weights, ...)
+        "stage_s": {k.removeprefix("timing_s/"): [row.get(k, 0.0) for row in history] for k in STAGE_KEYS},
     }
 
 
@@ -292,6 +294,25 @@ def race(python: Path | None, model_dir: str, files: dict[str, str], seconds: fl
     return out
 
 
+STAGE_KEYS = (
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+)
+
+
+def stage_medians(rounds: list[dict], warmup: int) -> dict[str, float]:
+    """Median milliseconds of each timed stage of hyflow's step (0 where a stage did not run)."""
+    stages = rounds[0]["stage_s"]
+    return {
+        name: 1e3 * statistics.median(t for r in rounds for t in r["stage_s"][name][warmup:])
+        for name in stages
+    }
+
+
 def summarize(rounds: list[dict], warmup: int) -> dict:
     """Median / p90 step seconds over each round's steps after ``warmup``; mean tokens per step and reward."""
     times = sorted(t for r in rounds for t in r["step_s"][warmup:])
@@ -361,6 +382,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
         ["side", "median_step_s", "p90_step_s", "steps_counted", "completion_tokens_per_step", "mean_reward"],
     )
+    stages = stage_medians(rounds["hyflow"], args.warmup)
+    print("hyflow's step by stage, median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
     print(
         f"warm start: greedy held-out accuracy {rounds['hyflow'][0]['val_accuracy_before']:.3f} (hyflow's validator)"
     )
@@ -375,6 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model_dir": model_dir,
         "prompt_ids": prompt_ids,
         "summary": summary,
+        "hyflow_stage_ms": stages,
         "ratio_hyflow_over_trl": ratio,
         "load_average": load,
         "rounds": rounds,

@@ -60,6 +60,11 @@ def test_hyflow_round_reports_real_steps(task, warm_model, tmp_path):
     assert all(0.0 <= x <= 1.0 for x in r["reward"]) and 0.0 <= r["val_accuracy_before"] <= 1.0
     s = bench.summarize([r], warmup=1)
     assert s["steps_counted"] == 1 and s["median_step_s"] == s["p90_step_s"] == r["step_s"][1]
+    # the stage breakdown: a strictly on-policy step has no old-log-prob pass (algorithm.old_log_prob=auto)
+    stages = bench.stage_medians([r], warmup=1)
+    assert stages["gen"] > 0 and stages["update_actor"] > 0 and stages["update_weights"] > 0
+    assert stages["old_log_prob"] == 0.0
+    assert sum(stages.values()) <= 1e3 * r["step_s"][1]
 
 
 def test_hyflow_race_stops_on_time_and_validates_after(task, warm_model, tmp_path):
