@@ -51,6 +51,11 @@ class DataProtoFuture:
             raise TypeError(f"the result of {self.role}.{self.method} is not made of DataProto chunks")
         return [self.refs[i] for i in self._chunk_positions]
 
+    def restart_clock(self) -> None:
+        """Count the call's time limit from now: a call sent behind another on the same workers (e.g. a weight
+        sync queued behind the update) starts its work only when that one ends."""
+        self._started = time.perf_counter()
+
     def get(self, timeout_s: float | None = None):
         """Wait for every rank, collect on the controller and strip padding (cached)."""
         if not self.resolved:

@@ -24,11 +24,11 @@ from recipes.trainer import (
     cli,
     compute_advantage,
     fill_mini_batches,
-    generate_and_score,
     log_probs,
     metrics_of,
     parse_args,
     rollout_meta,
+    score,
     start_run,
     timer,
     update_actor,
@@ -39,8 +39,10 @@ def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataP
     """One step on a batch of prompts; returns the batch with every column the step computed."""
     cfg, roles = s.cfg, s.roles
     # 1. rollout: rollout.n samples per prompt (rows a,a,..,b,b,..), seeded by the step, then the reward (the
-    #    rule verifier's score on each response's last token), chained on the workers
-    batch = generate_and_score(roles, batch, rollout_meta(cfg, s.state.step), timings)
+    #    rule verifier's score on each response's last token)
+    with timer("gen", timings):
+        batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    batch = score(roles, batch, timings)
     # an agent env whose every trajectory failed stops the run; step-wise turns and children as rows vary the
     # row count: filled up to whole PPO mini-batches with rows that carry no loss
     check_env_errors(batch, s.state.step)

@@ -38,12 +38,12 @@ from recipes.trainer import (
     cli,
     compute_advantage,
     fill_mini_batches,
-    generate_and_score,
     log_probs,
     parse_args,
     print_summary,
     replayed,
     rollout_meta,
+    score,
     start_run,
     timer,
     update_actor,
@@ -69,7 +69,9 @@ def hybrid_step(
     hybrid = cfg.algorithm.adv_estimator == "hybrid"  # else the GRPO baseline
     # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox; their outcome reward (the
     #    \boxed{} answer)
-    batch = generate_and_score(roles, batch, rollout_meta(cfg, s.state.step), timings)
+    with timer("gen", timings):
+        batch = roles.generate(batch, rollout_meta(cfg, s.state.step))
+    batch = score(roles, batch, timings)
     check_env_errors(batch, s.state.step)  # every trajectory failed (no sandbox, no engine): stop loudly
     batch = fill_mini_batches(cfg, batch, with_critic=False)  # step-wise turns / children vary the row count
     # 2. log-probs under the policy (before the update: the OPD term reads them) and the reference

@@ -65,11 +65,9 @@ class Roles:
     manager: ResourcePoolManager | None = None
     groups: list[RayWorkerGroup] = field(default_factory=list)
 
-    def generate(self, prompts: DataProto, meta: dict, *, blocking: bool = True):
-        """The rollout group's samples of ``prompts`` with sampling settings ``meta``; ``blocking=False``: the
-        call's `DataProtoFuture` (e.g. handed straight to the reward call, ``steps.generate_and_score``)."""
+    def generate(self, prompts: DataProto, meta: dict) -> DataProto:
         prompts.meta_info.update(meta)
-        return self.rollout.generate_sequences.with_options(blocking=blocking)(prompts)
+        return self.rollout.generate_sequences(prompts)
 
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Push the actor's current weights to the rollout engine(s) as policy ``version`` (the number of

@@ -1,5 +1,4 @@
-"""The pieces of one RL step that every recipe shares: sampling settings, rollout and reward
-(``generate_and_score``, ``score``), log-probs (``log_probs``), advantages on the controller, the update
+"""The pieces of one RL step that every recipe shares: sampling settings, reward (``score``), log-probs (``log_probs``), advantages on the controller, the update
 (``update_actor``), when a periodic action is due, reward-error checks, and the trainer state kept in
 checkpoints."""
 
@@ -40,23 +39,8 @@ def rollout_meta(cfg: RecipeConfig, step: int) -> dict:
     }
 
 
-def generate_and_score(roles: Roles, batch: DataProto, meta: dict, timings: dict) -> DataProto:
-    """The rollout's samples of ``batch`` (sampling settings ``meta``), scored by the reward worker
-    (``token_level_scores``). The two calls are chained: the reward call goes out with the rollout's future, so
-    the reward ranks take the samples where the rollout ranks left them (the same processes when colocated)
-    and the controller waits once, not once per call. Timed as ``gen`` (until the samples are back) and
-    ``reward`` (the rest)."""
-    with timer("gen", timings):
-        generated = roles.generate(batch, meta, blocking=False)
-        scored = roles.reward.compute_rm_score.with_options(blocking=False)(generated)
-        batch = generated.get()
-    with timer("reward", timings):
-        return batch.union(scored.get())
-
-
 def score(roles: Roles, batch: DataProto, timings: dict) -> DataProto:
-    """The reward worker's scores (``token_level_scores``) of samples that are already here; timed as
-    ``reward``."""
+    """The reward worker's scores (``token_level_scores``) of the generated samples; timed as ``reward``."""
     with timer("reward", timings):
         return batch.union(roles.reward.compute_rm_score(batch))
 

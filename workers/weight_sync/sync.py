@@ -126,6 +126,7 @@ class WeightSync:
 
         def wait() -> dict[str, float]:
             t0 = time.perf_counter()
+            pending.restart_clock()  # its time limit starts when the call it queued behind has returned
             return self._record(pending.get(), t0)  # the worker returns rank 0's metrics
 
         return wait

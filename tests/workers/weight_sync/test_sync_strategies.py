@@ -11,9 +11,14 @@ class Sent:
     """Stands in for the DataProtoFuture of a ``blocking=False`` call (the call has run)."""
 
     def __init__(self, result):
-        self.result = result
+        self.result, self.clock_restarted = result, False
+
+    def restart_clock(self):
+        self.clock_restarted = True
 
     def get(self):
+        # a sync queued behind the update: its time limit must count from the wait, not from the send
+        assert self.clock_restarted, "waited for a queued sync without restarting its clock"
         return self.result
 
 
