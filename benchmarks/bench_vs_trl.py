@@ -176,21 +176,16 @@ def hyflow_prompt_ids(model_dir: str, train_file: str, n: int) -> list[list[int]
     return [list(dataset[i]["input_ids"]) for i in range(n)]
 
 
-def hyflow_round(
-    model_dir: str, files: dict[str, str], steps: int, run_dir: Path, race_s: float | None = None
-) -> dict:
-    """``steps`` steps of ``recipes.grpo`` on the work (with ``race_s``: as many as fit in that many seconds of
-    training); per step: seconds (``timing_s/step``), completion tokens and mean reward; the greedy held-out
-    accuracy before the first step (and with ``race_s``, after the last)."""
-    n_rows = WORK["n_prompts"] * WORK["n_samples"]
-    overrides = [
+def grpo_overrides(model_dir: str, files: dict[str, str], run_dir: Path, seed: int) -> list[str]:
+    """``recipes.grpo`` overrides for the work (``WORK``): the model, data, sampling and update settings."""
+    return [
         *common_overrides(files, run_dir),
         f"model.path={model_dir}",
         f"data.train_batch_size={WORK['n_prompts']}",
-        f"data.seed={WORK['seed']}",
+        f"data.seed={seed}",
         f"rollout.n={WORK['n_samples']}",
         f"rollout.temperature={WORK['temperature']}",
-        f"rollout.seed={WORK['seed']}",
+        f"rollout.seed={seed}",
         f"actor.ppo_mini_batch_size={WORK['n_prompts']}",
         "actor.ppo_epochs=1",
         "actor.use_kl_loss=false",
@@ -202,6 +197,23 @@ def hyflow_round(
         f"actor.optim.grad_clip={WORK['grad_clip']}",
         "algorithm.use_kl_in_reward=false",
         "algorithm.norm_adv_by_std_in_grpo=true",
+    ]
+
+
+def hyflow_round(
+    model_dir: str,
+    files: dict[str, str],
+    steps: int,
+    run_dir: Path,
+    race_s: float | None = None,
+    seed: int = WORK["seed"],
+) -> dict:
+    """``steps`` steps of ``recipes.grpo`` on the work (with ``race_s``: as many as fit in that many seconds of
+    training); per step: seconds (``timing_s/step``), completion tokens and mean reward; the greedy held-out
+    accuracy before the first step (and with ``race_s``, after the last)."""
+    n_rows = WORK["n_prompts"] * WORK["n_samples"]
+    overrides = [
+        *grpo_overrides(model_dir, files, run_dir, seed),
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=true",  # the warm start's greedy held-out accuracy, before the timed steps
         # a race validates once more, at its last step (a run out of time makes that step the last)
@@ -242,10 +254,19 @@ def questions_and_answers(parquet: str) -> list[dict]:
     ]
 
 
-def trl_spec(model_dir: str, files: dict[str, str], steps: int, race_s: float | None = None) -> dict:
-    """The TRL script's spec: the model, the training prompts (question, answer) in file order, the work; for a
-    race, the seconds of training and the held-out prompts its greedy accuracy is measured on afterwards."""
-    spec = {"model_dir": model_dir, "prompts": questions_and_answers(files["train"]), "steps": steps, **WORK}
+def trl_spec(
+    model_dir: str, files: dict[str, str], steps: int, race_s: float | None = None, seed: int = WORK["seed"]
+) -> dict:
+    """The TRL script's spec: the model, the training prompts (question, answer) in file order, the work (its
+    ``seed``: prompt order and sampling); for a race, the seconds of training and the held-out prompts its greedy
+    accuracy is measured on afterwards."""
+    spec = {
+        "model_dir": model_dir,
+        "prompts": questions_and_answers(files["train"]),
+        "steps": steps,
+        **WORK,
+        "seed": seed,
+    }
     if race_s:
         spec |= {"train_seconds": race_s, "held_out": questions_and_answers(files["val"])}
     return spec
@@ -265,33 +286,61 @@ def trl_round(python: Path, spec: dict, run_dir: Path) -> dict:
     return json.loads(out_path.read_text())
 
 
-def race(python: Path | None, model_dir: str, files: dict[str, str], seconds: float, work_dir: Path) -> dict:
-    """Each side trains ``seconds`` of wall time from the same warm start (start-up and validation not counted);
-    steps done and greedy held-out accuracy after, printed as a table."""
-    ours = hyflow_round(model_dir, files, RACE_MAX_STEPS, work_dir / "race_hyflow", race_s=seconds)
-    # before: each side's own greedy evaluation of the same warm start (hyflow's engine, HF generate): equal
-    out: dict = {
-        "seconds": seconds,
-        "hyflow": {
-            "steps": len(ours["step_s"]),
-            "held_out_before": ours["val_accuracy_before"],
-            "held_out_after": ours["val_accuracy_after"],
-        },
-    }
-    if python is not None:
-        theirs = trl_round(python, trl_spec(model_dir, files, RACE_MAX_STEPS, seconds), work_dir / "race_trl")
-        out["trl"] = {
-            "steps": len(theirs["step_s"]),
-            "held_out_before": theirs["held_out_accuracy_before"],
-            "held_out_after": theirs["held_out_accuracy"],
+def race(
+    python: Path | None,
+    model_dir: str,
+    files: dict[str, str],
+    seconds: float,
+    work_dir: Path,
+    seeds: int = 1,
+) -> dict:
+    """For each of ``seeds`` seeds (prompt order and sampling, the same seed on both sides), each side trains
+    ``seconds`` of wall time from the same warm start (start-up and validation not counted); steps done and
+    greedy held-out accuracy before and after, per seed and the mean per side, printed as a table."""
+    load_before = os.getloadavg()  # the machine is shared: the load beside the numbers
+    runs: list[dict] = []
+    for seed in range(seeds):
+        ours = hyflow_round(
+            model_dir, files, RACE_MAX_STEPS, work_dir / f"race_hyflow_s{seed}", race_s=seconds, seed=seed
+        )
+        # before: each side's own greedy evaluation of the same warm start (hyflow's engine, HF generate): equal
+        runs.append(
+            {
+                "side": "hyflow",
+                "seed": seed,
+                "steps": len(ours["step_s"]),
+                "held_out_before": ours["val_accuracy_before"],
+                "held_out_after": ours["val_accuracy_after"],
+                "mean_reward": statistics.fmean(ours["reward"]),
+            }
+        )
+        if python is not None:
+            spec = trl_spec(model_dir, files, RACE_MAX_STEPS, seconds, seed=seed)
+            theirs = trl_round(python, spec, work_dir / f"race_trl_s{seed}")
+            runs.append(
+                {
+                    "side": "trl",
+                    "seed": seed,
+                    "steps": len(theirs["step_s"]),
+                    "held_out_before": theirs["held_out_accuracy_before"],
+                    "held_out_after": theirs["held_out_accuracy"],
+                    "mean_reward": statistics.fmean(theirs["reward"]),
+                }
+            )
+    sides = list(dict.fromkeys(run["side"] for run in runs))
+    means = {
+        side: {
+            key: statistics.fmean(run[key] for run in runs if run["side"] == side)
+            for key in ("steps", "held_out_before", "held_out_after", "mean_reward")
         }
+        for side in sides
+    }
     print(f"race: {seconds:g} s of GRPO each from the warm start, greedy held-out accuracy before and after")
-    sides = [side for side in ("hyflow", "trl") if side in out]
-    print_table(
-        [{"side": side, **out[side]} for side in sides],
-        ["side", "steps", "held_out_before", "held_out_after"],
-    )
-    return out
+    columns = ["side", "seed", "steps", "held_out_before", "held_out_after", "mean_reward"]
+    print_table([*runs, *({"side": side, "seed": "mean", **means[side]} for side in sides)], columns)
+    load = {"before": load_before, "after": os.getloadavg()}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
+    return {"seconds": seconds, "seeds": seeds, "runs": runs, "mean": means, "load_average": load}
 
 
 STAGE_KEYS = (
@@ -344,6 +393,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         help="also race: each side trains this many seconds from the warm start, then greedy held-out accuracy",
+    )
+    p.add_argument(
+        "--race-seeds",
+        type=int,
+        default=1,
+        help="races per side, seeds 0..N-1 (prompt order and sampling; the same seed on both sides)",
     )
     p.add_argument(
         "--hyflow-only", action="store_true", help="no TRL rounds (hyflow's side of the table only)"
@@ -405,7 +460,7 @@ def main(argv: list[str] | None = None) -> dict:
         "trl_versions": rounds["trl"][0]["versions"] if rounds["trl"] else None,
     }
     if args.race_s:
-        payload["race"] = race(python, model_dir, files, args.race_s, args.work_dir)
+        payload["race"] = race(python, model_dir, files, args.race_s, args.work_dir, args.race_seeds)
     path = write_json("bench_vs_trl", payload)
     print(f"wrote {path}")
     return payload

@@ -32,6 +32,7 @@ SPEC_KEYS = {
     "grad_clip": float,
     "seed": int,
 }
+# a parity check of one update adds "one_update_dir" (where TRL's updated model goes; see ``one_update``)
 # a race adds: "train_seconds" (training stops at the first step end past it) and "held_out" ([{question, answer}],
 # greedy accuracy measured on them after training)
 RACE_KEYS = {"train_seconds": float, "held_out": list}
@@ -88,12 +89,47 @@ def exact_match_reward(completions: list, answer: list[str], **_) -> list[float]
     return [exact_match(t, a) for t, a in zip(texts, answer)]
 
 
+def grpo_config(spec: dict, out_dir: str):
+    """TRL's ``GRPOConfig`` for the spec's work: one optimizer step per batch of n_prompts x n_samples."""
+    from trl import GRPOConfig
+
+    batch = spec["n_prompts"] * spec["n_samples"]
+    return GRPOConfig(
+        output_dir=out_dir,
+        max_steps=spec["steps"],
+        per_device_train_batch_size=batch,  # completions per step: one mini-batch, one optimizer step
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=spec["n_samples"],
+        max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=spec["grad_clip"],
+        epsilon=spec["clip_ratio"],
+        beta=0.0,  # no KL: no reference model
+        loss_type="dapo",  # token mean over the batch, as hyflow's token-mean
+        scale_rewards="group",
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=spec["seed"],
+        disable_tqdm=True,
+    )
+
+
 def train(spec: dict) -> dict:
     """``spec["steps"]`` GRPO optimizer steps; returns the per-step times, tokens and rewards."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -124,34 +160,7 @@ def train(spec: dict) -> dict:
     rendered = render_ids(tokenizer, [p["question"] for p in spec["prompts"][:N_RENDERED]])
     batch = spec["n_prompts"] * spec["n_samples"]
     with tempfile.TemporaryDirectory(prefix="trl-grpo-") as out_dir:
-        config = GRPOConfig(
-            output_dir=out_dir,
-            max_steps=spec["steps"],
-            per_device_train_batch_size=batch,  # completions per step: one mini-batch, one optimizer step
-            gradient_accumulation_steps=1,
-            steps_per_generation=1,
-            num_iterations=1,
-            num_generations=spec["n_samples"],
-            max_completion_length=spec["max_new_tokens"],
-            temperature=spec["temperature"],
-            learning_rate=spec["lr"],
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
-            max_grad_norm=spec["grad_clip"],
-            epsilon=spec["clip_ratio"],
-            beta=0.0,  # no KL: no reference model
-            loss_type="dapo",  # token mean over the batch, as hyflow's token-mean
-            scale_rewards="group",
-            bf16=False,
-            gradient_checkpointing=False,
-            use_cpu=True,
-            logging_steps=1,
-            save_strategy="no",
-            report_to=[],
-            seed=spec["seed"],
-            disable_tqdm=True,
-        )
+        config = grpo_config(spec, out_dir)
         held_out = spec.get("held_out")
         timer = StepTimer()
         trainer = GRPOTrainer(
@@ -183,6 +192,50 @@ def train(spec: dict) -> dict:
     }
 
 
+def one_update(spec: dict) -> dict:
+    """One GRPO update by TRL's own code, for the benchmark's parity check: ``GRPOTrainer`` generates, scores and
+    computes the advantages of one batch (the first ``n_prompts`` prompts x ``n_samples``), then its loss, the
+    gradient clipping and its AdamW take one step; the updated model goes to ``spec["one_update_dir"]``.
+    Returns that batch (token ids, TRL's advantages), the loss and the pre-clip gradient norm."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    torch.manual_seed(spec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    rows = [{"prompt": messages(p["question"]), "answer": str(p["answer"])} for p in spec["prompts"]]
+    with tempfile.TemporaryDirectory(prefix="trl-grpo-") as out_dir:
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=exact_match_reward,
+            args=grpo_config({**spec, "steps": 1}, out_dir),
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+        )
+        trainer.create_optimizer_and_scheduler(num_training_steps=1)
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which is not run here
+        model.train()
+        group = [row for row in rows[: spec["n_prompts"]] for _ in range(spec["n_samples"])]
+        inputs = trainer._generate_and_score_completions(group)
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec["grad_clip"])
+        trainer.optimizer.step()
+    model.save_pretrained(spec["one_update_dir"])
+    prompts, completions = inputs["prompt_ids"].tolist(), inputs["completion_ids"].tolist()
+    prompt_masks, completion_masks = inputs["prompt_mask"].tolist(), inputs["completion_mask"].tolist()
+    return {
+        "prompt_ids": [[t for t, m in zip(r, ms) if m] for r, ms in zip(prompts, prompt_masks)],
+        "completion_ids": [[t for t, m in zip(r, ms) if m] for r, ms in zip(completions, completion_masks)],
+        "advantages": inputs["advantages"].tolist(),
+        "loss": float(loss.detach()),
+        "grad_norm": float(grad_norm),
+        "versions": {"torch": torch.__version__, "trl": sys.modules["trl"].__version__},
+    }
+
+
 def greedy_accuracy(model, tokenizer, held_out: list[dict], spec: dict, eos_token_ids: list[int]) -> float:
     """Share of ``held_out`` prompts whose greedy completion (HF ``generate``, left-padded batch) is right."""
     import torch
@@ -209,7 +262,8 @@ def greedy_accuracy(model, tokenizer, held_out: list[dict], spec: dict, eos_toke
 def main(argv: list[str]) -> None:
     if len(argv) != 2:
         sys.exit("usage: trl_grpo_baseline.py SPEC.json OUT.json")
-    result = train(load_spec(argv[0]))
+    spec = load_spec(argv[0])
+    result = one_update(spec) if "one_update_dir" in spec else train(spec)
     with open(argv[1], "w") as f:
         json.dump(result, f)
 

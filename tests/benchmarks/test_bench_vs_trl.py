@@ -8,9 +8,12 @@ import json
 
 import pandas as pd
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from benchmarks import bench_vs_trl as bench
 from benchmarks import trl_grpo_baseline as trl_side
+from benchmarks import trl_one_update as one_update
 from recipes.tasks.scoring import score_arithmetic
 from workers.models.loading import load_tokenizer
 
@@ -74,6 +77,16 @@ def test_hyflow_race_stops_on_time_and_validates_after(task, warm_model, tmp_pat
     assert 0.0 <= r["val_accuracy_after"] <= 1.0 and 0.0 <= r["val_accuracy_before"] <= 1.0
 
 
+def test_race_runs_each_seed_and_averages_them(task, warm_model, tmp_path):
+    _, files = task
+    out = bench.race(None, warm_model, files, seconds=0.001, work_dir=tmp_path, seeds=2)  # hyflow's side only
+    assert [(r["side"], r["seed"], r["steps"]) for r in out["runs"]] == [("hyflow", 0, 1), ("hyflow", 1, 1)]
+    assert (tmp_path / "race_hyflow_s1" / "metrics.jsonl").is_file()  # each seed its own run
+    after = [r["held_out_after"] for r in out["runs"]]
+    assert out["mean"]["hyflow"]["held_out_after"] == pytest.approx(sum(after) / 2)
+    assert set(out["load_average"]) == {"before", "after"}
+
+
 def test_summary_leaves_out_each_rounds_warmup():
     rounds: list[dict] = [
         {
@@ -130,3 +143,71 @@ def test_trl_reward_is_hyflows_rule(text):
     assert trl_side.exact_match(text, "46") == score_arithmetic(text, "46")
     as_message = [[{"role": "assistant", "content": text}]]
     assert trl_side.exact_match_reward(as_message, answer=["46"]) == [score_arithmetic(text, "46")]
+
+
+# ------------------------------------------------ one update on the same batch (benchmarks/trl_one_update.py)
+
+
+def same_batch(model_dir: str, train_file: str, rows: int = 32) -> dict:
+    """TRL's batch format: 4 rendered prompts x 8 completions of 1..16 random tokens, +-1 advantages."""
+    g = torch.Generator().manual_seed(5)
+    vocab = len(load_tokenizer(model_dir))
+    prompts = bench.hyflow_prompt_ids(model_dir, train_file, 4)
+    lengths = torch.randint(1, 17, (rows,), generator=g).tolist()
+    return {
+        "prompt_ids": [prompts[i // 8] for i in range(rows)],
+        "completion_ids": [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths],
+        "advantages": [1.0 if i % 3 else -1.5 for i in range(rows)],
+    }
+
+
+def test_batch_to_dataproto_puts_trls_rows_in_hyflows_layout():
+    batch = {"prompt_ids": [[5, 6, 7], [8]], "completion_ids": [[9], [10, 11, 12]], "advantages": [0.5, -2.0]}
+    data = one_update.batch_to_dataproto(batch, pad_id=0, response_length=4)
+    b = data.batch
+    assert b["prompts"].tolist() == [[5, 6, 7], [0, 0, 8]]  # left-padded
+    assert b["responses"].tolist() == [[9, 0, 0, 0], [10, 11, 12, 0]]  # right-padded
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0]]
+    assert b["position_ids"][1].tolist()[2:6] == [0, 1, 2, 3]
+    assert b["advantages"].tolist() == [[0.5, 0, 0, 0], [-2.0, -2.0, -2.0, 0]]
+    with pytest.raises(ValueError, match="does not fit response_length=2"):
+        one_update.batch_to_dataproto(batch, pad_id=0, response_length=2)
+
+
+def plain_grpo_step(model_dir: str, data, out_dir) -> float:
+    """The on-policy GRPO step written out in plain torch on the HF model: token-mean of -A * log p (the ratio
+    is 1, so its gradient is that of log p), clip to 1.0, one AdamW step; saves the model, returns the norm."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    b = data.batch
+    width = b["prompts"].shape[1]
+    logits = model(
+        input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+    ).logits
+    log_probs = torch.log_softmax(logits[:, width - 1 : -1], dim=-1)
+    token_log_probs = log_probs.gather(-1, b["responses"][..., None]).squeeze(-1)
+    loss = -(b["advantages"] * token_log_probs * b["response_mask"]).sum() / b["response_mask"].sum()
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), bench.WORK["grad_clip"]))
+    torch.optim.AdamW(model.parameters(), lr=bench.WORK["lr"], weight_decay=0.0).step()
+    model.save_pretrained(out_dir)
+    return norm
+
+
+def test_hyflows_update_of_a_trl_batch_equals_the_plain_torch_grpo_step(task, warm_model, tmp_path):
+    """The hyflow half of the one-update check (TRL's own half needs .venv-trl): ActorWorker.update_actor with
+    the race's config on a batch in TRL's format equals the GRPO step written out in plain torch."""
+    _, files = task
+    batch = same_batch(warm_model, files["train"])
+    ours = one_update.hyflow_update(warm_model, files, batch, tmp_path / "hyflow")
+    data = one_update.batch_to_dataproto(batch, load_tokenizer(warm_model).pad_token_id, 16)
+    norm = plain_grpo_step(warm_model, data, tmp_path / "plain")
+    assert ours["grad_norm"] == pytest.approx(norm, rel=1e-5)
+    difference = one_update.update_difference(warm_model, ours["model_dir"], str(tmp_path / "plain"))
+    assert difference["update_norm_trl"] > 1e-4  # the step moved the weights
+    assert difference["relative_distance"] < 1e-3 and difference["cosine"] > 0.9999
+    # a flipped advantage is a different update: the comparison can tell them apart
+    flipped = {**batch, "advantages": [-a for a in batch["advantages"]]}
+    plain_grpo_step(warm_model, one_update.batch_to_dataproto(flipped, 0, 16), tmp_path / "flipped")
+    assert (
+        one_update.update_difference(warm_model, ours["model_dir"], str(tmp_path / "flipped"))["cosine"] < 0
+    )
