@@ -36,19 +36,12 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import QWEN2_0_5B_SHAPE, print_table, write_json
 
 PRESETS = {
     # Qwen2-0.5B's configuration (config.json of Qwen/Qwen2-0.5B).
     "qwen2-0.5b": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
+        **QWEN2_0_5B_SHAPE,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         rms_norm_eps=1e-6,
     ),

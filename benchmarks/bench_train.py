@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from benchmarks.common import print_table, time_paired, write_json
+from benchmarks.common import QWEN2_0_5B_SHAPE, print_table, time_paired, write_json
 from workers.engine import EngineConfig, FSDPEngine, OptimConfig
 from workers.engine import distributed as du
 
@@ -50,16 +50,7 @@ CPU_MODEL = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
-GPU_MODEL = dict(  # Qwen2.5-0.5B shape
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    tie_word_embeddings=True,
-)
+GPU_MODEL = QWEN2_0_5B_SHAPE
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,6 +11,18 @@ import torch
 
 OUTPUT_DIR = "outputs"
 
+# Qwen2-0.5B's shape (config.json of Qwen/Qwen2-0.5B; Qwen2.5-0.5B has the same): the benchmarks' real-size model
+QWEN2_0_5B_SHAPE = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
+
 
 def time_calls(fn: Callable[[], object], repeats: int, warmup: int = 2) -> dict:
     """Median and p90 wall time of ``fn`` in seconds, after ``warmup`` untimed calls."""
