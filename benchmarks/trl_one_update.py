@@ -175,12 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
         rows,
         [
             "seed",
-            "rows",
             "grad_norm_trl",
-            "grad_norm_hyflow",
+            "grad_norm_relative_difference",
+            "update_norm_trl",
             "relative_distance",
             "max_abs_difference",
-            "cosine",
+            "one_minus_cosine",
         ],
     )
     path = write_json("trl_one_update", {"work": WORK, "model_dir": model_dir, "seeds": rows})
