@@ -362,6 +362,16 @@ def stage_medians(rounds: list[dict], warmup: int) -> dict[str, float]:
     }
 
 
+def trl_stage_medians(rounds: list[dict], warmup: int) -> dict[str, float]:
+    """Median milliseconds of TRL's step split in two: its generate-and-score call (sampling, reward,
+    advantages) and the rest (loss, backward, clipping, optimizer step, the Trainer's own work)."""
+    generate = [g for r in rounds for g in r["generate_s"][warmup:]]
+    rest = [
+        t - g for r in rounds for t, g in zip(r["step_s"][warmup:], r["generate_s"][warmup:], strict=True)
+    ]
+    return {"generate_and_score": 1e3 * statistics.median(generate), "rest": 1e3 * statistics.median(rest)}
+
+
 def summarize(rounds: list[dict], warmup: int) -> dict:
     """Median / p90 step seconds over each round's steps after ``warmup``; mean tokens per step and reward."""
     times = sorted(t for r in rounds for t in r["step_s"][warmup:])
@@ -439,6 +449,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     stages = stage_medians(rounds["hyflow"], args.warmup)
     print("hyflow's step by stage, median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
+    trl_stages = trl_stage_medians(rounds["trl"], args.warmup) if rounds["trl"] else None
+    if trl_stages:
+        print("TRL's step split, median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in trl_stages.items()))
     print(
         f"warm start: greedy held-out accuracy {rounds['hyflow'][0]['val_accuracy_before']:.3f} (hyflow's validator)"
     )
@@ -454,6 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_ids": prompt_ids,
         "summary": summary,
         "hyflow_stage_ms": stages,
+        "trl_stage_ms": trl_stages,
         "ratio_hyflow_over_trl": ratio,
         "load_average": load,
         "rounds": rounds,

@@ -171,6 +171,7 @@ def train(spec: dict) -> dict:
             processing_class=tokenizer,
             callbacks=[timer],
         )
+        generate_s = time_generation(trainer)
         # the warm start's greedy accuracy too: a check that both sides' evaluations agree before training
         before = (
             greedy_accuracy(model, tokenizer, held_out, spec, trainer.eos_token_ids) if held_out else None
@@ -184,12 +185,29 @@ def train(spec: dict) -> dict:
         "held_out_accuracy_before": before,
         "held_out_accuracy": accuracy,
         "step_s": timer.step_s,
+        "generate_s": generate_s,
         "completion_tokens": [mean * batch for mean in lengths],
         "reward": [log["reward"] for log in timer.logs],
         "prompt_ids": rendered,
         "eos_token_ids": trainer.eos_token_ids,  # generation stops on any of them
         "versions": {"torch": torch.__version__, "trl": sys.modules["trl"].__version__},
     }
+
+
+def time_generation(trainer) -> list[float]:
+    """Wraps the trainer's generate-and-score call (one per step here: sampling, reward, advantages) with a
+    timer; returns the list its seconds are appended to, so a step splits into that and the update."""
+    seconds: list[float] = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed(inputs):
+        start = time.perf_counter()
+        out = generate_and_score(inputs)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    trainer._generate_and_score_completions = timed
+    return seconds
 
 
 def one_update(spec: dict) -> dict:

@@ -101,6 +101,34 @@ def test_summary_leaves_out_each_rounds_warmup():
     assert s["completion_tokens_per_step"] == pytest.approx(242.5) and s["mean_reward"] == 0.5
 
 
+def test_trls_step_splits_into_generation_and_the_rest():
+    rounds = [
+        {"step_s": [9.0, 1.0, 2.0], "generate_s": [5.0, 0.25, 0.5]},
+        {"step_s": [1.0, 3.0], "generate_s": [1.0, 1.0]},
+    ]
+    split = bench.trl_stage_medians(rounds, warmup=1)
+    assert split == {
+        "generate_and_score": 500.0,
+        "rest": 1500.0,
+    }  # medians of (0.25, 0.5, 1.0), (0.75, 1.5, 2.0)
+    with pytest.raises(
+        ValueError
+    ):  # a step without its generation time is a broken result, not a shorter list
+        bench.trl_stage_medians([{"step_s": [1.0, 2.0], "generate_s": [0.5]}], warmup=0)
+
+
+def test_trl_generation_timer_wraps_the_trainers_call_and_keeps_its_result():
+    class Trainer:  # stands in for GRPOTrainer: only the one method the timer wraps
+        def _generate_and_score_completions(self, inputs):
+            return [x * 2 for x in inputs]
+
+    trainer = Trainer()
+    seconds = trl_side.time_generation(trainer)
+    assert trainer._generate_and_score_completions([1, 2]) == [2, 4]
+    assert trainer._generate_and_score_completions([3]) == [6]
+    assert len(seconds) == 2 and all(t >= 0.0 for t in seconds)
+
+
 def test_trl_spec_round_trips_and_is_checked(task, tmp_path):
     _, files = task
     path = tmp_path / "spec.json"
