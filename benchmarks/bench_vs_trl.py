@@ -286,6 +286,18 @@ def trl_round(python: Path, spec: dict, run_dir: Path) -> dict:
     return json.loads(out_path.read_text())
 
 
+def race_row(side: str, seed: int, result: dict, before: float, after: float) -> dict:
+    """One side's race with one seed: steps done, held-out accuracy before and after, mean training reward."""
+    return {
+        "side": side,
+        "seed": seed,
+        "steps": len(result["step_s"]),
+        "held_out_before": before,
+        "held_out_after": after,
+        "mean_reward": statistics.fmean(result["reward"]),
+    }
+
+
 def race(
     python: Path | None,
     model_dir: str,
@@ -304,28 +316,12 @@ def race(
             model_dir, files, RACE_MAX_STEPS, work_dir / f"race_hyflow_s{seed}", race_s=seconds, seed=seed
         )
         # before: each side's own greedy evaluation of the same warm start (hyflow's engine, HF generate): equal
-        runs.append(
-            {
-                "side": "hyflow",
-                "seed": seed,
-                "steps": len(ours["step_s"]),
-                "held_out_before": ours["val_accuracy_before"],
-                "held_out_after": ours["val_accuracy_after"],
-                "mean_reward": statistics.fmean(ours["reward"]),
-            }
-        )
+        runs.append(race_row("hyflow", seed, ours, ours["val_accuracy_before"], ours["val_accuracy_after"]))
         if python is not None:
             spec = trl_spec(model_dir, files, RACE_MAX_STEPS, seconds, seed=seed)
             theirs = trl_round(python, spec, work_dir / f"race_trl_s{seed}")
             runs.append(
-                {
-                    "side": "trl",
-                    "seed": seed,
-                    "steps": len(theirs["step_s"]),
-                    "held_out_before": theirs["held_out_accuracy_before"],
-                    "held_out_after": theirs["held_out_accuracy"],
-                    "mean_reward": statistics.fmean(theirs["reward"]),
-                }
+                race_row("trl", seed, theirs, theirs["held_out_accuracy_before"], theirs["held_out_accuracy"])
             )
     sides = list(dict.fromkeys(run["side"] for run in runs))
     means = {

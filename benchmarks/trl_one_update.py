@@ -39,6 +39,7 @@ from benchmarks.common import print_table, write_json
 from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from recipes.trainer import parse_args
+from recipes.trainer.data import collate_sft_layout
 from recipes.trainer.run import model_config
 from resource_pools import ResourcePool
 from workers.models.loading import load_tokenizer
@@ -47,39 +48,23 @@ from workers.roles import ActorWorker
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def batch_to_dataproto(batch: dict, pad_id: int, response_length: int) -> DataProto:
-    """TRL's batch (unpadded prompt and completion ids, one advantage per row) in hyflow's layout: prompts
-    left-padded, responses right-padded to ``response_length``, the advantage on every completion token."""
+def batch_to_dataproto(batch: dict, pad_id: int) -> DataProto:
+    """TRL's batch (unpadded prompt and completion ids, one advantage per row) in hyflow's rollout layout
+    (``collate_sft_layout``: prompts left-padded, completions right-padded), the advantage on every completion
+    token."""
     prompts, completions = batch["prompt_ids"], batch["completion_ids"]
-    if len(prompts) != len(completions) or len(completions) != len(batch["advantages"]):
+    if not len(prompts) == len(completions) == len(batch["advantages"]):
         raise ValueError("the batch's prompt_ids, completion_ids and advantages must have one row each")
-    longest = max(map(len, completions))
-    if longest > response_length:
-        raise ValueError(f"a completion of {longest} tokens does not fit response_length={response_length}")
-    width = max(map(len, prompts))
-    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    response_mask = torch.tensor([[1] * len(c) + [0] * (response_length - len(c)) for c in completions])
-    prompt_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    response_ids = torch.tensor([c + [pad_id] * (response_length - len(c)) for c in completions])
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return DataProto.from_dict(
-        {
-            "prompts": prompt_ids,
-            "responses": response_ids,
-            "input_ids": torch.cat([prompt_ids, response_ids], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-            "response_mask": response_mask.float(),
-            "advantages": torch.tensor(batch["advantages"])[:, None] * response_mask,
-        }
-    )
+    data = collate_sft_layout(list(zip(prompts, completions)), pad_id)
+    advantages = torch.tensor(batch["advantages"])[:, None] * data.batch["response_mask"]
+    return DataProto.from_dict({**data.batch, "advantages": advantages})
 
 
 def hyflow_update(model_dir: str, files: dict[str, str], batch: dict, out_dir: Path) -> dict:
     """One ``ActorWorker.update_actor`` on ``batch`` with the race's config, on one rank; the exported model's
     directory and the step's pre-clip gradient norm and policy loss."""
     cfg = parse_args("grpo", grpo_overrides(model_dir, files, out_dir / "run", WORK["seed"]))
-    data = batch_to_dataproto(batch, load_tokenizer(model_dir).pad_token_id, WORK["max_new_tokens"])
+    data = batch_to_dataproto(batch, load_tokenizer(model_dir).pad_token_id)
 
     def update() -> dict:
         if not ray.is_initialized():

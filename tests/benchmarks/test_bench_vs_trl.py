@@ -191,15 +191,14 @@ def same_batch(model_dir: str, train_file: str, rows: int = 32) -> dict:
 
 def test_batch_to_dataproto_puts_trls_rows_in_hyflows_layout():
     batch = {"prompt_ids": [[5, 6, 7], [8]], "completion_ids": [[9], [10, 11, 12]], "advantages": [0.5, -2.0]}
-    data = one_update.batch_to_dataproto(batch, pad_id=0, response_length=4)
-    b = data.batch
+    b = one_update.batch_to_dataproto(batch, pad_id=0).batch
     assert b["prompts"].tolist() == [[5, 6, 7], [0, 0, 8]]  # left-padded
-    assert b["responses"].tolist() == [[9, 0, 0, 0], [10, 11, 12, 0]]  # right-padded
-    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0]]
-    assert b["position_ids"][1].tolist()[2:6] == [0, 1, 2, 3]
-    assert b["advantages"].tolist() == [[0.5, 0, 0, 0], [-2.0, -2.0, -2.0, 0]]
-    with pytest.raises(ValueError, match="does not fit response_length=2"):
-        one_update.batch_to_dataproto(batch, pad_id=0, response_length=2)
+    assert b["responses"].tolist() == [[9, 0, 0], [10, 11, 12]]  # right-padded
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]]
+    assert b["position_ids"][1].tolist()[2:] == [0, 1, 2, 3]
+    assert b["advantages"].tolist() == [[0.5, 0, 0], [-2.0, -2.0, -2.0]]
+    with pytest.raises(ValueError, match="one row each"):
+        one_update.batch_to_dataproto({**batch, "advantages": [1.0]}, pad_id=0)
 
 
 def plain_grpo_step(model_dir: str, data, out_dir) -> float:
@@ -227,7 +226,7 @@ def test_hyflows_update_of_a_trl_batch_equals_the_plain_torch_grpo_step(task, wa
     _, files = task
     batch = same_batch(warm_model, files["train"])
     ours = one_update.hyflow_update(warm_model, files, batch, tmp_path / "hyflow")
-    data = one_update.batch_to_dataproto(batch, load_tokenizer(warm_model).pad_token_id, 16)
+    data = one_update.batch_to_dataproto(batch, load_tokenizer(warm_model).pad_token_id)
     norm = plain_grpo_step(warm_model, data, tmp_path / "plain")
     assert ours["grad_norm"] == pytest.approx(norm, rel=1e-5)
     difference = one_update.update_difference(warm_model, ours["model_dir"], str(tmp_path / "plain"))
@@ -235,7 +234,7 @@ def test_hyflows_update_of_a_trl_batch_equals_the_plain_torch_grpo_step(task, wa
     assert difference["relative_distance"] < 1e-3 and difference["cosine"] > 0.9999
     # a flipped advantage is a different update: the comparison can tell them apart
     flipped = {**batch, "advantages": [-a for a in batch["advantages"]]}
-    plain_grpo_step(warm_model, one_update.batch_to_dataproto(flipped, 0, 16), tmp_path / "flipped")
+    plain_grpo_step(warm_model, one_update.batch_to_dataproto(flipped, 0), tmp_path / "flipped")
     assert (
         one_update.update_difference(warm_model, ours["model_dir"], str(tmp_path / "flipped"))["cosine"] < 0
     )
