@@ -3,8 +3,9 @@
 Runs ``recipes.rlm`` (tiny model, one GRPO step, S-NIAH contexts of ``--context-chars`` characters, the
 recipe's default ``env.include_json=true``, the KL loss on so the reference log-probs are computed) and records,
 for every group call, the size of each DataProto the controller ships for it (put into Ray's object store, or
-sent inside the call: ``controller.dispatch.ship_chunk``), serialized as Ray does (cloudpickle protocol 5, tensor/numpy buffers out of band, both counted). Per call: rows of the batch,
-bytes shipped per call (all chunks) and per worker (the largest chunk), and the columns that travelled.
+sent inside the call: ``controller.dispatch.ship_chunk``), serialized as Ray does (cloudpickle protocol 5,
+tensor/numpy buffers out of band, both counted). Per call: rows of the batch, bytes shipped per call (all
+chunks) and per worker (the largest chunk), and the columns that travelled.
 
 Run from the repository root: python -m benchmarks.bench_call_bytes [--context-chars 100000]
 The same script run on an older checkout (a git worktree) gives the "before" numbers.

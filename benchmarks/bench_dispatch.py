@@ -2,7 +2,7 @@
 
 Batches: ``input_ids`` and ``attention_mask`` (int64) of each ``--shapes`` entry, rows x columns (64 x 8 is the
 shape issue 18 measured; 64 x 128 is 128 KiB). Each worker returns its chunk unchanged, so the time is the
-group call's machinery plus Ray. Three contenders on the same actors, alternated call by call:
+group call's machinery plus Ray. Four contenders on the same actors, alternated call by call:
 
 * ``floor``: a bare Ray round trip, one small array per actor (``actor.raw.remote(array)`` for each, one
   ``ray.get`` of the list): what Ray itself costs for one call per worker;

@@ -163,9 +163,8 @@ def warm_started_model(
 
     trained = in_own_ray(sft)
     shutil.copytree(trained, model_dir)
-    if not (
-        model_dir / "tokenizer.json"
-    ).is_file():  # an untrained tiny model's directory has it; an export too
+    # an untrained tiny model's directory has the tokenizer; an export too
+    if not (model_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
     return str(model_dir)
 

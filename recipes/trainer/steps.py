@@ -1,6 +1,6 @@
-"""The pieces of one RL step that every recipe shares: sampling settings, reward (``score``), log-probs (``log_probs``), advantages on the controller, the update
-(``update_actor``), when a periodic action is due, reward-error checks, and the trainer state kept in
-checkpoints."""
+"""The pieces of one RL step that every recipe shares: sampling settings, reward (``score``), log-probs
+(``log_probs``), advantages on the controller, the update (``update_actor``), when a periodic action is due,
+reward-error checks, and the trainer state kept in checkpoints."""
 
 from __future__ import annotations
 

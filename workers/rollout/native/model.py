@@ -11,8 +11,9 @@ the transformer itself:
   A running request owns one slot; the running batch always occupies slots ``0..B-1`` (the engine
   compacts slots when requests leave), so a decode step reads the cache as a plain view, with no gather.
 * ``prefill`` runs a packed batch of prompts, right-padded per group only for attention (causal attention
-  alone keeps real tokens from seeing the padding that follows them) and writes their keys/values into consecutive slots; ``decode`` runs one
-  token per running request at its own position, with a per-row mask over the cache positions.
+  alone keeps real tokens from seeing the padding that follows them) and writes their keys/values into
+  consecutive slots; ``decode`` runs one token per running request at its own position, with a per-row
+  mask over the cache positions.
 
 Parameter names (for ``update_weights``) are the Hugging Face state-dict names; tied embeddings map
 ``lm_head.weight`` and ``model.embed_tokens.weight`` to the same storage.
@@ -495,8 +496,9 @@ class NativeCausalLM:
         float32 logits of each prompt's last token, ``[N, vocab]``.
 
         Tokens are packed (no padding) for every matmul; only attention pads the queries, per group of
-        prompts to the group's longest, ``[rows, P_g]``, and reads the keys/values back from the cache slots (causal masking keeps each query from the
-        slot positions past its own, which hold stale entries of earlier requests)."""
+        prompts to the group's longest, ``[rows, P_g]``, and reads the keys/values back from the cache slots
+        (causal masking keeps each query from the slot positions past its own, which hold stale entries of
+        earlier requests)."""
         s = self.spec
         dev = self.device
         N = len(prompts)
