@@ -10,7 +10,7 @@ the rollout replica and receives the weights over the weight-sync group):
 
     train state / world  = (params + grads + AdamW m, v) * 4 bytes / world        (fp32, FSDP-sharded)
     rollout replica      = params * 4 bytes                                         (one per colocated rank)
-    activations          = the step's saved activations and response logits (estimate below)
+    activations          = the step's saved activations and response logits (workers/models/memory.py)
     FSDP gather          = world > 1 only: the largest FSDP unit unsharded during backward, the root with the
                            tied 151936 x 896 embedding: its gathered parameter, its full gradient and the
                            reduce-scatter input (3 x 0.51 GiB; an estimate, an upper bound)
@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import QWEN2_0_5B_SHAPE, print_table, write_json
+from workers.models.memory import activation_bytes, num_params
 
 PRESETS = {
     # Qwen2-0.5B's configuration (config.json of Qwen/Qwen2-0.5B).
@@ -59,8 +60,8 @@ GIB = 1 << 30
 RAY_OWN = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")  # no model in these
 
 
-def make_model_dir(out: Path, preset: str, seed: int = 0) -> tuple[str, int]:
-    """A random-init directory of ``preset`` with the tiny model's tokenizer; (path, parameter count)."""
+def make_model_dir(out: Path, preset: str, seed: int = 0):
+    """A random-init directory of ``preset`` with the tiny model's tokenizer; (path, its transformers config)."""
     from transformers import AutoTokenizer, Qwen2Config
 
     from workers.models.meta_init import write_random_init_model
@@ -69,26 +70,7 @@ def make_model_dir(out: Path, preset: str, seed: int = 0) -> tuple[str, int]:
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("tiny"))
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     config = Qwen2Config(**PRESETS[preset], pad_token_id=tokenizer.pad_token_id, **ids)
-    return write_random_init_model(out, config, seed=seed, tokenizer=tokenizer), num_params(config)
-
-
-def num_params(c) -> int:
-    """Parameters of a Qwen2 causal LM with config ``c`` (tied embeddings counted once)."""
-    head_dim = c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    attn = c.hidden_size * (q + 2 * kv) + (q + 2 * kv) + q * c.hidden_size
-    layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return c.num_hidden_layers * layer + embed + c.hidden_size
-
-
-def activation_bytes(preset: str, tokens: int, response_tokens: int) -> int:
-    """Rough fp32 activations of one micro-batch forward + backward: per token and layer the saved inputs of
-    the norms, projections, attention and MLP (~6 H + 3 I floats); logits, log-softmax and their gradient at
-    the response positions (3 V floats each)."""
-    c = PRESETS[preset]
-    per_token = c["num_hidden_layers"] * (6 * c["hidden_size"] + 3 * c["intermediate_size"])
-    return 4 * (tokens * per_token + 3 * response_tokens * c["vocab_size"])
+    return write_random_init_model(out, config, seed=seed, tokenizer=tokenizer), config
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -205,12 +187,13 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench_memory_"))
-    model_dir, params = make_model_dir(work / "model", args.preset)
+    model_dir, config = make_model_dir(work / "model", args.preset)
+    params = num_params(config)
     train_state = 16 * params  # fp32 params + grads + AdamW exp_avg, exp_avg_sq
     replica = 4 * params
     rows_per_rank = args.prompts * args.n
     tokens = rows_per_rank * (32 + args.response_length)  # upper bound: whole batch in one micro-batch
-    act = activation_bytes(args.preset, tokens, rows_per_rank * args.response_length)
+    act = activation_bytes(config, tokens, rows_per_rank * args.response_length)
     c = PRESETS[args.preset]
     gather = 3 * 4 * c["vocab_size"] * c["hidden_size"]
     print(f"{args.preset}: {params / 1e6:.1f}M params; train state {train_state / GIB:.2f} GiB, rollout replica "

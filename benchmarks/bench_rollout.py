@@ -37,6 +37,7 @@ import time
 import torch
 import transformers
 
+from benchmarks.common import QWEN2_0_5B_SHAPE
 from workers.rollout.native import EngineConfig, NativeEngine
 from workers.rollout.sampling import SamplingParams
 
@@ -50,6 +51,9 @@ MODELS = {
     # ~0.8B parameters: large enough for decode to be memory-bound on a GPU.
     "medium": dict(vocab_size=32768, hidden_size=1536, intermediate_size=8960, num_hidden_layers=16,
                    num_attention_heads=12, num_key_value_heads=2),
+    # Qwen2(.5)-0.5B's shape (494M parameters, 136M of them the tied embedding)
+    "qwen2-0.5b": {k: v for k, v in QWEN2_0_5B_SHAPE.items()
+                   if k not in ("max_position_embeddings", "tie_word_embeddings")},
 }  # fmt: skip
 
 
@@ -62,7 +66,8 @@ def build_model(name: str, device: str, dtype: torch.dtype) -> transformers.Qwen
         eos_token_id=None,
         initializer_range=0.1,
     )
-    model = transformers.Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # a 0.5B init takes seconds on a GPU, a minute on the CPU
+        model = transformers.Qwen2ForCausalLM(cfg).to(dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -195,6 +200,12 @@ def main() -> None:
         "--model", choices=sorted(MODELS), default=None, help="default: tiny on CPU, medium on GPU"
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="default: bfloat16 on GPU, float32 on CPU (float32 on GPU: token-for-token equality with HF)",
+    )
     ap.add_argument("--out", default="outputs/bench_rollout.json")
     args = ap.parse_args()
 
@@ -203,7 +214,11 @@ def main() -> None:
     if not on_gpu:
         torch.set_num_threads(args.threads)
     model_name = args.model or ("medium" if on_gpu else "tiny")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
+    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
+    if on_gpu:
+        torch.set_float32_matmul_precision(
+            "highest"
+        )  # float32 rows: no TF32, the same kernels' precision as HF
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")
     vocab = MODELS[model_name]["vocab_size"]

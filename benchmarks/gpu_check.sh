@@ -1,96 +1,103 @@
 #!/usr/bin/env bash
-# GPU check, one call on a bare CUDA machine: set up what hyflow needs on top of the machine's CUDA torch, run
-# the GPU-marked tests (FSDP2/NCCL pools, the native engine on CUDA, SGLang with CUDA and the recipes on it) and
-# the GPU benchmarks (native decode tokens/s against the HBM bandwidth bound, training MFU on a Qwen2.5-0.5B-shaped
-# random-init Qwen2, the quickstart on SGLang vs native, resharding over NCCL when there are >= 4 GPUs), and write
-# everything under $OUT (default outputs/gpu_check): summary.json (each step's command, exit code, seconds,
-# skip reason), gpu_check.log, pytest_gpu.xml and the benchmarks' JSON. CI never runs it.
+# The GPU check: one run on a lent CUDA machine (no package registry there) that installs what its image lacks
+# from a carried wheelhouse and runs benchmarks/gpu_check.py (its steps and their order are described there).
 #
-#   bash benchmarks/gpu_check.sh                      # on the GPU machine
-#   bash benchmarks/gpu_check.sh --download DIR       # on a machine with PyPI: fill a wheelhouse for an offline one
-#   WHEELS=DIR bash benchmarks/gpu_check.sh           # offline: install only from that wheelhouse
-# (--download measured: 81 MB for CPython 3.12, of which ray's wheel is 79 MB, without SGLANG_SPEC.)
+#   bash benchmarks/gpu_check.sh --wheelhouse   # here, with PyPI: fill .gpu_wheels/ (ignored by git, ~31 MB)
+#   bash benchmarks/gpu_check.sh --rehearse     # here: the GPU image's Python and versions on the CPU, installed
+#                                               # offline from .gpu_wheels/ as the GPU run does, then the check's
+#                                               # steps at CPU sizes and the core tests
+#   bash benchmarks/gpu_check.sh                # on the GPU machine (carry .gpu_wheels); results under $OUT
 #
-# Setup installs into the machine's own python3 environment (a GPU machine lent for a check is thrown away after)
-# only what it lacks (ray, omegaconf, ...; none of them depends on torch, so the machine's CUDA torch stays).
-# A venv is not used: an image whose python3 is itself a venv would hide its torch from a nested one. SGLang with
-# CUDA is installed only when SGLANG_SPEC is set (e.g. SGLANG_SPEC="sglang==0.5.20"): SGLang pins its own torch
-# (0.5.19-0.5.21: torch 2.13.0), which then replaces the machine's. Without it the SGLang tests skip with their
-# reason and the summary says so.
-# Status: written against the repository's benchmarks and pytest markers; not yet run on a GPU (none was lent to
-# the task that wrote it).
+# The GPU image (see the device library's KINDS.md): Python 3.12 with torch 2.11.0+cu130, transformers 5.17.0,
+# tokenizers 0.23.2, numpy 2.5, safetensors, pyarrow, pandas, peft, accelerate, pytest, pytest-timeout,
+# aiohttp, grpcio, xxhash, ...; no Ray, OmegaConf or megatron-core. A run carries at most 64 MiB: Ray's wheel
+# (79 MB) travels as ray-slim.tar.xz (27 MB: its Java jars, RLlib, Serve, Tune, Train and LLM packages
+# dropped, which hyflow never imports, and the native binaries stripped of their symbol tables), unpacked
+# straight into a site folder; the rest are ordinary wheels installed --no-deps --no-index into the same folder.
+# SGLang is not carried: its CUDA kernels are hundreds of MB.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PKGS=("ray==2.60.0" "omegaconf>=2.3" "pytest-timeout>=2.3")
+WHEELS=.gpu_wheels
+RAY=ray==2.60.0
+# a Python 3.12 that runs (pyenv's shim exists even where 3.12 is not the selected version)
+PY312=${PY312:-$(for p in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+  "$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v "$p"; break; }; done)}
+# the image's versions (KINDS.md's pip list); torch: the same release (PyPI's build, which runs on the CPU)
+IMAGE_PKGS=(torch==2.11.0 transformers==5.17.0 tokenizers==0.23.2 numpy==2.5.2 safetensors==0.8.0
+  accelerate==1.15.0 peft pyarrow pandas pytest pytest-timeout xxhash tensorboard matplotlib rich tqdm pyyaml
+  click filelock msgpack protobuf requests packaging aiohttp grpcio attrs typing-extensions)
+REHEARSE_VENV=${REHEARSE_VENV:-$HOME/.cache/hyflow/gpu-rehearse-py312}
 
-if [ "${1:-}" = "--download" ]; then
-  dir=${2:?usage: gpu_check.sh --download DIR}
-  # CPython 3.12, manylinux x86_64: the GPU image's python3; add SGLANG_SPEC to fetch SGLang's CUDA wheels too
-  bin=(python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d "$dir")
-  "${bin[@]}" "ray==2.60.0" "pytest-timeout>=2.3" ${SGLANG_SPEC:-} || exit 1
-  # omegaconf's parser runtime exists only as an sdist (pure Python; built offline with the image's setuptools)
-  "${bin[@]}" --no-deps "omegaconf==2.3.0" || exit 1
-  exec python3 -m pip download --no-deps --no-binary=:all: -d "$dir" "antlr4-python3-runtime==4.9.3"
-fi
-
-OUT=${OUT:-outputs/gpu_check}
-mkdir -p "$OUT"
-LOG="$OUT/gpu_check.log"
-: >"$LOG"
-STEPS="$OUT/.steps.jsonl"
-: >"$STEPS"
-
-# step NAME SKIP_REASON CMD...: run CMD (or record why it was skipped), log its output, note rc and seconds
-step() {
-  local name=$1 skip=$2
-  shift 2
-  if [ -n "$skip" ]; then
-    echo "== $name: skipped ($skip)" | tee -a "$LOG"
-    python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "skipped": sys.argv[2]}))' \
-      "$name" "$skip" >>"$STEPS"
-    return
-  fi
-  echo "== $name: $*" | tee -a "$LOG"
-  local t0=$SECONDS
-  "$@" >>"$LOG" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
-  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "cmd": sys.argv[4:], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3])}))' \
-    "$name" "$rc" "$((SECONDS - t0))" "$@" >>"$STEPS"
+fetch() {  # fetch PKG...: CPython 3.12 manylinux x86_64 wheels, no dependencies (each need is named)
+  "$PY312" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$WHEELS" "$@"
 }
 
-nvidia-smi >>"$LOG" 2>&1 || { echo "no nvidia-smi: this script is for a CUDA machine" | tee -a "$LOG"; exit 1; }
+build_wheelhouse() {
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS" || return 1
+  # Ray's own needs that the image lacks (jsonschema's chain), OmegaConf, megatron-core for the Megatron step
+  fetch jsonschema jsonschema-specifications referencing rpds-py omegaconf==2.3.0 megatron-core==0.16.0 || return 1
+  # antlr4's runtime (OmegaConf's parser) is only an sdist on PyPI: built here into a pure-Python wheel
+  "$PY312" -m pip wheel -q --no-deps -w "$WHEELS" antlr4-python3-runtime==4.9.3 || return 1
+  local tmp
+  tmp=$(mktemp -d)
+  (cd "$tmp" && "$PY312" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux2014_x86_64 "$RAY" && mkdir site && cd site && unzip -q ../ray-*.whl \
+    && rm -rf ray/jars ray/rllib ray/serve ray/tune ray/train ray/llm \
+    && strip ray/_raylet.so ray/core/src/ray/gcs/gcs_server ray/core/src/ray/raylet/raylet) || return 1
+  XZ_OPT=-9 tar -C "$tmp/site" -cJf "$WHEELS/ray-slim.tar.xz" . || return 1
+  rm -rf "$tmp"
+  du -sh "$WHEELS"/* && du -sh "$WHEELS"
+}
 
-# setup: what the machine's python3 lacks (its CUDA torch stays)
+install_wheelhouse() {  # install_wheelhouse PYTHON SITE: what the image lacks, offline, into SITE
+  local py=$1 site=$2
+  [ -f "$WHEELS/ray-slim.tar.xz" ] || { echo "no $WHEELS/ray-slim.tar.xz: run bash benchmarks/gpu_check.sh --wheelhouse here first (and carry $WHEELS)"; return 1; }
+  rm -rf "$site" && mkdir -p "$site" || return 1
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$WHEELS"/*.whl || return 1
+  tar -C "$site" -xJf "$WHEELS/ray-slim.tar.xz" || return 1
+  PYTHONPATH="$site:$PWD" "$py" -c 'import ray, omegaconf, megatron.core, recipes.grpo, workers.roles, benchmarks.gpu_check; print("imports ok: ray", ray.__version__)'
+}
+
+case "${1:-}" in
+  --wheelhouse)
+    build_wheelhouse
+    exit $?
+    ;;
+  --rehearse)
+    [ -d "$WHEELS" ] || build_wheelhouse || exit 1
+    OUT=${OUT:-outputs/gpu_check_rehearsal}
+    mkdir -p "$OUT"
+    [ -x "$REHEARSE_VENV/bin/python" ] || "$PY312" -m venv "$REHEARSE_VENV" || exit 1
+    "$REHEARSE_VENV/bin/pip" install -q "${IMAGE_PKGS[@]}" || exit 1  # seconds once they are there
+    PY="$REHEARSE_VENV/bin/python"
+    SITE=$(mktemp -d)/site
+    install_wheelhouse "$PY" "$SITE" 2>&1 | tee "$OUT/setup.log" || exit 1
+    export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+    "$PY" -m benchmarks.gpu_check --cpu --out "$OUT" --deadline-s "${DEADLINE_S:-900}"
+    rc=$?
+    # the core tests under the image's versions: engine, native rollout, weight sync, the GRPO recipe
+    "$PY" -m pytest -q -p no:cacheprovider -x tests/workers/engine/test_fsdp_engine.py \
+      tests/workers/rollout/test_native_interfaces.py tests/workers/weight_sync tests/recipes/test_config.py \
+      2>&1 | tee "$OUT/pytest_core.log" | tail -5
+    exit $(( rc || ${PIPESTATUS[0]} ))
+    ;;
+  "" | --run) ;;
+  *)
+    echo "usage: bash benchmarks/gpu_check.sh [--wheelhouse | --rehearse]" >&2
+    exit 2
+    ;;
+esac
+
+# On the GPU machine: set up from the carried wheelhouse, then the check; everything lands under $OUT.
+OUT=${OUT:-outputs/gpu_check}
+mkdir -p "$OUT"
+nvidia-smi >"$OUT/setup.log" 2>&1 || { echo "no nvidia-smi: this is for a CUDA machine" | tee -a "$OUT/setup.log"; exit 1; }
 PY=${PYTHON:-python3}
-PIP=("$PY" -m pip install -q --no-cache-dir)
-[ -n "${WHEELS:-}" ] && PIP+=(--no-index --find-links "$WHEELS" --no-build-isolation)
-step install-hyflow-deps "" "${PIP[@]}" "${PKGS[@]}"
-[ -n "${SGLANG_SPEC:-}" ] && step install-sglang "" "${PIP[@]}" "$SGLANG_SPEC"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-"$PY" -c 'import sglang' >/dev/null 2>&1 && NO_SGLANG="" || NO_SGLANG="sglang not importable (set SGLANG_SPEC)"
-
-# tests: every GPU- or SGLang-marked test (on CUDA the SGLang tests use device="cuda")
-step pytest-gpu "" "$PY" -m pytest -q -m "gpu or sglang" tests -p no:cacheprovider --junitxml="$OUT/pytest_gpu.xml"
-
-# benchmarks
-step bench-rollout "" "$PY" -m benchmarks.bench_rollout --device cuda --out "$OUT/bench_rollout.json"
-step bench-train "" "$PY" -m benchmarks.bench_train
-cp outputs/bench_train.json "$OUT/" 2>/dev/null
-step bench-sglang-vs-native "$NO_SGLANG" "$PY" -m benchmarks.bench_sglang_vs_native \
-  trainer.total_training_steps=20 trainer.progress_bar=false
-cp outputs/bench_sglang_vs_native.json "$OUT/" 2>/dev/null
-[ "$NGPU" -ge 4 ] && NO_NCCL="" || NO_NCCL="$NGPU GPU(s): bench_reshard's smallest layout needs 4"
-step bench-reshard-nccl "$NO_NCCL" "$PY" -m benchmarks.bench_reshard --world 4 --dtype bfloat16
-
-"$PY" - "$STEPS" "$OUT/summary.json" <<'EOF'
-import json, sys, torch
-steps = [json.loads(line) for line in open(sys.argv[1])]
-info = {"torch": torch.__version__, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
-json.dump({"machine": info, "steps": steps}, open(sys.argv[2], "w"), indent=2)
-failed = [s["step"] for s in steps if s.get("rc")]
-print(f"summary: {sys.argv[2]}; failed steps: {failed or 'none'}")
-EOF
-rm -f "$STEPS"
+SITE=${SITE:-/tmp/hyflow-site}
+t0=$SECONDS
+install_wheelhouse "$PY" "$SITE" >>"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+echo "setup: $((SECONDS - t0)) s" | tee -a "$OUT/setup.log"
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+exec "$PY" -m benchmarks.gpu_check --out "$OUT" --deadline-s "${DEADLINE_S:-480}"

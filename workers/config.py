@@ -62,6 +62,9 @@ class CriticConfig:
         _at_least(self, 0.0, "cliprange_value")
 
 
+ROLLOUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class RolloutConfig:
     name: str = "native"  # "native" (our torch engine) or "sglang"
@@ -82,6 +85,8 @@ class RolloutConfig:
     # trainer's TP shards into it); must divide actor.megatron.tensor_model_parallel_size. FSDP: 1.
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
+    # weights and KV cache of the rollout engine: auto = bfloat16 on CUDA, model.dtype on CPU; or a dtype name
+    dtype: str = "auto"
     seed: int = 0
     # validation sampling: greedy by default so held-out accuracy is deterministic
     val_temperature: float = 0.0
@@ -89,6 +94,8 @@ class RolloutConfig:
 
     def __post_init__(self):
         _at_least(self, 0.0, "temperature", "val_temperature")
+        if self.dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"rollout.dtype must be one of {list(ROLLOUT_DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass

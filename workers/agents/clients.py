@@ -43,8 +43,6 @@ import weakref
 from typing import Any
 from urllib.parse import urlsplit
 
-import openai
-
 from workers.agents.llm import ChatLLM, Completion, EngineLLM
 from workers.models import load_tokenizer
 from workers.rollout.native import EngineConfig, NativeEngine
@@ -253,7 +251,9 @@ class OpenAIChat(_HTTPChat):
     default_url = "https://api.openai.com/v1"
     key_envs = {"api.openai.com": "OPENAI_API_KEY", "openrouter.ai": "OPENROUTER_API_KEY"}
 
-    def _new_client(self) -> openai.AsyncOpenAI:
+    def _new_client(self):
+        import openai  # imported on first use, as anthropic: the recipes import this module, few use the backend
+
         return openai.AsyncOpenAI(
             # "" (not None): the library would otherwise read OPENAI_API_KEY itself, for any URL; "" sends none
             api_key=self.api_key or "",
@@ -277,6 +277,8 @@ class OpenAIChat(_HTTPChat):
             body["seed"] = int(seed) % (2**31)
         if stop:
             body["stop"] = list(stop)
+        import openai  # see _new_client
+
         try:
             resp = await self.client().chat.completions.create(**body, extra_body=self.extra_body or None)
         except openai.OpenAIError as exc:
@@ -343,7 +345,9 @@ class AzureOpenAIChat(OpenAIChat):
         super().__init__(model_name, **kwargs)
         self.api_version = api_version
 
-    def _new_client(self) -> openai.AsyncAzureOpenAI:
+    def _new_client(self):
+        import openai  # see OpenAIChat._new_client
+
         return openai.AsyncAzureOpenAI(
             api_key=self.api_key or "",
             azure_endpoint=self.url,

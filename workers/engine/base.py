@@ -31,6 +31,10 @@ class OptimConfig:
     grad_clip: float | None = 1.0  # max global grad norm; None or <= 0 disables clipping
 
     def __post_init__(self):
+        # OmegaConf gives a list for a YAML pair on Python 3.12 (a tuple on 3.11): one type either way
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             raise ValueError(f"lr must be a finite number >= 0, got {self.lr}")
         if self.lr_schedule not in ("constant", "cosine"):

@@ -164,7 +164,9 @@ class ActorWorker(EngineRoleWorker):
             metrics.add(ctx, **parts)
             return loss
 
-        m = self._ppo_train_step(data, loss_fn, a, mbs, temperature=temperature, calculate_entropy=True)
+        m = self._ppo_train_step(
+            data, loss_fn, a, mbs, stage="update_actor", temperature=temperature, calculate_entropy=True
+        )
         losses = metrics.reduce(engine)
         if a.use_kl_loss:
             losses["kl_coef"] = float(a.kl_loss_coef)

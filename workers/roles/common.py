@@ -28,6 +28,7 @@ from controller import Dispatch, Worker, register
 from controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
+from workers.device_memory import PeakDeviceMemory
 from workers.engine import (
     EngineConfig,
     FSDPEngine,
@@ -264,18 +265,21 @@ class EngineRoleWorker(Worker):
         return per_rank
 
     def _ppo_train_step(
-        self, data: DataProto, loss_fn, section, mini_batch_rows: int, **engine_kwargs
+        self, data: DataProto, loss_fn, section, mini_batch_rows: int, *, stage: str, **engine_kwargs
     ) -> dict:
-        """``section.ppo_epochs`` passes of optimizer steps on ``mini_batch_rows`` rows each over ``data``."""
-        return self.engine.train_step(
-            data.batch,
-            loss_fn,
-            mini_batch_size=mini_batch_rows,
-            epochs=section.ppo_epochs,
-            shuffle=section.shuffle,
-            **engine_kwargs,
-            **ppo_micro_batch_kwargs(section),
-        )
+        """``section.ppo_epochs`` passes of optimizer steps on ``mini_batch_rows`` rows each over ``data``; the
+        engine's metrics plus ``device_memory``: the call's peak device memory, named after ``stage``."""
+        with PeakDeviceMemory(stage) as peak:
+            m = self.engine.train_step(
+                data.batch,
+                loss_fn,
+                mini_batch_size=mini_batch_rows,
+                epochs=section.ppo_epochs,
+                shuffle=section.shuffle,
+                **engine_kwargs,
+                **ppo_micro_batch_kwargs(section),
+            )
+        return {**m, "device_memory": peak.metrics}
 
     def _train_result(self, method: str, prefix: str, train_metrics: dict, losses: dict) -> DataProto:
         """What a training call returns: ``meta_info["metrics"]`` with ``losses`` and the engine's grad norm, LR
@@ -295,7 +299,8 @@ class EngineRoleWorker(Worker):
             "lr": float(train_metrics["lr"]),
             "skipped_steps": float(engine.skipped_steps),
         }
-        return DataProto(meta_info={"metrics": {f"{prefix}/{k}": v for k, v in metrics.items()}})
+        named = {f"{prefix}/{k}": v for k, v in metrics.items()}
+        return DataProto(meta_info={"metrics": named | train_metrics.get("device_memory", {})})
 
     # -- group methods shared by every engine role -----------------------------------------------------------
 

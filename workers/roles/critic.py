@@ -92,5 +92,5 @@ class CriticWorker(EngineRoleWorker):
             )
             return vf_loss
 
-        m = self._ppo_train_step(data, loss_fn, c, mbs)
+        m = self._ppo_train_step(data, loss_fn, c, mbs, stage="update_critic")
         return self._train_result("update_critic", "critic", m, metrics.reduce(engine))

@@ -23,6 +23,7 @@ import torch
 from controller import PAD_ROWS_KEY, Dispatch, Worker, register
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
+from workers.device_memory import PeakDeviceMemory
 from workers.engine.distributed import default_device
 from workers.models import load_config, load_model, load_tokenizer, pad_token_id_of, resolve_dtype
 from workers.models.loading import build_on_meta, can_build_on_meta
@@ -58,7 +59,7 @@ def build_rollout_engine(
         cfg = EngineConfig(
             max_num_seqs=rollout.max_num_seqs,
             max_model_len=max_len,
-            dtype=resolve_dtype(model.dtype),
+            dtype=rollout_dtype(model, rollout),
             device=str(default_device()),
             pad_token_id=pad_token_id_of(tokenizer, hf_config),
             response_length=rollout.response_length,
@@ -87,7 +88,7 @@ def build_rollout_engine(
             device=device,
             tp_size=rollout.tensor_parallel_size,
             mem_fraction_static=rollout.gpu_memory_utilization,
-            dtype=model.dtype,
+            dtype=str(rollout_dtype(model, rollout)).removeprefix("torch."),
             seed=seed,
             bucket_mb=rollout.weight_bucket_mb,
             trust_remote_code=model.trust_remote_code,
@@ -103,6 +104,15 @@ def build_rollout_engine(
         )
         return SGLangRollout(cfg)
     raise ValueError(f"rollout.name must be 'native' or 'sglang', got {rollout.name!r}")
+
+
+def rollout_dtype(model: ModelConfig, rollout: RolloutConfig) -> torch.dtype:
+    """The rollout engine's weight and KV-cache dtype: ``rollout.dtype``, where ``auto`` is bfloat16 on CUDA
+    (what every peer samples in: half the weight and KV bytes that decode streams) and the training dtype
+    (``model.dtype``) on CPU, where bfloat16 matmuls are slower than float32 ones."""
+    if rollout.dtype != "auto":
+        return resolve_dtype(rollout.dtype)
+    return torch.bfloat16 if default_device().type == "cuda" else resolve_dtype(model.dtype)
 
 
 def rollout_sampling_meta(rollout: RolloutConfig, meta: dict) -> dict:
@@ -138,7 +148,8 @@ def run_rollout(engine, data: DataProto, rollout: RolloutConfig, *, tag: str) ->
     (``temperature`` is the one ``rollout_log_probs`` were computed at: 1.0 for greedy) + ``eos_token_id``,
     ``pad_token_id``, ``timing_s/gen`` (this rank, memory resume/release included),
     ``rollout/generated_tokens``, ``rollout/prompt_tokens``, ``rollout/num_sequences``,
-    ``rollout/tokens_per_s`` (this rank's chunk; a group call reports rank 0's)."""
+    ``rollout/tokens_per_s`` (this rank's chunk; a group call reports rank 0's), and on CUDA the generation's
+    peak device memory (``perf/max_memory_allocated_gib/gen``, ``perf/max_memory_reserved_gib/gen``)."""
     t0 = time.perf_counter()
     if not isinstance(data, DataProto):
         raise TypeError(f"{tag}: generate_sequences takes a DataProto, got {type(data).__name__}")
@@ -153,18 +164,19 @@ def run_rollout(engine, data: DataProto, rollout: RolloutConfig, *, tag: str) ->
     meta.update(settings)
     request = DataProto(batch=data.batch, non_tensor_batch=data.non_tensor_batch, meta_info=meta)
 
-    engine.resume_memory()
-    try:
-        out = engine.generate_sequences(request)
-    except BaseException:
+    with PeakDeviceMemory("gen") as peak:
+        engine.resume_memory()
+        try:
+            out = engine.generate_sequences(request)
+        except BaseException:
+            if rollout.free_cache_engine:
+                try:
+                    engine.release_memory()
+                except Exception:  # the engine may still hold the failed requests; keep the original error
+                    logger.exception("%s: releasing the KV cache after a failed generation also failed", tag)
+            raise
         if rollout.free_cache_engine:
-            try:
-                engine.release_memory()
-            except Exception:  # the engine may still hold the failed requests; keep the original error
-                logger.exception("%s: releasing the KV cache after a failed generation also failed", tag)
-        raise
-    if rollout.free_cache_engine:
-        engine.release_memory()
+            engine.release_memory()
 
     rows_per_prompt = len(out) // len(data)
     if pad_rows:
@@ -185,6 +197,7 @@ def run_rollout(engine, data: DataProto, rollout: RolloutConfig, *, tag: str) ->
             "rollout/prompt_tokens": prompt_tokens,
             "rollout/num_sequences": len(out),
             "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+            **peak.metrics,
         }
     )
     return out

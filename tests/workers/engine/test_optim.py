@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from workers.engine.base import OptimConfig
@@ -36,3 +37,13 @@ def test_forward_only_engine_gets_no_optimizer():
     model = torch.nn.Linear(4, 4)
     assert build_optimizer(model, None) == (None, None)
     assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_betas_from_a_yaml_list_become_a_tuple_and_bad_betas_are_refused():
+    """OmegaConf hands a YAML pair over as a list on Python 3.12 (the GPU image's; the rehearsal of
+    benchmarks/gpu_check.sh caught test_config's quickstart case); the config holds one type either way."""
+    assert OptimConfig(betas=[0.9, 0.95]).betas == (0.9, 0.95)
+    with pytest.raises(ValueError, match=r"betas must be two numbers in \[0, 1\), got \[0.9, 1.0\]"):
+        OptimConfig(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="betas must be two numbers"):
+        OptimConfig(betas=[0.9])

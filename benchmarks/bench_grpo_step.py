@@ -1,0 +1,186 @@
+"""A few steps of the real GRPO recipe, colocated on one device: time per stage, tokens/s, the update's MFU,
+and each stage's peak device memory beside the project's estimate (``workers/models/memory.py``).
+
+    python -m benchmarks.bench_grpo_step                          # CUDA: Qwen2-0.5B shape; CPU: tiny
+    python -m benchmarks.bench_grpo_step --preset tiny --steps 2  # seconds on a CPU (the GPU check's rehearsal)
+
+``python -m recipes.grpo`` runs as a user would run it (colocated actor + native rollout engine + reference on
+one device, the arithmetic task, a random-init model of the preset's shape with the tiny tokenizer, no
+validation or checkpoints); its ``metrics.jsonl`` is read back. Stage times are medians over the steps after
+the first (the first pays for CUDA kernels' first launches). The update's model FLOPs follow
+``benchmarks/bench_train.py`` (6 x matmul parameters x tokens + the lm_head at response positions + attention,
+x ppo_epochs), over ``timing_s/update_actor``, against a bf16 matmul peak measured in this process (fp32 on
+CPU). Memory (CUDA only): ``perf/max_memory_allocated_gib/gen`` and ``/update_actor`` (peaks reset per stage,
+`workers.device_memory`) against `estimate_colocated_step`.
+
+Writes ``--out`` (default outputs/bench_grpo_step.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_memory import make_model_dir
+from benchmarks.bench_train import layer_matmul_params, measure_peak
+from benchmarks.common import machine_info, print_table
+from workers.models.memory import estimate_colocated_step
+
+STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+
+
+def recipe_overrides(model_dir: str, run_dir: str, args) -> list[str]:
+    return [
+        f"model.path={model_dir}",
+        "trainer.device=auto",
+        "trainer.n_gpus_per_node=1",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "trainer.save_freq=0",
+        "trainer.logger=[console]",
+        "trainer.progress_bar=false",
+        f"trainer.default_local_dir={run_dir}",
+        f"data.train_batch_size={args.prompts}",
+        f"data.max_response_length={args.response_length}",
+        f"actor.ppo_mini_batch_size={args.prompts}",
+        f"actor.ppo_max_token_len_per_gpu={args.max_token_len}",
+        f"rollout.n={args.n}",
+        f"rollout.max_num_seqs={args.prompts * args.n}",
+        *args.override,
+    ]
+
+
+def update_flops(cfg, rows: int, tokens: float, response_tokens: float, epochs: int) -> float:
+    """Model FLOPs of the update (forward + backward) over ``rows`` sequences of ``tokens`` real tokens in all;
+    attention with every sequence at the mean length (the metrics give no per-row lengths)."""
+    mean_len = tokens / max(rows, 1)
+    dense = 6 * layer_matmul_params(cfg) * tokens
+    head = 6 * cfg.vocab_size * cfg.hidden_size * response_tokens
+    attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * rows * mean_len**2
+    return epochs * float(dense + head + attn)
+
+
+def median_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = torch.cuda.is_available()
+    p.add_argument("--preset", choices=["qwen2-0.5b", "tiny"], default="qwen2-0.5b" if gpu else "tiny")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=32 if gpu else 4)
+    p.add_argument("--n", type=int, default=8 if gpu else 2)
+    p.add_argument("--response-length", type=int, default=256 if gpu else 16)
+    p.add_argument(
+        "--max-token-len", type=int, default=16384 if gpu else 4096, help="update micro-batch budget"
+    )
+    p.add_argument("--override", nargs="*", default=[], help="more recipe overrides key=value")
+    p.add_argument("--timeout-s", type=float, default=None, help="stop the recipe after this long")
+    p.add_argument("--out", default="outputs/bench_grpo_step.json")
+    args = p.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="bench_grpo_step_"))
+    model_dir, config = make_model_dir(work / "model", args.preset)
+    run_dir = work / "run"
+    cmd = [sys.executable, "-m", "recipes.grpo", *recipe_overrides(model_dir, str(run_dir), args)]
+    print("+", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    with open(work / "recipe.log", "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    wall = time.perf_counter() - t0
+    metrics_files = sorted(run_dir.rglob("metrics.jsonl"))
+    steps = [json.loads(line) for f in metrics_files for line in f.read_text().splitlines() if line.strip()]
+    if rc != 0 or not steps:
+        print((work / "recipe.log").read_text()[-6000:])
+        print(
+            f"recipe exited {rc} after {wall:.0f} s with {len(steps)} step(s) logged; log: {work / 'recipe.log'}"
+        )
+        return rc or 1
+
+    timed = steps[1:] or steps  # the first step pays for first launches
+    stage_s = {s: median_of(timed, f"timing_s/{s}") for s in STAGES}
+    rows = args.prompts * args.n
+    tokens = median_of(timed, "perf/total_num_tokens") or 0.0
+    resp_tokens = (median_of(timed, "response_length/mean") or 0.0) * rows
+    device = torch.device("cuda" if gpu else "cpu")
+    peak = measure_peak(device)
+    flops = update_flops(config, rows, tokens, resp_tokens, epochs=1)
+    update_s = stage_s["update_actor"]
+    mfu = flops / update_s / peak if update_s else None
+
+    kl = "actor.use_kl_loss=false" not in args.override
+    est = estimate_colocated_step(
+        config,
+        compute_dtype=torch.bfloat16 if gpu else torch.float32,
+        rollout_dtype=torch.bfloat16 if gpu else torch.float32,
+        reference=kl,
+        max_num_seqs=args.prompts * args.n,
+        max_model_len=64 + args.response_length,
+        micro_batch_tokens=min(int(tokens), args.max_token_len),
+        micro_batch_response_tokens=min(int(resp_tokens), args.max_token_len),
+    ).gib()
+    memory = []
+    for stage in ("gen", "update_actor"):
+        measured = median_of(timed, f"perf/max_memory_allocated_gib/{stage}")
+        memory.append({"stage": stage, "measured_gib": measured, "estimate_gib": est[stage],
+                       "reserved_gib": median_of(timed, f"perf/max_memory_reserved_gib/{stage}")})  # fmt: skip
+
+    print(f"GRPO, {args.preset} ({est['params'] / 1e6:.0f}M params) on "
+          f"{torch.cuda.get_device_name(0) if gpu else 'cpu'}: {args.prompts} prompts x {args.n}, response <= "
+          f"{args.response_length}, {len(steps)} steps in {wall:.0f} s (recipe start included)")  # fmt: skip
+    print_table(
+        [{"stage": s, "median_s": v} for s, v in stage_s.items() if v is not None], ["stage", "median_s"]
+    )
+    throughput = median_of(timed, "perf/throughput")
+    print(
+        f"tokens/step {tokens:.0f} (response {resp_tokens:.0f}); perf/throughput {throughput:.0f} tok/s; "
+        f"update {flops / 1e12:.2f} TFLOP in {update_s:.3f} s = MFU {mfu:.3f} of {peak / 1e12:.0f} TFLOP/s"
+    )
+    diff = median_of(timed, "training/rollout_logprob_diff_mean")
+    if diff is not None:
+        print(f"rollout vs trainer log-probs: mean |diff| {diff:.4f} (rollout dtype vs training precision)")
+    if gpu:
+        print_table(memory, ["stage", "measured_gib", "reserved_gib", "estimate_gib"])
+    record = {
+        "machine": machine_info(),
+        "preset": args.preset,
+        "args": vars(args),
+        "rc": rc,
+        "wall_s": wall,
+        "steps_logged": len(steps),
+        "stage_median_s": stage_s,
+        "tokens_per_step": tokens,
+        "response_tokens_per_step": resp_tokens,
+        "throughput_tok_s": throughput,
+        "update_model_flops": flops,
+        "peak_flops_measured": peak,
+        "update_mfu": mfu,
+        "rollout_logprob_diff_mean": median_of(timed, "training/rollout_logprob_diff_mean"),
+        "memory": memory,
+        "memory_estimate_gib": est,
+        "metrics": steps,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
