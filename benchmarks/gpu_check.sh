@@ -100,4 +100,4 @@ t0=$SECONDS
 install_wheelhouse "$PY" "$SITE" >>"$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
 echo "setup: $((SECONDS - t0)) s" | tee -a "$OUT/setup.log"
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-exec "$PY" -m benchmarks.gpu_check --out "$OUT" --deadline-s "${DEADLINE_S:-480}"
+exec "$PY" -m benchmarks.gpu_check --out "$OUT" --deadline-s "${DEADLINE_S:-480}" ${ONLY:+--only "$ONLY"}

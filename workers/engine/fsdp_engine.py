@@ -47,6 +47,14 @@ from workers.models.loading import build_on_meta, can_build_on_meta, is_value_mo
 from workers.models.meta_init import materialize
 
 
+def moves_with_state(key: str, group: dict) -> bool:
+    """Whether an optimizer state tensor follows the state to another device (offload / reload). AdamW's step
+    counter stays a CPU scalar unless the group is fused or capturable, whose kernels read it on the
+    parameters' device (a fused step left on the CPU failed the second update on CUDA: the GPU check's
+    grpo_step)."""
+    return key != "step" or bool(group.get("fused") or group.get("capturable"))
+
+
 class FSDPEngine(EngineSteps):
     """Model + optimizer + schedule on this rank; FSDP2-sharded over ``dp`` when world size > 1."""
 
@@ -344,12 +352,12 @@ class FSDPEngine(EngineSteps):
             self._move_optimizer(self.device)
 
     def _move_optimizer(self, device) -> None:
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and not (
-                    k == "step" and v.device.type == "cpu" and v.dim() == 0
-                ):
-                    state[k] = v.to(device, non_blocking=True)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and moves_with_state(k, group):
+                        state[k] = v.to(device, non_blocking=True)
 
     # -- checkpoints (workers/engine/checkpoint.py) ----------------------------------------------------------
 

@@ -256,6 +256,36 @@ def test_forward_only_engine_and_offload_api(model_dir):
     assert eng.train_step(b, T.pg_loss)["global_step"] == 1
 
 
+def test_offload_moves_a_fused_adamw_step_counter_with_the_state(model_dir):
+    """The engine's AdamW is fused, whose kernel reads the step counter on the parameters' device: offload and
+    reload move it with the moments; a plain AdamW keeps it a CPU scalar (torch's rule). On CUDA a step left
+    on the CPU failed the second update (the GPU check's grpo_step); the CUDA round trip is the gpu test below."""
+    from workers.engine.fsdp_engine import moves_with_state
+
+    eng = _engine(model_dir)
+    eng.train_step(T.make_batch(3, seed=12), T.pg_loss)
+    (group,) = eng.optimizer.param_groups
+    assert group["fused"] and moves_with_state("step", group) and moves_with_state("exp_avg", group)
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=False)
+    assert not moves_with_state("step", plain.param_groups[0]) and moves_with_state(
+        "exp_avg", plain.param_groups[0]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_offload_and_reload_between_updates(model_dir):
+    b = T.make_batch(3, seed=12)
+    eng = _engine(model_dir)
+    assert eng.device.type == "cuda"
+    eng.train_step(b, T.pg_loss)
+    eng.offload()
+    assert all(v.device.type == "cpu" for s in eng.optimizer.state.values() for v in s.values())
+    eng.reload()
+    assert all(v.device.type == "cuda" for s in eng.optimizer.state.values() for v in s.values())
+    assert eng.train_step(b, T.pg_loss)["global_step"] == 2
+
+
 def test_activation_checkpointing_gives_same_gradient(model_dir):
     b = T.make_batch(4, seed=10)
     l1, g1 = T.accumulate_grads(_engine(model_dir), b, T.pg_loss, micro_batch_size=2)

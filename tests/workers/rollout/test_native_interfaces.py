@@ -298,7 +298,7 @@ def test_errors_reach_callers_and_leave_the_engine_idle(model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_parity_fp32_and_bf16():
+def test_cuda_greedy_fp32_equals_hf_generate():
     model = tiny_model().cuda()
     prompts = make_prompts([5, 17, 9], seed=8)
     engine = NativeEngine(model, config=EngineConfig(max_num_seqs=4, max_model_len=64))
@@ -307,16 +307,37 @@ def test_cuda_parity_fp32_and_bf16():
         with torch.inference_mode():
             ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=12, do_sample=False)
         assert out.token_ids == ref[0, len(prompt) :].tolist()
-    bf16 = tiny_model().cuda().to(torch.bfloat16)
-    engine16 = NativeEngine(bf16, config=EngineConfig(max_num_seqs=4, max_model_len=64))
-    for prompt, (out,) in zip(
-        prompts, engine16.generate_batch(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=0))
-    ):
-        with torch.inference_mode():
-            logits = bf16(torch.tensor([prompt + out.token_ids], device="cuda")).logits[
-                0, len(prompt) - 1 : -1
-            ]
-        ref = torch.log_softmax(logits.float(), -1).gather(
-            1, torch.tensor(out.token_ids, device="cuda")[:, None]
-        )[:, 0]
-        assert (torch.tensor(out.log_probs) - ref.cpu()).abs().max() < 0.1  # bf16 rounding, not exactness
+
+
+def _log_probs_of(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """fp32 log-probs of the tokens after the prompt under ``model``'s full forward."""
+    with torch.inference_mode():
+        logits = model(ids).logits[0, prompt_len - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(1, ids[0, prompt_len:, None])[:, 0].cpu()
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="needs a CUDA GPU")])],
+)  # fmt: skip
+def test_bf16_sampled_log_probs_no_further_from_fp32_than_hf_bf16(device):
+    """The engine's bf16 log-probs (incremental decode, bf16 KV cache) against the same bf16-rounded weights in
+    fp32, no further off than HF's own bf16 forward of the same tokens. A flat 0.1 bound failed on an H200 (the
+    12th token 0.109 off): bf16 error grows along the sequence, HF's as well."""
+    prompts = make_prompts([5, 17, 9], seed=8)
+    bf16 = tiny_model().to(device=device, dtype=torch.bfloat16)
+    fp32 = tiny_model().to(device)
+    fp32.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
+    engine = NativeEngine(bf16, config=EngineConfig(max_num_seqs=4, max_model_len=64))
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=0)
+    ours, hf = [], []
+    for prompt, (out,) in zip(prompts, engine.generate_batch(prompts, sampled)):
+        ids = torch.tensor([prompt + out.token_ids], device=device)
+        exact = _log_probs_of(fp32, ids, len(prompt))
+        ours.append((torch.tensor(out.log_probs) - exact).abs())
+        hf.append((_log_probs_of(bf16, ids, len(prompt)) - exact).abs())
+    ours_err, hf_err = torch.cat(ours), torch.cat(hf)
+    assert hf_err.max() > 0  # bf16 really rounds
+    assert ours_err.mean() <= 2 * hf_err.mean() + 0.01, (ours_err.mean(), hf_err.mean())
+    assert ours_err.max() <= 2 * hf_err.max() + 0.05, (ours_err.max(), hf_err.max())
