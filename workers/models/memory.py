@@ -11,15 +11,23 @@ Terms (bytes; ``P`` parameters, ``W`` FSDP ranks sharing the training state):
     KV cache        max_num_seqs * max_model_len * 2 * layers * kv_heads * head_dim * rollout bytes
                                                        the native engine's static cache, allocated while it
                                                        generates (released between rollouts by default)
-    activations     tokens * layers * (6 H + 3 I) * compute bytes + 3 * response tokens * V * 4
+    activations     tokens * layers * (6 H + 3 I) * compute bytes + c * response tokens * V * 4
                                                        saved inputs of the norms, projections, attention and MLP
-                                                       per token and layer; fp32 logits, log-softmax and their
-                                                       gradient at the response positions only (packed forward)
+                                                       per token and layer; ``c`` fp32 [tokens, V] buffers at
+                                                       the response positions only (packed forward): logits,
+                                                       log-softmax and their gradient (c = 3), and with the
+                                                       entropy the update computes, its softmax and product
+                                                       (c = 5)
 
-and per stage: ``gen`` = train state + reference + rollout weights + KV cache (+ the sampling logits);
+and per stage: ``gen`` = reference + rollout weights + KV cache + the sampling logits, plus the train state
+unless the colocated trainer is offloaded while the engine generates (`ActorRolloutWorker` does);
 ``update_actor`` = train state + reference + rollout weights + gather + activations of one micro-batch.
-A rough model by design (no allocator fragmentation, no CUDA context, no temporary buffers): measured peaks
-above it by more than a few hundred MiB point at something held that should not be.
+
+Checked on an H200 (Qwen2-0.5B shape, 256 samples of <= 256 tokens, a 16,384-token micro-batch; BENCHMARKS.md,
+the GPU check): gen 4.34 GiB measured against 3.84 estimated, update_actor 73.6 against 71.6 (with c = 3 the
+estimate was 53.1: the entropy's two [tokens, V] buffers were missing). Allocator fragmentation, the CUDA
+context and sampling temporaries are not modelled; a measured peak well above the estimate points at something
+held that should not be.
 """
 
 from __future__ import annotations
@@ -42,10 +50,13 @@ def num_params(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes(config, tokens: int, response_tokens: int, compute_bytes: int = 4) -> int:
+def activation_bytes(
+    config, tokens: int, response_tokens: int, compute_bytes: int = 4, *, entropy: bool = False
+) -> int:
     """Saved activations of one micro-batch's forward + backward (see the module docstring)."""
     per_token = config.num_hidden_layers * (6 * config.hidden_size + 3 * config.intermediate_size)
-    return compute_bytes * tokens * per_token + 4 * 3 * response_tokens * config.vocab_size
+    vocab_buffers = 5 if entropy else 3
+    return compute_bytes * tokens * per_token + 4 * vocab_buffers * response_tokens * config.vocab_size
 
 
 def kv_bytes(config, seqs: int, max_len: int, dtype: torch.dtype) -> int:
@@ -68,9 +79,12 @@ class MemoryEstimate:
     sampling_logits: int
     activations: int
 
+    trainer_offloaded_in_gen: bool = True
+
     @property
     def gen(self) -> int:
-        return self.train_state + self.reference + self.rollout_weights + self.kv_cache + self.sampling_logits
+        resident = 0 if self.trainer_offloaded_in_gen else self.train_state
+        return resident + self.reference + self.rollout_weights + self.kv_cache + self.sampling_logits
 
     @property
     def update_actor(self) -> int:
@@ -78,7 +92,7 @@ class MemoryEstimate:
 
     def gib(self) -> dict[str, float]:
         """Every term and both stages in GiB (the parameter count as is)."""
-        terms = {k: v / GIB for k, v in asdict(self).items() if k != "params"}
+        terms = {k: v / GIB for k, v in asdict(self).items() if k not in ("params", "trainer_offloaded_in_gen")}
         return {
             "params": float(self.params),
             **terms,
@@ -99,10 +113,12 @@ def estimate_colocated_step(
     max_model_len: int,
     micro_batch_tokens: int,
     micro_batch_response_tokens: int,
+    entropy: bool = True,
+    trainer_offloaded_in_gen: bool = True,
 ) -> MemoryEstimate:
     """The estimate for one rank of a colocated step (actor + rollout engine [+ reference]) of the causal LM
     ``config``; ``micro_batch_*``: the largest micro-batch of the update (its real tokens and the response
-    tokens among them)."""
+    tokens among them); ``entropy``: the update computes the entropy (the actor's update does)."""
     p = num_params(config)
     pb, cb, rb = _BYTES[param_dtype], _BYTES[compute_dtype], _BYTES[rollout_dtype]
     gathered = fsdp_world > 1 or compute_dtype != param_dtype
@@ -114,5 +130,6 @@ def estimate_colocated_step(
         rollout_weights=p * rb,
         kv_cache=kv_bytes(config, max_num_seqs, max_model_len, rollout_dtype),
         sampling_logits=4 * max_num_seqs * config.vocab_size,
-        activations=activation_bytes(config, micro_batch_tokens, micro_batch_response_tokens, cb),
+        activations=activation_bytes(config, micro_batch_tokens, micro_batch_response_tokens, cb, entropy=entropy),
+        trainer_offloaded_in_gen=trainer_offloaded_in_gen,
     )
