@@ -74,7 +74,7 @@ def steps() -> list[Step]:
         Step("train_mfu", [*m, "benchmarks.bench_train", "--steps", "3"],
              [*m, "benchmarks.bench_train", "--steps", "1", "--batch", "2", "--seq", "64"],
              120, 40, "outputs/bench_train.json"),
-        Step("pytest_gpu", [*pytest, "-m", "gpu", "tests/controller/test_gpu.py", "tests/workers/engine/test_fsdp_engine.py",
+        Step("pytest_gpu", [*pytest, "-m", "gpu", "tests/controller/test_gpu.py", "tests/workers/engine/test_fsdp_engine.py", "tests/workers/test_memory_estimate.py",
                                   "tests/workers/rollout/test_native_interfaces.py", "--junitxml", "{work}/pytest_gpu.xml"], None,
              120, 30, junit=True),
         Step("megatron", [*pytest, "tests/workers/engine/test_megatron.py", "--junitxml", "{work}/megatron.xml"],
