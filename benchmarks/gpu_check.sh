@@ -25,7 +25,7 @@ PY312=${PY312:-$(for p in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.1
 # the image's versions (KINDS.md's pip list); torch: the same release (PyPI's build, which runs on the CPU)
 IMAGE_PKGS=(torch==2.11.0 transformers==5.17.0 tokenizers==0.23.2 numpy==2.5.2 safetensors==0.8.0
   accelerate==1.15.0 peft pyarrow pandas pytest pytest-timeout xxhash tensorboard matplotlib rich tqdm pyyaml
-  click filelock msgpack protobuf requests packaging aiohttp grpcio attrs typing-extensions)
+  click filelock msgpack protobuf requests packaging aiohttp grpcio attrs typing-extensions psutil)
 REHEARSE_VENV=${REHEARSE_VENV:-$HOME/.cache/hyflow/gpu-rehearse-py312}
 
 fetch() {  # fetch PKG...: CPython 3.12 manylinux x86_64 wheels, no dependencies (each need is named)
