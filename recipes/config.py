@@ -77,6 +77,24 @@ def default_config_path(recipe: str) -> Path:
     return RECIPES_DIR / f"{recipe}.yaml"
 
 
+def schema_config(schema_cls: type) -> DictConfig:
+    """The schema's defaults as a DictConfig that YAML and overrides can be merged into. A frozen dataclass in the
+    schema (``SandboxConfig``) makes a read-only node; OmegaConf 2.3 merges into it on Python 3.11 but refuses on
+    3.12 ("Cannot set value of read-only config node": ``recipes.rlm`` could not load its YAML there). The flag
+    is cleared on every node; the frozen dataclasses are built, and check their values, in `to_dataclass`."""
+    cfg = OmegaConf.structured(schema_cls)
+    _clear_readonly(cfg)
+    return cfg
+
+
+def _clear_readonly(node: DictConfig) -> None:
+    OmegaConf.set_readonly(node, None)  # None: no flag of its own, inherit (the root: writable)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _clear_readonly(child)
+
+
 def load_config(
     recipe: str,
     overrides: list[str] | None = None,
@@ -91,7 +109,7 @@ def load_config(
     path = Path(config_path) if config_path is not None else default_config_path(recipe)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    merged = OmegaConf.structured(schema_cls)
+    merged = schema_config(schema_cls)
     try:
         merged = OmegaConf.merge(merged, OmegaConf.load(path))
     except OmegaConfBaseException as err:

@@ -318,3 +318,17 @@ def test_old_log_prob_source_is_checked():
     msg = _errors(["algorithm.old_log_prob=rollout", "algorithm.rollout_correction=tis"], recipe="grpo_async")
     assert "algorithm.old_log_prob=rollout makes the rollout engine's log-probs the old ones" in msg
     assert load_config("grpo", ["algorithm.old_log_prob=rollout"]).algorithm.old_log_prob == "rollout"
+
+
+def test_schema_nodes_of_frozen_dataclasses_take_merged_values():
+    """``env.sandbox`` is a frozen dataclass (SandboxConfig): OmegaConf makes its node read-only, and on Python
+    3.12 (the GPU image's; found by ``benchmarks/gpu_check.sh --rehearse``) merging rlm.yaml into it failed."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import schema_config
+    from recipes.schemas import SCHEMAS
+
+    cfg = schema_config(SCHEMAS["rlm"])
+    assert not OmegaConf.is_readonly(cfg.env.sandbox)
+    merged = OmegaConf.merge(cfg, OmegaConf.create({"env": {"sandbox": {"timeout_s": 3.5}}}))
+    assert OmegaConf.to_object(merged).env.sandbox.timeout_s == 3.5
