@@ -17,7 +17,9 @@ Order (what a GPU can tell us that nothing here can, most valuable first):
                       MFU, peak memory per stage against workers/models/memory.py's estimate
   6. train_mfu        the engine's train step alone at 8 x 1024 (varlen vs HF SDPA vs a padded HF step)
   7. pytest_gpu       the GPU-marked tests (NCCL pool under Ray, native engine on CUDA)
-  8. megatron         megatron-core on CUDA (TP=1): the Megatron engine tests
+  8. megatron         the Megatron engine's tests on a CUDA machine (written for gloo ranks on the CPU; on the
+                      first H200 run 14 passed, 12 failed mixing cuda:0 and cpu tensors). A Megatron TP=1 vs FSDP
+                      comparison on one GPU is still to be written
 LoRA (memory and sync bytes against full fine-tuning) joins after grpo_step once the LoRA issue lands. SGLang is
 not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
 """

@@ -95,7 +95,7 @@ class RolloutConfig:
     def __post_init__(self):
         _at_least(self, 0.0, "temperature", "val_temperature")
         if self.dtype not in ROLLOUT_DTYPES:
-            raise ValueError(f"rollout.dtype must be one of {list(ROLLOUT_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {list(ROLLOUT_DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass

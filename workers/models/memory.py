@@ -92,7 +92,9 @@ class MemoryEstimate:
 
     def gib(self) -> dict[str, float]:
         """Every term and both stages in GiB (the parameter count as is)."""
-        terms = {k: v / GIB for k, v in asdict(self).items() if k not in ("params", "trainer_offloaded_in_gen")}
+        terms = {
+            k: v / GIB for k, v in asdict(self).items() if k not in ("params", "trainer_offloaded_in_gen")
+        }
         return {
             "params": float(self.params),
             **terms,
@@ -130,6 +132,8 @@ def estimate_colocated_step(
         rollout_weights=p * rb,
         kv_cache=kv_bytes(config, max_num_seqs, max_model_len, rollout_dtype),
         sampling_logits=4 * max_num_seqs * config.vocab_size,
-        activations=activation_bytes(config, micro_batch_tokens, micro_batch_response_tokens, cb, entropy=entropy),
+        activations=activation_bytes(
+            config, micro_batch_tokens, micro_batch_response_tokens, cb, entropy=entropy
+        ),
         trainer_offloaded_in_gen=trainer_offloaded_in_gen,
     )

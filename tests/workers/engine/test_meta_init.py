@@ -115,3 +115,24 @@ def test_native_rollout_engine_holds_the_directory_weights(dirs, key):
     assert set(got) == set(ref)
     for name, tensor in got.items():
         assert torch.equal(tensor, ref[name].detach()), name
+
+
+def test_rollout_dtype_auto_keeps_the_training_dtype_on_cpu_and_a_named_dtype_wins(dirs):
+    """``rollout.dtype``: auto is the model's dtype on the CPU (bf16 on CUDA: the GPU check's grpo_step); a named
+    dtype builds the engine's weights in it, rounded from the same directory; a bad name is refused by name."""
+    from workers.roles.rollout import rollout_dtype
+
+    model = ModelConfig(path=dirs["random"])
+    assert rollout_dtype(model, RolloutConfig()) == torch.float32
+    engine = build_rollout_engine(
+        model, RolloutConfig(prompt_length=16, response_length=4, dtype="bfloat16"), tokenizer=None
+    )
+    ref = dict(load_model(dirs["random"]).named_parameters(remove_duplicate=False))
+    for name, tensor in engine.named_weights():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(
+            tensor, ref[name].detach().to(torch.bfloat16)
+        ), name
+    with pytest.raises(
+        ValueError, match=r"dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\]"
+    ):
+        RolloutConfig(dtype="int8")
