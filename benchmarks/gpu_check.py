@@ -17,9 +17,10 @@ Order (what a GPU can tell us that nothing here can, most valuable first):
                       MFU, peak memory per stage against workers/models/memory.py's estimate
   6. train_mfu        the engine's train step alone at 8 x 1024 (varlen vs HF SDPA vs a padded HF step)
   7. pytest_gpu       the GPU-marked tests (NCCL pool under Ray, native engine on CUDA)
-  8. megatron         the Megatron engine's tests on a CUDA machine (written for gloo ranks on the CPU; on the
-                      first H200 run 14 passed, 12 failed mixing cuda:0 and cpu tensors). A Megatron TP=1 vs FSDP
-                      comparison on one GPU is still to be written
+  8. megatron_parity  megatron-core on CUDA (TP = PP = 1, fp32: the Megatron engine has no mixed precision) against
+                      Hugging Face on step 2's batch, so beside the FSDP engine's fp32 row. (The first H200 run ran
+                      the Megatron engine's tests instead, written for gloo ranks on the CPU: 14 passed, 12 failed
+                      mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
 LoRA (memory and sync bytes against full fine-tuning) joins after grpo_step once the LoRA issue lands. SGLang is
 not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
 """
@@ -79,8 +80,11 @@ def steps() -> list[Step]:
         Step("pytest_gpu", [*pytest, "-m", "gpu", "tests/controller/test_gpu.py", "tests/workers/engine/test_fsdp_engine.py", "tests/workers/test_memory_estimate.py",
                                   "tests/workers/rollout/test_native_interfaces.py", "--junitxml", "{work}/pytest_gpu.xml"], None,
              120, 30, junit=True),
-        Step("megatron", [*pytest, "tests/workers/engine/test_megatron.py", "--junitxml", "{work}/megatron.xml"],
-             None, 120, 30, junit=True),
+        Step("megatron_parity",
+             [*m, "benchmarks.engine_parity", "--engines", "megatron", "--precisions", "fp32", "--out",
+              "{work}/megatron_parity.json"],
+             [*m, "benchmarks.engine_parity", "--engines", "megatron", "--precisions", "fp32", "--out",
+              "{work}/megatron_parity.json"], 120, 40, "megatron_parity.json"),
     ]  # fmt: skip
 
 
