@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_train import make_batch  # left-padded prompts, right-padded responses, random lengths
 from benchmarks.common import QWEN2_0_5B_SHAPE, machine_info, print_table
 
 MODELS = {
@@ -52,32 +53,6 @@ def make_model_dir(shape: dict, device: torch.device, out: str) -> str:
         model = Qwen2ForCausalLM(Qwen2Config(**shape, pad_token_id=0))
     model.save_pretrained(out)
     return out
-
-
-def make_batch(rows: int, prompt: int, resp: int, vocab: int, seed: int = 0) -> dict:
-    """Left-padded prompts, right-padded responses of random lengths (dataproto/BATCH_LAYOUT.md)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses = (
-        torch.zeros(rows, prompt, dtype=torch.long),
-        torch.zeros(rows, resp, dtype=torch.long),
-    )
-    pm, rm = torch.zeros_like(prompts), torch.zeros_like(responses)
-    for i in range(rows):
-        pl = int(torch.randint(prompt // 2, prompt + 1, (1,), generator=g))
-        rl = int(torch.randint(resp // 2, resp + 1, (1,), generator=g))
-        prompts[i, prompt - pl :] = torch.randint(3, vocab, (pl,), generator=g)
-        responses[i, :rl] = torch.randint(3, vocab, (rl,), generator=g)
-        pm[i, prompt - pl :], rm[i, :rl] = 1, 1
-    mask = torch.cat([pm, rm], 1)
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-        "response_mask": rm.float(),
-        "advantages": torch.randn(rows, resp, generator=g) * rm,
-    }
 
 
 def pg_loss(outputs, micro, ctx):

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_rollout import measure_bandwidth
+
 PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "safetensors", "ray", "omegaconf", "megatron.core",
             "pyarrow", "pandas", "peft", "accelerate", "sglang")  # fmt: skip
 
@@ -34,20 +36,6 @@ def versions() -> dict[str, str | None]:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: torch.device, mib: int = 1024, iters: int = 20) -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    x = torch.empty(mib << 20, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        y.copy_(x)
-    sync(device)
-    return 2 * x.numel() * iters / (time.perf_counter() - t0)
 
 
 def matmul_rate(device: torch.device, n: int, dtype: torch.dtype, iters: int = 10) -> float:
@@ -87,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             ).stdout.strip()  # fmt: skip
         except (OSError, subprocess.TimeoutExpired) as e:
             facts["nvidia_smi"] = f"failed: {e}"
-        facts["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
+        facts["copy_bandwidth_GBps"] = measure_bandwidth("cuda") / 1e9
         facts["bf16_matmul_TFLOPs"] = matmul_rate(device, 8192, torch.bfloat16) / 1e12
         facts["fp32_matmul_TFLOPs"] = matmul_rate(device, 4096, torch.float32) / 1e12
     else:
