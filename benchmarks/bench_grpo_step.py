@@ -7,11 +7,11 @@ and each stage's peak device memory beside the project's estimate (``workers/mod
 ``python -m recipes.grpo`` runs as a user would run it (colocated actor + native rollout engine + reference on
 one device, the arithmetic task, a random-init model of the preset's shape with the tiny tokenizer, no
 validation or checkpoints); its ``metrics.jsonl`` is read back. Stage times are medians over the steps after
-the first (the first pays for CUDA kernels' first launches). The update's model FLOPs follow
-``benchmarks/bench_train.py`` (6 x matmul parameters x tokens + the lm_head at response positions + attention,
+the first (the first pays for CUDA kernels' first launches). The update's model FLOPs are
+``benchmarks/bench_train.py``'s (6 x matmul parameters x tokens + the lm_head at response positions + attention,
 x ppo_epochs), over ``timing_s/update_actor``, against a bf16 matmul peak measured in this process (fp32 on
 CPU). Memory (CUDA only): ``perf/max_memory_allocated_gib/gen`` and ``/update_actor`` (peaks reset per stage,
-`workers.device_memory`) against `estimate_colocated_step`.
+`workers.device_memory`) against `estimate_colocated_step` for the settings in the run's ``config.yaml``.
 
 Writes ``--out`` (default outputs/bench_grpo_step.json).
 """
@@ -31,9 +31,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_memory import make_model_dir
-from benchmarks.bench_train import layer_matmul_params, measure_peak
+from benchmarks.bench_train import measure_peak, train_flops
 from benchmarks.common import machine_info, print_table
+from recipes.config import load_config
+from workers.models import resolve_dtype
 from workers.models.memory import estimate_colocated_step
+from workers.roles.rollout import rollout_dtype
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
 
@@ -58,16 +61,6 @@ def recipe_overrides(model_dir: str, run_dir: str, args) -> list[str]:
         f"rollout.max_num_seqs={args.prompts * args.n}",
         *args.override,
     ]
-
-
-def update_flops(cfg, rows: int, tokens: float, response_tokens: float, epochs: int) -> float:
-    """Model FLOPs of the update (forward + backward) over ``rows`` sequences of ``tokens`` real tokens in all;
-    attention with every sequence at the mean length (the metrics give no per-row lengths)."""
-    mean_len = tokens / max(rows, 1)
-    dense = 6 * layer_matmul_params(cfg) * tokens
-    head = 6 * cfg.vocab_size * cfg.hidden_size * response_tokens
-    attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * rows * mean_len**2
-    return epochs * float(dense + head + attn)
 
 
 def median_of(rows: list[dict], key: str) -> float | None:
@@ -112,27 +105,28 @@ def main(argv: list[str] | None = None) -> int:
         )
         return rc or 1
 
+    cfg = load_config("grpo", config_path=run_dir / "config.yaml")  # what the recipe ran with
     timed = steps[1:] or steps  # the first step pays for first launches
     stage_s = {s: median_of(timed, f"timing_s/{s}") for s in STAGES}
-    rows = args.prompts * args.n
+    rows = cfg.data.train_batch_size * cfg.rollout.n
     tokens = median_of(timed, "perf/total_num_tokens") or 0.0
     resp_tokens = (median_of(timed, "response_length/mean") or 0.0) * rows
-    device = torch.device("cuda" if gpu else "cpu")
-    peak = measure_peak(device)
-    flops = update_flops(config, rows, tokens, resp_tokens, epochs=1)
+    peak = measure_peak(torch.device("cuda" if gpu else "cpu"))
+    # the update's model FLOPs, every sequence at the mean length (the metrics give no per-row lengths)
+    flops = cfg.actor.ppo_epochs * train_flops(config, [tokens / rows] * rows, int(resp_tokens))
     update_s = stage_s["update_actor"]
     mfu = flops / update_s / peak if update_s else None
 
-    kl = "actor.use_kl_loss=false" not in args.override
+    budget = cfg.actor.ppo_max_token_len_per_gpu
     est = estimate_colocated_step(
         config,
-        compute_dtype=torch.bfloat16 if gpu else torch.float32,
-        rollout_dtype=torch.bfloat16 if gpu else torch.float32,
-        reference=kl,
-        max_num_seqs=args.prompts * args.n,
-        max_model_len=64 + args.response_length,
-        micro_batch_tokens=min(int(tokens), args.max_token_len),
-        micro_batch_response_tokens=min(int(resp_tokens), args.max_token_len),
+        compute_dtype=torch.bfloat16 if gpu else torch.float32,  # the engine's mixed precision: on for CUDA
+        rollout_dtype=resolve_dtype(rollout_dtype(cfg.model, cfg.rollout)),
+        reference=cfg.actor.use_kl_loss,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        max_model_len=cfg.rollout.prompt_length + cfg.rollout.response_length,
+        micro_batch_tokens=min(int(tokens), budget),
+        micro_batch_response_tokens=min(int(resp_tokens), budget),
     ).gib()
     memory = []
     for stage in ("gen", "update_actor"):
@@ -147,11 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         [{"stage": s, "median_s": v} for s, v in stage_s.items() if v is not None], ["stage", "median_s"]
     )
     throughput = median_of(timed, "perf/throughput")
-    print(
-        f"tokens/step {tokens:.0f} (response {resp_tokens:.0f}); perf/throughput {throughput:.0f} tok/s; "
-        f"update {flops / 1e12:.2f} TFLOP in {update_s:.3f} s = MFU {mfu:.3f} of {peak / 1e12:.0f} TFLOP/s"
-    )
     diff = median_of(timed, "training/rollout_logprob_diff_mean")
+    print(
+        f"tokens/step {tokens:.0f} (response {resp_tokens:.0f}); perf/throughput {throughput or 0:.0f} tok/s"
+    )
+    if mfu is not None:
+        print(
+            f"update {flops / 1e12:.2f} TFLOP in {update_s:.3f} s = MFU {mfu:.3f} of {peak / 1e12:.0f} TFLOP/s"
+        )
     if diff is not None:
         print(f"rollout vs trainer log-probs: mean |diff| {diff:.4f} (rollout dtype vs training precision)")
     if gpu:
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "update_model_flops": flops,
         "peak_flops_measured": peak,
         "update_mfu": mfu,
-        "rollout_logprob_diff_mean": median_of(timed, "training/rollout_logprob_diff_mean"),
+        "rollout_logprob_diff_mean": diff,
         "memory": memory,
         "memory_estimate_gib": est,
         "metrics": steps,

@@ -77,10 +77,12 @@ def train_flops(cfg, seq_lens: list[int], resp_tokens: int) -> float:
     return float(dense + head + attn)
 
 
-def measure_peak(device: torch.device, n: int | None = None, repeats: int = 5) -> float:
-    """Best dense matmul FLOP/s (fp32 on CPU at 2048^2, bf16 on CUDA at 8192^2: at 2048 an H200 measured 275
-    TFLOP/s against 805 at 8192, which made every MFU quoted against it 2.9x too high)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def measure_peak(
+    device: torch.device, n: int | None = None, repeats: int = 5, dtype: torch.dtype | None = None
+) -> float:
+    """Best dense matmul FLOP/s (default: fp32 on CPU at 2048^2, bf16 on CUDA at 8192^2: at 2048 an H200 measured
+    275 TFLOP/s against 805 at 8192, which made every MFU quoted against it 2.9x too high)."""
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     n = n or (8192 if device.type == "cuda" else 2048)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)

@@ -1,11 +1,12 @@
 """Small helpers shared by the benchmarks: timing, a printed table, and a JSON record."""
 
 import json
+import math
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -89,3 +90,22 @@ def write_json(name: str, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump({"machine": machine_info(), **payload}, f, indent=2)
     return path
+
+
+def update_distance(deltas: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> dict:
+    """How far our weight update is from a reference's, over ``(name, ours, theirs)`` updates (after - before):
+    both norms, relative L2 distance (to theirs; inf when theirs is zero), largest element difference, cosine."""
+    dot = ours_sq = theirs_sq = dist_sq = largest = 0.0
+    for _, ours, theirs in deltas:
+        ours, theirs = ours.double(), theirs.double()
+        dot += float((ours * theirs).sum())
+        ours_sq, theirs_sq = ours_sq + float(ours.pow(2).sum()), theirs_sq + float(theirs.pow(2).sum())
+        dist_sq += float((ours - theirs).pow(2).sum())
+        largest = max(largest, float((ours - theirs).abs().max()))
+    return {
+        "update_norm_ours": math.sqrt(ours_sq),
+        "update_norm_theirs": math.sqrt(theirs_sq),
+        "relative_distance": math.sqrt(dist_sq / theirs_sq) if theirs_sq else math.inf,
+        "max_abs_difference": largest,
+        "cosine": dot / math.sqrt(ours_sq * theirs_sq) if ours_sq and theirs_sq else 0.0,
+    }

@@ -4,8 +4,9 @@
     python -m benchmarks.engine_parity --model small    # CPU (or a quick GPU run): a ~1M-parameter Qwen2, gloo
     python -m benchmarks.engine_parity --engines megatron --precisions fp32   # megatron-core, TP = PP = 1
 
-The engine runs as FSDP2 (``fully_shard``) on a one-rank process group (NCCL on CUDA, gloo on CPU), in fp32 and
-with bf16 mixed precision (FSDP's MixedPrecisionPolicy: bf16 compute, fp32 parameters and reductions). The
+The FSDP engine runs as FSDP2 (``fully_shard``) on a one-rank process group (NCCL on CUDA, gloo on CPU), in fp32
+and with bf16 mixed precision (FSDP's MixedPrecisionPolicy: bf16 compute, fp32 parameters and reductions); the
+Megatron engine (``--engines megatron``) at TP = PP = 1 in fp32 only (it has no mixed precision). The
 reference is a Hugging Face ``Qwen2ForCausalLM`` in fp32 on the padded batch (SDPA attention, TF32 off): its
 response log-probs, and one step of the same token-mean policy-gradient loss with gradient clipping and
 ``torch.optim.AdamW``. Per precision the check reports
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_train import make_batch  # left-padded prompts, right-padded responses, random lengths
-from benchmarks.common import QWEN2_0_5B_SHAPE, machine_info, print_table
+# left-padded prompts, right-padded responses of random lengths; token-mean policy gradient, ratio to old_log_probs
+from benchmarks.bench_train import make_batch, pg_loss
+from benchmarks.common import QWEN2_0_5B_SHAPE, machine_info, print_table, update_distance
 
 MODELS = {
     "small": dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -53,12 +54,6 @@ def make_model_dir(shape: dict, device: torch.device, out: str) -> str:
         model = Qwen2ForCausalLM(Qwen2Config(**shape, pad_token_id=0))
     model.save_pretrained(out)
     return out
-
-
-def pg_loss(outputs, micro, ctx):
-    """Token-mean policy gradient with ratio exp(log p - old log p); old = the fp32 reference's log-probs."""
-    ratio = torch.exp(outputs["log_probs"] - micro["old_log_probs"])
-    return (-micro["advantages"] * ratio * micro["response_mask"]).sum() / ctx.global_num_tokens
 
 
 def hf_log_probs(model, batch: dict, device, autocast: bool) -> torch.Tensor:
@@ -137,17 +132,8 @@ def compare_updates(ours: dict, theirs: dict) -> dict:
     missing = sorted(set(theirs) - set(ours))
     if missing:
         raise KeyError(f"the engine's state dict lacks {missing[:5]} (of {len(missing)})")
-    dot = ours_sq = theirs_sq = dist_sq = 0.0
-    for name, d_theirs in theirs.items():
-        d_ours = ours[name]
-        dot += float((d_ours.double() * d_theirs.double()).sum())
-        ours_sq += float(d_ours.double().pow(2).sum())
-        theirs_sq += float(d_theirs.double().pow(2).sum())
-        dist_sq += float((d_ours.double() - d_theirs.double()).pow(2).sum())
-    return {
-        "update_rel_dist": math.sqrt(dist_sq / theirs_sq),
-        "update_cosine": dot / math.sqrt(ours_sq * theirs_sq) if ours_sq else 0.0,
-    }
+    d = update_distance((name, ours[name], d_theirs) for name, d_theirs in theirs.items())
+    return {"update_rel_dist": d["relative_distance"], "update_cosine": d["cosine"]}
 
 
 def lp_errors(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:

@@ -1,28 +1,28 @@
 """The GPU check's steps, most valuable first, each a subprocess with its own time limit under one deadline.
 
-    python -m benchmarks.gpu_check --out DIR            # on a CUDA machine (benchmarks/gpu_check.sh sets it up)
-    python -m benchmarks.gpu_check --out DIR --cpu      # the rehearsal: the same steps at CPU sizes
+    python -m benchmarks.gpu_check --out DIR        # on a CUDA machine (benchmarks/gpu_check.sh sets it up)
+    python -m benchmarks.gpu_check --out DIR --cpu  # the rehearsal: the same steps at CPU sizes
 
 After every step ``DIR/summary.json`` is rewritten (each step's command, status, seconds and its own JSON
 record folded in) and its output appended to ``DIR/gpu_check.log``, so a run cut off at the machine's limit
-still returns everything that finished. A step starts only when at least ``min_s`` of the deadline is left, and
-is stopped at ``min(limit_s, time left)``; the statuses are ok, failed (rc), timeout, skipped (why).
+still returns everything that finished. A step starts only when at least ``min_s`` of the deadline is left,
+and is stopped at ``min(limit_s, time left)``; the statuses are ok, failed (rc), timeout, skipped (why).
 
 Order (what a GPU can tell us that nothing here can, most valuable first):
-  1. facts            versions, the device, copy bandwidth and bf16 matmul rate (what the others are quoted against)
+  1. facts            versions, the device, copy bandwidth and bf16 matmul rate (what the rest is quoted against)
   2. engine_parity    FSDP2 over NCCL, fp32 and bf16: log-probs and one update against Hugging Face
   3. rollout_equal    native engine on CUDA, fp32: greedy tokens equal HF generate, token for token
   4. rollout_decode   native engine, bf16, Qwen2-0.5B shape, batch 1..256: decode tok/s against the HBM bound
-  5. grpo_step        recipes.grpo colocated on one GPU at the 0.5B shape: stage times, tokens/s, the update's
-                      MFU, peak memory per stage against workers/models/memory.py's estimate
+  5. grpo_step        recipes.grpo colocated on one GPU at the 0.5B shape: stage times, tokens/s, the
+                      update's MFU, peak memory per stage against workers/models/memory.py's estimate
   6. train_mfu        the engine's train step alone at 8 x 1024 (varlen vs HF SDPA vs a padded HF step)
-  7. pytest_gpu       the GPU-marked tests (NCCL pool under Ray, native engine on CUDA)
-  8. megatron_parity  megatron-core on CUDA (TP = PP = 1, fp32: the Megatron engine has no mixed precision) against
-                      Hugging Face on step 2's batch, so beside the FSDP engine's fp32 row. (The first H200 run ran
-                      the Megatron engine's tests instead, written for gloo ranks on the CPU: 14 passed, 12 failed
-                      mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
-LoRA (memory and sync bytes against full fine-tuning) joins after grpo_step once the LoRA issue lands. SGLang is
-not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
+  7. pytest_gpu       the GPU-marked tests (NCCL pool under Ray, FSDP offload, native engine on CUDA)
+  8. megatron_parity  megatron-core on CUDA (TP = PP = 1, fp32: the Megatron engine has no mixed precision)
+                      against Hugging Face on step 2's batch, beside the FSDP engine's fp32 row. (The first
+                      H200 run ran the Megatron engine's tests instead, written for gloo ranks on the CPU: 14
+                      passed, 12 failed mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
+LoRA (memory and sync bytes against full fine-tuning) joins after grpo_step once the LoRA issue lands. SGLang
+is not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
 """
 
 from __future__ import annotations
@@ -38,53 +38,63 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+SAME = ("same as on the GPU",)  # a Step's cpu argv when the rehearsal runs the step unchanged
+
 
 @dataclass
 class Step:
     name: str
-    gpu: list[str] | None  # argv after the interpreter; None: not run on a GPU machine
-    cpu: list[str] | None  # the rehearsal's argv; None: skipped there (CUDA only)
+    gpu: list[str] | None  # the interpreter's arguments on the GPU machine; None: not run there
+    cpu: list[str] | tuple[str, ...] | None  # the rehearsal's (SAME: gpu's); None: skipped there (CUDA only)
     limit_s: float
     min_s: float = 20.0
-    record: str | None = None  # the step's JSON record (relative to the work dir), folded into summary.json
-    junit: bool = False  # a pytest step: its junit XML's counts are folded in
+    record: str | None = None  # the step's JSON record or pytest junit XML, folded into summary.json
+
+    def argv(self, cpu: bool) -> list[str] | None:
+        args = self.gpu if not cpu or self.cpu == SAME else self.cpu
+        return None if args is None else [sys.executable, *args]
 
 
 def steps() -> list[Step]:
-    m = [sys.executable, "-m"]
-    pytest = [*m, "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120"]
+    pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120"]
+    gpu_tests = [
+        "tests/controller/test_gpu.py",
+        "tests/workers/engine/test_fsdp_engine.py",
+        "tests/workers/test_memory_estimate.py",
+        "tests/workers/rollout/test_native_interfaces.py",
+    ]
     return [
-        Step("facts", [*m, "benchmarks.gpu_facts", "--out", "{work}/facts.json"],
-             [*m, "benchmarks.gpu_facts", "--out", "{work}/facts.json"], 60, 10, "facts.json"),
-        Step("engine_parity", [*m, "benchmarks.engine_parity", "--out", "{work}/parity.json"],
-             [*m, "benchmarks.engine_parity", "--out", "{work}/parity.json"], 150, 40, "parity.json"),
+        Step("facts", ["-m", "benchmarks.gpu_facts", "--out", "{work}/facts.json"], SAME, 60, 10,
+             "{work}/facts.json"),
+        Step("engine_parity", ["-m", "benchmarks.engine_parity", "--out", "{work}/parity.json"], SAME, 150, 40,
+             "{work}/parity.json"),
         Step("rollout_equal",
-             [*m, "benchmarks.bench_rollout", "--model", "qwen2-0.5b", "--dtype", "float32", "--batch-sizes", "1,8",
-              "--workloads", "mixed", "--repeats", "1", "--out", "{work}/rollout_equal.json"],
-             [*m, "benchmarks.bench_rollout", "--model", "small", "--batch-sizes", "1,4", "--workloads", "mixed",
-              "--repeats", "1", "--response-max", "24", "--out", "{work}/rollout_equal.json"],
-             90, 30, "rollout_equal.json"),
+             ["-m", "benchmarks.bench_rollout", "--model", "qwen2-0.5b", "--dtype", "float32",
+              "--batch-sizes", "1,8", "--workloads", "mixed", "--repeats", "1",
+              "--out", "{work}/rollout_equal.json"],
+             ["-m", "benchmarks.bench_rollout", "--model", "small", "--batch-sizes", "1,4",
+              "--workloads", "mixed", "--repeats", "1", "--response-max", "24",
+              "--out", "{work}/rollout_equal.json"],
+             90, 30, "{work}/rollout_equal.json"),
         Step("rollout_decode",
-             [*m, "benchmarks.bench_rollout", "--model", "qwen2-0.5b", "--dtype", "bfloat16",
+             ["-m", "benchmarks.bench_rollout", "--model", "qwen2-0.5b", "--dtype", "bfloat16",
               "--batch-sizes", "1,8,32,64,128,256", "--workloads", "fixed", "--fixed-new", "128",
               "--repeats", "2", "--out", "{work}/rollout_decode.json"],
-             [*m, "benchmarks.bench_rollout", "--model", "small", "--batch-sizes", "1,8", "--workloads", "fixed",
-              "--fixed-new", "16", "--repeats", "1", "--out", "{work}/rollout_decode.json"],
-             150, 40, "rollout_decode.json"),
-        Step("grpo_step", [*m, "benchmarks.bench_grpo_step", "--steps", "4", "--out", "{work}/grpo_step.json"],
-             [*m, "benchmarks.bench_grpo_step", "--preset", "tiny", "--steps", "2", "--out", "{work}/grpo_step.json"],
-             240, 90, "grpo_step.json"),
-        Step("train_mfu", [*m, "benchmarks.bench_train", "--steps", "3"],
-             [*m, "benchmarks.bench_train", "--steps", "1", "--batch", "2", "--seq", "64"],
-             120, 40, "outputs/bench_train.json"),
-        Step("pytest_gpu", [*pytest, "-m", "gpu", "tests/controller/test_gpu.py", "tests/workers/engine/test_fsdp_engine.py", "tests/workers/test_memory_estimate.py",
-                                  "tests/workers/rollout/test_native_interfaces.py", "--junitxml", "{work}/pytest_gpu.xml"], None,
-             120, 30, junit=True),
+             ["-m", "benchmarks.bench_rollout", "--model", "small", "--batch-sizes", "1,8",
+              "--workloads", "fixed", "--fixed-new", "16", "--repeats", "1", "--out", "{work}/rollout_decode.json"],
+             150, 40, "{work}/rollout_decode.json"),
+        Step("grpo_step", ["-m", "benchmarks.bench_grpo_step", "--steps", "4", "--out", "{work}/grpo_step.json"],
+             ["-m", "benchmarks.bench_grpo_step", "--preset", "tiny", "--steps", "2", "--out",
+              "{work}/grpo_step.json"],
+             240, 90, "{work}/grpo_step.json"),
+        Step("train_mfu", ["-m", "benchmarks.bench_train", "--steps", "3"],
+             ["-m", "benchmarks.bench_train", "--steps", "1", "--batch", "2", "--seq", "64"],
+             120, 40, "outputs/bench_train.json"),  # bench_train writes there (benchmarks.common.write_json)
+        Step("pytest_gpu", [*pytest, "-m", "gpu", *gpu_tests, "--junitxml", "{work}/pytest_gpu.xml"], None,
+             120, 30, "{work}/pytest_gpu.xml"),
         Step("megatron_parity",
-             [*m, "benchmarks.engine_parity", "--engines", "megatron", "--precisions", "fp32", "--out",
-              "{work}/megatron_parity.json"],
-             [*m, "benchmarks.engine_parity", "--engines", "megatron", "--precisions", "fp32", "--out",
-              "{work}/megatron_parity.json"], 120, 40, "megatron_parity.json"),
+             ["-m", "benchmarks.engine_parity", "--engines", "megatron", "--precisions", "fp32", "--out",
+              "{work}/megatron_parity.json"], SAME, 120, 40, "{work}/megatron_parity.json"),
     ]  # fmt: skip
 
 
@@ -120,14 +130,14 @@ def run_step(step: Step, argv: list[str], work: Path, log, remaining: float) -> 
     entry["seconds"] = round(time.perf_counter() - t0, 1)
     log.write(f"===== {step.name}: {entry['status']} in {entry['seconds']} s\n")
     log.flush()
-    if step.record:
-        path = work / step.record if not step.record.startswith("outputs/") else Path(step.record)
-        if path.is_file() and path.stat().st_mtime >= time.time() - entry["seconds"] - 1:
-            entry["result"] = json.loads(path.read_text())
-    if step.junit:
-        xml = next((Path(a.split("=", 1)[-1]) for a in argv if a.endswith(".xml")), None)
-        if xml is not None and xml.is_file():
-            entry["result"] = junit_counts(xml)
+    record = Path(step.record.replace("{work}", str(work))) if step.record else None
+    # written by this run (not an older run's file left in outputs/)
+    if (
+        record is not None
+        and record.is_file()
+        and record.stat().st_mtime >= time.time() - entry["seconds"] - 1
+    ):
+        entry["result"] = junit_counts(record) if record.suffix == ".xml" else json.loads(record.read_text())
     return entry
 
 
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with open(out / "gpu_check.log", "a") as log:
         for step in chosen:
-            step_argv = step.cpu if args.cpu else step.gpu
+            step_argv = step.argv(args.cpu)
             remaining = args.deadline_s - (time.perf_counter() - start)
             if step_argv is None:
                 entry = {"step": step.name, "status": "skipped", "why": "CUDA only"}

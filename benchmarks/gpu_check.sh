@@ -2,7 +2,7 @@
 # The GPU check: one run on a lent CUDA machine (no package registry there) that installs what its image lacks
 # from a carried wheelhouse and runs benchmarks/gpu_check.py (its steps and their order are described there).
 #
-#   bash benchmarks/gpu_check.sh --wheelhouse   # here, with PyPI: fill .gpu_wheels/ (ignored by git, ~31 MB)
+#   bash benchmarks/gpu_check.sh --wheelhouse   # here, with PyPI: fill .gpu_wheels/ (ignored by git, 24 MB)
 #   bash benchmarks/gpu_check.sh --rehearse     # here: the GPU image's Python and versions on the CPU, installed
 #                                               # offline from .gpu_wheels/ as the GPU run does, then the check's
 #                                               # steps at CPU sizes and the core tests
@@ -11,7 +11,7 @@
 # The GPU image (see the device library's KINDS.md): Python 3.12 with torch 2.11.0+cu130, transformers 5.17.0,
 # tokenizers 0.23.2, numpy 2.5, safetensors, pyarrow, pandas, peft, accelerate, pytest, pytest-timeout,
 # aiohttp, grpcio, xxhash, ...; no Ray, OmegaConf or megatron-core. A run carries at most 64 MiB: Ray's wheel
-# (79 MB) travels as ray-slim.tar.xz (27 MB: its Java jars, RLlib, Serve, Tune, Train and LLM packages
+# (79 MB) travels as ray-slim.tar.xz (21 MB at xz -9: its Java jars, RLlib, Serve, Tune, Train and LLM packages
 # dropped, which hyflow never imports, and the native binaries stripped of their symbol tables), unpacked
 # straight into a site folder; the rest are ordinary wheels installed --no-deps --no-index into the same folder.
 # SGLang is not carried: its CUDA kernels are hundreds of MB.
@@ -77,7 +77,7 @@ case "${1:-}" in
     export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
     "$PY" -m benchmarks.gpu_check --cpu --out "$OUT" --deadline-s "${DEADLINE_S:-900}"
     rc=$?
-    # the core tests under the image's versions: engine, native rollout, weight sync, the GRPO recipe
+    # the core tests under the image's versions: engine, native rollout, weight sync, recipe configs
     "$PY" -m pytest -q -p no:cacheprovider -x tests/workers/engine/test_fsdp_engine.py \
       tests/workers/rollout/test_native_interfaces.py tests/workers/weight_sync tests/recipes/test_config.py \
       2>&1 | tee "$OUT/pytest_core.log" | tail -5

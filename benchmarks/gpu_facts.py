@@ -12,12 +12,12 @@ import json
 import os
 import platform
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_rollout import measure_bandwidth
+from benchmarks.bench_train import measure_peak
 
 PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "safetensors", "ray", "omegaconf", "megatron.core",
             "pyarrow", "pandas", "peft", "accelerate", "sglang")  # fmt: skip
@@ -31,25 +31,6 @@ def versions() -> dict[str, str | None]:
         except Exception as e:  # missing, or broken by another package's version: say which
             out[name] = None if isinstance(e, ModuleNotFoundError) else f"import failed: {e}"
     return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def matmul_rate(device: torch.device, n: int, dtype: torch.dtype, iters: int = 10) -> float:
-    """Dense n x n x n products per second x 2 n^3, mean of ``iters`` after warm-up (random data)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    sync(device)
-    return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,14 +57,14 @@ def main(argv: list[str] | None = None) -> None:
         except (OSError, subprocess.TimeoutExpired) as e:
             facts["nvidia_smi"] = f"failed: {e}"
         facts["copy_bandwidth_GBps"] = measure_bandwidth("cuda") / 1e9
-        facts["bf16_matmul_TFLOPs"] = matmul_rate(device, 8192, torch.bfloat16) / 1e12
-        facts["fp32_matmul_TFLOPs"] = matmul_rate(device, 4096, torch.float32) / 1e12
+        facts["bf16_matmul_TFLOPs"] = measure_peak(device) / 1e12
+        facts["fp32_matmul_TFLOPs"] = measure_peak(device, n=4096, dtype=torch.float32) / 1e12
     else:
         facts["device"] = {
             "name": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
         }
-        facts["fp32_matmul_TFLOPs"] = matmul_rate(torch.device("cpu"), 1024, torch.float32, iters=3) / 1e12
+        facts["fp32_matmul_TFLOPs"] = measure_peak(torch.device("cpu"), n=1024, repeats=3) / 1e12
     print(json.dumps(facts, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(facts, indent=2))

@@ -15,7 +15,6 @@ hyflow's weight update is from TRL's (relative L2 distance, largest element diff
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from benchmarks.bench_vs_trl import (
     warm_started_model,
     write_task,
 )
-from benchmarks.common import print_table, write_json
+from benchmarks.common import print_table, update_distance, write_json
 from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from recipes.trainer import parse_args
@@ -98,21 +97,13 @@ def update_difference(start_dir: str, ours_dir: str, theirs_dir: str) -> dict:
     )
     if set(ours) != set(start) or set(theirs) != set(start):
         raise ValueError(f"the three models hold different tensors: {sorted(set(ours) ^ set(theirs))[:5]}")
-    dot = ours_sq = theirs_sq = dist_sq = largest = 0.0
-    for name, before in start.items():
-        d_ours, d_theirs = ours[name] - before, theirs[name] - before
-        dot += float((d_ours * d_theirs).sum())
-        ours_sq, theirs_sq = ours_sq + float(d_ours.pow(2).sum()), theirs_sq + float(d_theirs.pow(2).sum())
-        dist_sq += float((d_ours - d_theirs).pow(2).sum())
-        largest = max(largest, float((d_ours - d_theirs).abs().max()))
-    if theirs_sq == 0.0:
+    d = update_distance((n, ours[n] - before, theirs[n] - before) for n, before in start.items())
+    if d["update_norm_theirs"] == 0.0:
         raise ValueError(f"{theirs_dir} equals the start: TRL's step moved no weight")
     return {
-        "update_norm_trl": math.sqrt(theirs_sq),
-        "update_norm_hyflow": math.sqrt(ours_sq),
-        "relative_distance": math.sqrt(dist_sq / theirs_sq),
-        "max_abs_difference": largest,
-        "cosine": dot / math.sqrt(ours_sq * theirs_sq) if ours_sq else 0.0,
+        "update_norm_trl": d["update_norm_theirs"],
+        "update_norm_hyflow": d["update_norm_ours"],
+        **{k: d[k] for k in ("relative_distance", "max_abs_difference", "cosine")},
     }
 
 

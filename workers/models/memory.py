@@ -37,7 +37,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 GIB = float(1 << 30)
-_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 def num_params(config) -> int:
@@ -62,7 +61,7 @@ def activation_bytes(
 def kv_bytes(config, seqs: int, max_len: int, dtype: torch.dtype) -> int:
     """Static KV cache of ``seqs`` slots of ``max_len`` positions."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * _BYTES[dtype]
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
     return seqs * max_len * per_token
 
 
@@ -122,7 +121,7 @@ def estimate_colocated_step(
     ``config``; ``micro_batch_*``: the largest micro-batch of the update (its real tokens and the response
     tokens among them); ``entropy``: the update computes the entropy (the actor's update does)."""
     p = num_params(config)
-    pb, cb, rb = _BYTES[param_dtype], _BYTES[compute_dtype], _BYTES[rollout_dtype]
+    pb, cb, rb = param_dtype.itemsize, compute_dtype.itemsize, rollout_dtype.itemsize
     gathered = fsdp_world > 1 or compute_dtype != param_dtype
     return MemoryEstimate(
         params=p,

@@ -59,7 +59,7 @@ def build_rollout_engine(
         cfg = EngineConfig(
             max_num_seqs=rollout.max_num_seqs,
             max_model_len=max_len,
-            dtype=rollout_dtype(model, rollout),
+            dtype=resolve_dtype(rollout_dtype(model, rollout)),
             device=str(default_device()),
             pad_token_id=pad_token_id_of(tokenizer, hf_config),
             response_length=rollout.response_length,
@@ -88,7 +88,7 @@ def build_rollout_engine(
             device=device,
             tp_size=rollout.tensor_parallel_size,
             mem_fraction_static=rollout.gpu_memory_utilization,
-            dtype=str(rollout_dtype(model, rollout)).removeprefix("torch."),
+            dtype=rollout_dtype(model, rollout),
             seed=seed,
             bucket_mb=rollout.weight_bucket_mb,
             trust_remote_code=model.trust_remote_code,
@@ -106,13 +106,13 @@ def build_rollout_engine(
     raise ValueError(f"rollout.name must be 'native' or 'sglang', got {rollout.name!r}")
 
 
-def rollout_dtype(model: ModelConfig, rollout: RolloutConfig) -> torch.dtype:
-    """The rollout engine's weight and KV-cache dtype: ``rollout.dtype``, where ``auto`` is bfloat16 on CUDA
-    (what every peer samples in: half the weight and KV bytes that decode streams) and the training dtype
+def rollout_dtype(model: ModelConfig, rollout: RolloutConfig) -> str:
+    """The name of the rollout engine's weight and KV-cache dtype: ``rollout.dtype``, where ``auto`` is bfloat16
+    on CUDA (what every peer samples in: half the weight and KV bytes that decode streams) and the training dtype
     (``model.dtype``) on CPU, where bfloat16 matmuls are slower than float32 ones."""
     if rollout.dtype != "auto":
-        return resolve_dtype(rollout.dtype)
-    return torch.bfloat16 if default_device().type == "cuda" else resolve_dtype(model.dtype)
+        return rollout.dtype
+    return "bfloat16" if default_device().type == "cuda" else model.dtype
 
 
 def rollout_sampling_meta(rollout: RolloutConfig, meta: dict) -> dict:

@@ -120,10 +120,11 @@ def test_native_rollout_engine_holds_the_directory_weights(dirs, key):
 def test_rollout_dtype_auto_keeps_the_training_dtype_on_cpu_and_a_named_dtype_wins(dirs):
     """``rollout.dtype``: auto is the model's dtype on the CPU (bf16 on CUDA: the GPU check's grpo_step); a named
     dtype builds the engine's weights in it, rounded from the same directory; a bad name is refused by name."""
+    from workers.models import resolve_dtype
     from workers.roles.rollout import rollout_dtype
 
     model = ModelConfig(path=dirs["random"])
-    assert rollout_dtype(model, RolloutConfig()) == torch.float32
+    assert resolve_dtype(rollout_dtype(model, RolloutConfig())) == torch.float32
     engine = build_rollout_engine(
         model, RolloutConfig(prompt_length=16, response_length=4, dtype="bfloat16"), tokenizer=None
     )
