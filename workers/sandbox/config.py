@@ -1,4 +1,4 @@
-"""Configuration and result types of the REPL sandbox."""
+"""Configuration, result and error types of the REPL sandbox."""
 
 from dataclasses import asdict, dataclass, field
 
@@ -142,3 +142,7 @@ class ExecResult:
         if self.variables:
             parts.append("REPL variables: " + ", ".join(f"{n}: {t}" for n, t in self.variables))
         return "\n".join(parts) if parts else "(no output)"
+
+
+class SandboxError(RuntimeError):
+    """Misuse (a closed REPL, concurrent use of one REPL) or a sandbox that cannot start at all."""

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from workers.sandbox._child import CONTEXT_NAME, RESERVED_NAMES
+from workers.sandbox._repl_namespace import CONTEXT_NAME, RESERVED_NAMES
 
 __all__ = ["Constant", "Tool", "ToolSpec", "as_tools", "check_tool_name"]
 
