@@ -76,7 +76,7 @@ def render_ids(tokenizer, questions: list[str]) -> list[list[int]]:
 
 def exact_match(completion: str, answer: str) -> float:
     """1.0 when the last ``\\boxed{...}`` holds the integer ``answer`` (spaces and a sign allowed), else 0.0:
-    hyflow's arithmetic rule (recipes/tasks/scoring.py)."""
+    hyflow's arithmetic rule (workers/reward/arithmetic.py)."""
     found = _BOXED.findall(completion)
     if not found or not _INT.fullmatch(found[-1].strip()):
         return 0.0

@@ -2,7 +2,7 @@
 
 Each row has the columns verl's RL datasets use::
 
-    data_source   "hyflow/arithmetic" | "hyflow/countdown"   (the rule scorer's key)
+    data_source   "hyflow/arithmetic" | "hyflow/countdown"   (its rule scorer's key in ``workers.reward``)
     prompt        [{"role": "user", "content": "Compute 3+4*2-1."}]
     ability       "math"
     reward_model  {"ground_truth": ..., "style": "rule"}
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recipes.tasks import arithmetic, countdown, long_context, tool_math
-from recipes.tasks.scoring import ARITHMETIC, COUNTDOWN, DATA_SOURCES, compute_score
+from workers.reward.arithmetic import ARITHMETIC, COUNTDOWN
 
 __all__ = [
     "ALL_TASKS",
@@ -42,7 +42,6 @@ __all__ = [
     "TASKS",
     "DATA_SOURCES",
     "TaskSpec",
-    "compute_score",
     "generate_splits",
     "make_dataset",
     "task_config",
@@ -94,6 +93,10 @@ LONG_CONTEXT_TASKS: dict[str, TaskSpec] = {
     for name, (config_cls, sample, make_row, source) in long_context.GENERATORS.items()
 }
 ALL_TASKS: dict[str, TaskSpec] = {**TASKS, **LONG_CONTEXT_TASKS}
+# every data source the generators write, each scored by its rule in workers.reward
+DATA_SOURCES: tuple[str, ...] = tuple(
+    dict.fromkeys(s for spec in ALL_TASKS.values() for s in spec.data_sources)
+)
 
 
 def task_config(task: str, **knobs):

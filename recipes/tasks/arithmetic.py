@@ -24,8 +24,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from recipes.tasks.expr import ExprError, Token, render, solve_steps
-from recipes.tasks.scoring import ARITHMETIC
+from workers.reward.arithmetic import ARITHMETIC
+from workers.reward.expr import ExprError, Token, render, solve_steps
 
 
 @dataclass

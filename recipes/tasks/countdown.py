@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from recipes.tasks.expr import Token, render, solve_steps
-from recipes.tasks.scoring import COUNTDOWN
+from workers.reward.arithmetic import COUNTDOWN
+from workers.reward.expr import Token, render, solve_steps
 
 
 @dataclass

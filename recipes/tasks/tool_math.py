@@ -28,8 +28,8 @@ import json
 import random
 from dataclasses import dataclass
 
-from recipes.tasks.scoring import ARITHMETIC
 from workers.math_env.protocol import format_tool_observation
+from workers.reward.arithmetic import ARITHMETIC
 
 
 @dataclass

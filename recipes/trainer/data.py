@@ -16,7 +16,6 @@ from recipes.data import PromptDataLoader, PromptDataset, SFTDataset, to_datapro
 from recipes.data.loader import ResumableLoader
 from recipes.data.prompts import UnknownDataSourceError
 from recipes.schemas import RecipeConfig
-from recipes.trainer.reward import register_task_scorers
 from workers.reward import SCORERS
 
 
@@ -24,7 +23,6 @@ def scored_data_sources(cfg: RecipeConfig) -> set[str] | None:
     """The data sources the reward worker can score; None: all of them (a custom function or default scorer)."""
     if cfg.custom_reward_function.path or cfg.reward.default_scorer:
         return None
-    register_task_scorers()  # as the reward worker does in its process
     return set(SCORERS)
 
 

@@ -1,9 +1,6 @@
-"""The reward worker the recipes run: ``workers.roles.RewardWorker`` plus the task generators' rule scorers and
-an optional custom reward function.
+"""The reward worker the recipes run: ``workers.roles.RewardWorker`` plus an optional custom reward function.
 
-``workers/`` cannot import ``recipes/`` (layering), so the scorers of ``recipes.tasks`` (data sources
-``hyflow/arithmetic``, ``hyflow/countdown``) are registered in the worker's process here, when the worker is
-constructed; a scorer the workers package already registers for the same data source wins.
+The rule scorers of every task's data source are registered by ``workers.reward`` itself.
 
 ``custom_reward_function.path`` / ``.name`` (verl's keys): a Python file and the function in it,
 ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float``, that scores every data source
@@ -18,24 +15,9 @@ from collections.abc import Callable
 
 from controller import Dispatch, register
 from dataproto import DataProto
-from recipes.tasks import DATA_SOURCES, compute_score
-from workers.reward import SCORERS, register_scorer
+from workers.reward import SCORERS
 from workers.roles import RewardWorker
 from workers.roles.reward import RM_SCORE_INPUTS
-
-
-def register_task_scorers() -> list[str]:
-    """Register ``recipes.tasks.compute_score`` for every task data source without a scorer; returns them."""
-    added = []
-    for source in DATA_SOURCES:
-        if source not in SCORERS:
-
-            def scorer(solution_str, ground_truth, extra_info=None, _source=source):
-                return compute_score(_source, solution_str, ground_truth, extra_info)
-
-            register_scorer(source)(scorer)
-            added.append(source)
-    return added
 
 
 def load_function(path: str, name: str) -> Callable:
@@ -55,7 +37,6 @@ class TaskRewardWorker(RewardWorker):
     def __init__(
         self, tokenizer_path: str, reward, custom_path: str | None = None, custom_name: str = "compute_score"
     ):
-        register_task_scorers()
         super().__init__(tokenizer_path, reward)
         self.custom_fn = load_function(custom_path, custom_name) if custom_path else None
 

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from benchmarks import bench_vs_trl as bench
 from benchmarks import trl_grpo_baseline as trl_side
 from benchmarks import trl_one_update as one_update
-from recipes.tasks.scoring import score_arithmetic
 from workers.models.loading import load_tokenizer
+from workers.reward.arithmetic import score_arithmetic
 
 
 @pytest.fixture(scope="module")

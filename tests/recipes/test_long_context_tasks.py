@@ -13,8 +13,7 @@ import pytest
 from recipes.tasks import ALL_TASKS, DATA_SOURCES, LONG_CONTEXT_TASKS, TASKS, generate_splits, task_config
 from recipes.tasks.long_context import CUES, LABELS, classify_instance, context_length, parse_lengths
 from recipes.tasks.make import main as make_main
-from recipes.tasks.scoring import compute_score
-from workers.reward import get_scorer, score_batch
+from workers.reward import compute_score, get_scorer, score_batch
 from workers.reward.long_context import (
     OOLONG,
     OOLONG_PAIRS,

@@ -6,9 +6,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from recipes.tasks import DATA_SOURCES, TASKS, generate_splits, make_dataset, task_config
-from recipes.tasks.expr import ExprError, evaluate, extract_boxed, solve_steps, tokenize
 from recipes.tasks.make import main as make_main
-from recipes.tasks.scoring import compute_score
+from workers.reward import compute_score, extract_boxed
+from workers.reward.expr import ExprError, evaluate, solve_steps, tokenize
 
 COLUMNS = ["data_source", "prompt", "ability", "reward_model", "extra_info"]
 

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from recipes.tasks import generate_splits, task_config
-from recipes.tasks.scoring import compute_score
 from recipes.trainer.hybrid import hinted_demonstrations
 from recipes.trainer.validation import pass_at_k
 from workers.agents.replay import reference_batch, reference_trajectories
@@ -17,6 +16,7 @@ from workers.math_env.protocol import verify_boxed
 from workers.models import load_tokenizer
 from workers.models.tiny import ensure_tiny_model
 from workers.prm.hindsight import bridge_thought, diagnose
+from workers.reward import compute_score
 from workers.roles.reference import build_teacher_inputs
 
 

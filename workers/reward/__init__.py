@@ -1,13 +1,27 @@
-"""Rule-based reward scorers registered by data_source, and the batched scoring they feed."""
+"""Rule-based reward scorers registered by data_source, and the batched scoring they feed.
 
-from workers.reward import long_context  # noqa: F401  (registers the long-context RLM task scorers)
+One module per task family registers its scorers on import: ``scorers`` (generic ``exact_match``, ``numeric``,
+``math``), ``arithmetic`` (``hyflow/arithmetic``, ``hyflow/countdown``), ``long_context`` (the RLM tasks
+``hyflow/sniah``, ``hyflow/oolong``, ``hyflow/oolong_pairs``).
+"""
+
+from workers.reward import arithmetic, long_context  # noqa: F401  (register the task families' scorers)
 from workers.reward.scorers import (
     SCORERS,
     ScoreResult,
+    compute_score,
     extract_boxed,
     get_scorer,
     register_scorer,
     score_batch,
 )
 
-__all__ = ["SCORERS", "ScoreResult", "extract_boxed", "get_scorer", "register_scorer", "score_batch"]
+__all__ = [
+    "SCORERS",
+    "ScoreResult",
+    "compute_score",
+    "extract_boxed",
+    "get_scorer",
+    "register_scorer",
+    "score_batch",
+]

@@ -37,6 +37,16 @@ def get_scorer(data_source: str, default: str | None = None) -> Scorer:
     )
 
 
+def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> float:
+    """The registered scorer of ``data_source``, in verl's ``compute_score`` signature; a data source without
+    one raises NotImplementedError, as verl's does."""
+    if data_source not in SCORERS:
+        raise NotImplementedError(
+            f"no reward scorer registered for data_source {data_source!r}; registered: {sorted(SCORERS)}"
+        )
+    return SCORERS[data_source](solution_str, ground_truth, extra_info)
+
+
 def extract_boxed(text: str) -> str | None:
     r"""Contents of the last ``\boxed{...}`` in ``text`` (balanced braces), or None."""
     start = text.rfind("\\boxed{")

@@ -1,8 +1,8 @@
 """Placement x schedule benchmark: GRPO with synchronous, one-step off-policy and fully asynchronous generation
 (``recipes.grpo_async``), each for the same wall time from one warm start, measured and predicted.
 
-    python -m recipes.bench_placement_async --time 90                        # warm start first (cached in --out)
-    python -m recipes.bench_placement_async --warm-model runs/x/sft_model --time 90 rollout.n=4   # + overrides
+    python -m benchmarks.bench_placement_async --time 90          # warm start first (cached in --out)
+    python -m benchmarks.bench_placement_async --warm-model runs/x/sft_model --time 90 rollout.n=4  # + overrides
 
 Configurations (``--configs``) on ``--devices`` devices (default 2; CPU bundles without a GPU):
 
@@ -21,10 +21,11 @@ response lengths are right-skewed (on the warm start: p50 45, p90 75, max 103 to
 Reported per configuration: training steps, samples/s (steps after the first: it fills the pipeline), the
 trainer's and the rollout's idle fractions (``async/trainer_idle_frac``, ``async/rollout_idle_frac``), mean
 staleness (``async/staleness_mean``) and the groups dropped as too stale (generated again), held-out accuracy
-before and after, and the cost model's prediction (``recipes/placement_cost_model.py``: fitted on the sync runs'
-training stages, and on the decode cost of generate calls of two sizes timed on the warm-started policy, which
-also gives the workload's response-length distribution: p50 / p90 / max). Writes ``<out>/bench_placement_async.json``
-and ``<out>/bench_placement_async.png``. On CPU this is a functional run on shared cores, not a speed claim.
+before and after, and the cost model's prediction (``benchmarks/placement_cost_model.py``: fitted on the sync
+runs' training stages, and on the decode cost of generate calls of two sizes timed on the warm-started policy,
+which also gives the workload's response-length distribution: p50 / p90 / max). Writes
+``<out>/bench_placement_async.json`` and ``<out>/bench_placement_async.png``. On CPU this is a functional run on
+shared cores, not a speed claim.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ import numpy as np
 import ray
 import torch
 
+from benchmarks import placement_cost_model as cm
+from benchmarks.bench_placement import plan_overrides, print_table, pyplot
 from recipes import grpo_async
-from recipes import placement_cost_model as cm
-from recipes.bench_placement import plan_overrides, print_table, pyplot
 from recipes.config import ConfigError, load_config
 from recipes.trainer import demonstrations, start_run, warm_start
 from recipes.trainer.data import prompt_batches, train_loader
@@ -302,7 +303,7 @@ def plot(report: dict, path: Path) -> str | None:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
-        prog="python -m recipes.bench_placement_async", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.bench_placement_async", description=__doc__.split("\n")[0]
     )
     p.add_argument(
         "--time", type=float, default=90.0, help="training seconds per configuration (equal wall time)"
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "device": "gpu" if use_gpu else f"cpu ({os.cpu_count()} cores shared by {args.devices} CPU bundles)",
         "functional_run": not use_gpu,
-        "command": "python -m recipes.bench_placement_async "
+        "command": "python -m benchmarks.bench_placement_async "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "seconds": args.time,
         "warm_model": model,

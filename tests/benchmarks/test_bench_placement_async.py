@@ -1,5 +1,5 @@
-"""The placement x schedule benchmark (``recipes/bench_placement_async.py``): its override lists, the numbers it
-takes from a recorded history (hand-made), the cost model's predictions from hand-made stage times, and the
+"""The placement x schedule benchmark (``benchmarks/bench_placement_async.py``): its override lists, the numbers
+it takes from a recorded history (hand-made), the cost model's predictions from hand-made stage times, and the
 whole benchmark run briefly on CPU (the untrained tiny model as the warm start, 2 s of training per
 configuration; the warm start itself is the quickstart's ``warm_start``)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes import bench_placement_async as bench
+from benchmarks import bench_placement_async as bench
 from recipes.config import load_config
 from recipes.trainer.run import resolve_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipes import placement_cost_model as cm
+from benchmarks import placement_cost_model as cm
 from resource_pools.plans import placement_plan
 
 RATES = cm.StageRates(

@@ -1,7 +1,7 @@
 """Placement benchmark: the same PPO recipe for k steps under several placements, measured and predicted.
 
-    python -m recipes.bench_placement                              # 4 devices, 3 steps, tiny model
-    python -m recipes.bench_placement --devices 8 --rollout-devices 2 --critic-devices 2 --steps 5 \\
+    python -m benchmarks.bench_placement                           # 4 devices, 3 steps, tiny model
+    python -m benchmarks.bench_placement --devices 8 --rollout-devices 2 --critic-devices 2 --steps 5 \\
         model.path=/path/to/hf trainer.device=cuda                 # any recipe override after the flags
 
 Placements (``resource_pools.placement_plan``): ``colocated`` (every role on all devices), ``disaggregated``
@@ -11,7 +11,7 @@ are means over the steps after the first (the first warms up) and cover, per pla
 stages (``timing_s/*``), idle time per pool (step time minus the stages of the roles it holds), tokens/s and
 tokens/s per device, and the device-memory peak (GPU: sampled with nvidia-smi; not measurable on CPU bundles).
 
-The cost model (``recipes/placement_cost_model.py``) is fitted on the measured stages (decode time vs
+The cost model (``benchmarks/placement_cost_model.py``) is fitted on the measured stages (decode time vs
 concurrency, forward / training tokens/s, weight-sync time); the table shows its prediction for each placement
 fitted on all runs and fitted leaving that placement's own run out, and the model's best split of the device
 count. Writes ``<out>/bench_placement.json`` and ``<out>/bench_placement.png`` (stacked step-time bars).
@@ -19,7 +19,7 @@ count. Writes ``<out>/bench_placement.json`` and ``<out>/bench_placement.png`` (
 On CPU every "device" is a CPU bundle and all of them share the machine's cores: a functional run of the
 machinery, not a speed claim. The asynchronous schedules (GRPO generating while it trains: ``async_rl.mode``
 sync / one_step / full, colocated and disaggregated, equal wall time, held-out accuracy) are benchmarked by
-``recipes/bench_placement_async.py``.
+``benchmarks/bench_placement_async.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from recipes import placement_cost_model as cm
+from benchmarks import placement_cost_model as cm
 from recipes import ppo
 from recipes.config import ConfigError, load_config
 from recipes.trainer.run import resolve_device, start_run
@@ -352,7 +352,9 @@ def plot(report: dict, path: Path) -> str | None:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m recipes.bench_placement", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_placement", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--devices", type=int, default=4, help="devices (CPU bundles without a GPU) on one node")
     p.add_argument(
         "--rollout-devices", type=int, default=None, help="disaggregated: rollout pool (default half)"
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "device": "gpu" if use_gpu else f"cpu ({os.cpu_count()} cores shared by {args.devices} CPU bundles)",
         "functional_run": not use_gpu,
-        "command": "python -m recipes.bench_placement "
+        "command": "python -m benchmarks.bench_placement "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": args.steps,
         "devices": args.devices,

@@ -1,8 +1,8 @@
 """Small, safe arithmetic expressions: tokenise, parse, evaluate, and solve one step at a time.
 
-Used by the task generators (to write step-by-step solutions) and by the rule scorers (to check an
-answer such as ``\\boxed{3*5+7}``). Only integers, ``+ - * /`` and parentheses are accepted; nothing
-is passed to ``eval``.
+Used by the rule scorers (``workers.reward.arithmetic``, to check an answer such as ``\\boxed{3*5+7}``) and
+by the task generators (``recipes.tasks``, to write step-by-step solutions). Only integers, ``+ - * /`` and
+parentheses are accepted; nothing is passed to ``eval``.
 """
 
 from __future__ import annotations
@@ -159,24 +159,3 @@ def solve_steps(toks: list[Token], precedence: bool = True) -> list[list[Token]]
     while len(out[-1]) > 1:
         out.append(solve_step(out[-1], precedence=precedence))
     return out
-
-
-_BOXED = "\\boxed{"
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
-    start = text.rfind(_BOXED)
-    if start < 0:
-        return None
-    i = start + len(_BOXED)
-    depth = 1
-    for k in range(i, len(text)):
-        c = text[k]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:k]
-    return None

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from recipes import placement_cost_model as cm
+from benchmarks import placement_cost_model as cm
 from resource_pools.plans import placement_plan
 
 WORK = cm.Workload(sequences=32, response_tokens=32 * 40, total_tokens=32 * 70, weight_bytes=1e8)
