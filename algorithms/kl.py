@@ -37,7 +37,6 @@ __all__ = [
     "AdaptiveKLController",
     "get_kl_controller",
     "apply_kl_penalty",
-    "compute_rewards",
 ]
 
 _BASE = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
@@ -171,10 +170,3 @@ def apply_kl_penalty(
 
 
 _kl_estimate = kl_penalty  # the parameter named kl_penalty shadows the function inside apply_kl_penalty
-
-
-def compute_rewards(
-    token_level_scores: torch.Tensor, old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_ratio: float
-) -> torch.Tensor:
-    """verl's plain k1 reward shaping: scores - kl_ratio * (old_log_prob - ref_log_prob), no mask."""
-    return token_level_scores - kl_ratio * (old_log_prob - ref_log_prob)

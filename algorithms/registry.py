@@ -28,7 +28,6 @@ __all__ = [
     "list_adv_estimators",
     "register_policy_loss",
     "get_policy_loss_fn",
-    "list_policy_losses",
     "ROLLOUT_CORRECTION_REGISTRY",
     "register_rollout_correction",
     "get_rollout_correction_fn",
@@ -110,10 +109,6 @@ def register_policy_loss(name: str, *, override: bool = False) -> Callable[[F], 
 def get_policy_loss_fn(name: str) -> Callable[..., Any]:
     """The policy loss registered under ``name`` (``ValueError`` listing names if none)."""
     return _lookup(POLICY_LOSS_REGISTRY, name, "policy loss")
-
-
-def list_policy_losses() -> list[str]:
-    return sorted(POLICY_LOSS_REGISTRY)
 
 
 def register_rollout_correction(name: str, *, override: bool = False) -> Callable[[F], F]:

@@ -7,6 +7,11 @@ A mode is a pair of functions:
 Chunked modes (DP_COMPUTE_PROTO, n-D mesh) instead name the ranks whose outputs, concatenated in that
 order, are the result; their futures can then be chained into another group chunk by chunk.
 
+Every mode that concatenates DataProto outputs (chunked and split modes) merges their ``meta_info`` with
+`dataproto.merge_meta_info`: per-rank metrics are combined by a rule their name decides (counts summed, means
+weighted by each chunk's rows, ``*max*`` and ``timing_s/*`` the max, ``*min*`` the min; see
+``dataproto/metrics_merge.py``), every other key keeps the first chunk's value.
+
 Split modes (DP_SPLIT_PROTO, n-D split mesh) are for methods whose output has a different number of rows
 than their input (a generation that returns ``n`` rows per prompt): the batch is cut into contiguous chunks
 whose sizes differ by at most one row, with no padding rows, because a padded input row would come back as
@@ -25,7 +30,7 @@ import ray
 import torch
 
 from controller.future import DataProtoFuture
-from dataproto import DataProto, pad_dataproto_to_divisor
+from dataproto import DataProto, merge_meta_info, pad_dataproto_to_divisor
 
 
 class Dispatch(Enum):
@@ -79,7 +84,9 @@ def concat_chunks(wg, chunks: list, ranks: list[int], mode_name: str) -> DataPro
                 f"{mode_name}: rank {rank} of worker group {wg.name!r} returned {type(chunk).__name__}; "
                 "this mode concatenates DataProto outputs"
             )
-    return DataProto.concat(chunks)
+    out = DataProto.concat(chunks)
+    out.meta_info = merge_meta_info([c.meta_info for c in chunks], [len(c) for c in chunks])
+    return out
 
 
 # ---------------------------------------------------------------------- registry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger("recipes.data")
@@ -115,8 +115,3 @@ def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-
-def iter_chunks(seq: Sequence, n: int) -> Iterator[Sequence]:
-    for i in range(0, len(seq), n):
-        yield seq[i : i + n]

@@ -71,7 +71,7 @@ def compute_data_metrics(batch: DataProto) -> dict[str, float]:
         out["reward/answered_frac"] = float(
             np.mean([a is not None and a != "" for a in batch.non_tensor_batch["answer"][samples.numpy()]])
         )
-    if "reward_error" in batch.non_tensor_batch:  # every rank's rows (the worker's own count is rank 0's)
+    if "reward_error" in batch.non_tensor_batch:  # counted from every row of the batch itself
         out["reward/errors"] = float(sum(bool(e) for e in batch.non_tensor_batch["reward_error"]))
     if "token_level_rewards" in b:
         out.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)[samples]))

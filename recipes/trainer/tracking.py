@@ -163,10 +163,6 @@ class Tracker:
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(step - self.bar.n)
 
-    def series(self, key: str) -> tuple[list[int], list[float]]:
-        pts = [(r["step"], r[key]) for r in self.history if key in r]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
     def close(self, plot: bool | None = None) -> str | None:
         if self.bar is not None:
             self.bar.close()

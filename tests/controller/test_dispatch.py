@@ -161,7 +161,7 @@ def test_dp_compute_proto_pads_chunks_and_strips(group3, monkeypatch):
 
 def test_dp_compute_proto_row_less_output_after_padding(group3):
     out = group3.rows_seen(_batch(10))  # padded to 12: 4 rows per rank
-    assert len(out) == 0 and out.meta_info == {"metrics": {"rows": 4}}
+    assert len(out) == 0 and out.meta_info == {"metrics": {"rows": 12}}  # a count: summed over the ranks
 
 
 def test_dp_compute_proto_rejects_non_dataproto(group3):

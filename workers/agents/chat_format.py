@@ -16,8 +16,8 @@ _S1, _S2, _SA = "HYFLOWSENTINELONE", "HYFLOWSENTINELTWO", "HYFLOWSENTINELSYS"
 class ChatFormat:
     """The tokenizer's chat template split into the pieces an incremental conversation needs.
 
-    ``prompt_ids(messages)``: the initial prompt (template + generation prompt). ``continuation(text,
-    last_token)``: the tokens that close the model's turn (unless its last token already did), open a
+    ``prompt_ids(messages)``: the initial prompt (template + generation prompt). ``continuation_text(text,
+    last_token)``: the text of the tokens that close the model's turn (unless its last token already did), open a
     user turn holding ``text``, close it and open the next assistant turn -- tokenised by itself, so
     the model's own tokens before it are never touched. Tokenizers without a chat template get a
     plain ``User:/Assistant:`` format.
@@ -84,6 +84,3 @@ class ChatFormat:
             if closing and between.startswith(closing):
                 between = between[len(closing) :]
         return between + text + self.tail
-
-    def continuation(self, text: str, last_token: int | None) -> list[int]:
-        return self.encode(self.continuation_text(text, last_token))

@@ -6,8 +6,8 @@
   TP/PP/DP; imported on use: megatron-core is optional); both take the methods they share from
   `train_steps.EngineSteps` and their optimizer from `optim`.
 * `checkpoint`: resumable DCP checkpoints and Hugging Face export of any `TrainEngine`.
-* `packing` (unpadded micro-batches), `attention` (the varlen attention they run), `distributed` (process
-  group helpers).
+* `packing` (unpadded micro-batches), `distributed` (process group helpers). The varlen attention the
+  engines run (``hyflow_varlen``) lives beside the models, in `workers.models.attention`.
 """
 
 from workers.engine.base import EngineConfig, LossContext, MegatronConfig, OptimConfig, TrainEngine

@@ -31,7 +31,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from workers.engine import distributed as du
-from workers.engine.attention import VARLEN_ATTENTION, register_varlen_attention
 from workers.engine.base import EngineConfig, LossFn
 from workers.engine.optim import build_optimizer
 from workers.engine.packing import (
@@ -43,6 +42,7 @@ from workers.engine.packing import (
     scatter_response,
 )
 from workers.engine.train_steps import EngineCall, EngineSteps, call_loss_fn, load_module_state, module_state
+from workers.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from workers.models.loading import build_on_meta, can_build_on_meta, is_value_model, load_model
 from workers.models.meta_init import materialize
 

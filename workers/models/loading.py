@@ -33,6 +33,7 @@ from transformers import (
 )
 from transformers.modeling_outputs import TokenClassifierOutput
 
+from workers.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from workers.models.meta_init import (
     CheckpointWeights,
     RandomWeights,
@@ -221,10 +222,7 @@ def weight_source(path: str | os.PathLike, config: PretrainedConfig) -> WeightSo
 
 
 def _register_attention(attn_implementation: str | None) -> None:
-    if attn_implementation == "hyflow_varlen":
-        # not at the top: workers.engine imports this module (a cycle through workers/engine/__init__.py)
-        from workers.engine.attention import register_varlen_attention
-
+    if attn_implementation == VARLEN_ATTENTION:
         register_varlen_attention()
 
 
@@ -282,7 +280,7 @@ def load_model(
     """Load a causal LM (``value_head=False``) or a critic with a scalar head (``value_head=True``).
 
     ``attn_implementation`` is any name transformers knows, including ``"hyflow_varlen"`` from
-    ``workers.engine.attention`` (registered on import). Returns the model on ``device`` in ``dtype``. A
+    ``workers.models.attention`` (registered on import). Returns the model on ``device`` in ``dtype``. A
     random-init directory (`meta_init.write_random_init_model`) gives its seeded weights.
     """
     if random_init_seed(path) is not None:

@@ -7,8 +7,8 @@ its score is 0, ``non_tensor_batch["reward_error"]`` holds the message, and the 
 ``meta_info["metrics"]["reward/errors"]`` (the first messages in ``meta_info["reward_error_messages"]``). A data
 source with no scorer and no default is a configuration error and fails the call.
 
-With a group of several ranks the collected ``meta_info`` is rank 0's (DataProto.concat keeps the first part's);
-the per-row ``reward_error`` column covers every row.
+With a group of several ranks ``reward/errors`` is summed over the ranks (``dataproto/metrics_merge.py``) and
+``reward_error_messages`` is rank 0's; the per-row ``reward_error`` column covers every row.
 """
 
 from __future__ import annotations

@@ -266,24 +266,6 @@ class Resharder:
             self.group = None
 
 
-def reshard_regrouped(plan, local, bucket_bytes=64 << 20, backend=None):
-    """One-shot zero-redundancy reshard: ``(generation shard dict, ReshardStats)``. Collective."""
-    r = Resharder(plan, "regrouped", backend)
-    try:
-        return r.reshard(local, bucket_bytes), r.stats
-    finally:
-        r.destroy()
-
-
-def reshard_naive(plan, local, bucket_bytes=None, backend=None):
-    """One-shot gather-everything-then-slice reshard: ``(generation shard dict, ReshardStats)``."""
-    r = Resharder(plan, "naive", backend)
-    try:
-        return r.reshard(local, bucket_bytes), r.stats
-    finally:
-        r.destroy()
-
-
 def paper_volume_bytes(model_bytes: int, plan: ReshardPlan, mode: str) -> float:
     """Per-rank communication volume HybridFlow derives (Sec. 5.4, Table 2), for comparison with
     ``bytes_received``: 3D-HybridEngine ``(t*p - t_g*p_g)/(t_g*p_g*t*p) * M`` (here ``p_g = 1``);

@@ -1,4 +1,4 @@
-"""The packed attention ``hyflow_varlen`` (workers/engine/attention.py): batching several sequences into one
+"""The packed attention ``hyflow_varlen`` (workers/models/attention.py): batching several sequences into one
 padded call gives the outputs and gradients of one causal call per sequence."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.engine.attention import MAX_PADDING_RATIO, attention_plan, varlen_sdpa_attention_forward
+from workers.models.attention import MAX_PADDING_RATIO, attention_plan, varlen_sdpa_attention_forward
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 

@@ -128,7 +128,7 @@ def test_scores_land_on_last_valid_token(reward_wg, tokenizer):
 def test_error_count_and_messages(reward_wg, tokenizer):
     data, _ = make_batch(tokenizer, rows=ROWS[:4])  # one rank gets rows 0-1, the other rows 2-3
     out = reward_wg.compute_rm_score(data)
-    assert out.meta_info["metrics"] == {"reward/errors": 0.0}  # rank 0's chunk is clean
+    assert out.meta_info["metrics"] == {"reward/errors": 1.0}  # summed over the ranks: row 3 on rank 1
     data, _ = make_batch(tokenizer, rows=[ROWS[3], ROWS[6], ROWS[0], ROWS[1]])
     out = reward_wg.compute_rm_score(data)
     assert out.meta_info["metrics"] == {"reward/errors": 2.0}

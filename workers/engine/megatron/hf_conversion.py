@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.models.shape import DecoderShape
-from workers.weight_sync.reshard_plan import ParamSpec, hf_param_specs, stage_of_layer
+from workers.weight_sync.reshard_plan import ParamSpec, hf_param_specs
 
 
 @dataclass(frozen=True)
@@ -245,12 +245,3 @@ def hf_chunks_from_megatron(
         elif not shape.tie_word_embeddings:
             out["lm_head.weight"] = state["output_layer.weight"]
     return out
-
-
-def stage_of_hf_name(name: str, shape: ModelShape, pp: int) -> int:
-    """Owner stage of an HF parameter name (for callers that route tensors by stage)."""
-    if name == "model.embed_tokens.weight":
-        return 0
-    if name.startswith("model.layers."):
-        return stage_of_layer(int(name.split(".")[2]), shape.num_layers, pp)
-    return pp - 1

@@ -45,7 +45,7 @@ def _segment_bounds(kwargs: dict, total_len: int) -> list[int]:
         bounds.append(total_len)
     if bounds[0] != 0 or bounds[-1] != total_len:
         raise ValueError(
-            f"workers/engine/attention.py: packed sequence boundaries {bounds[:3]}...{bounds[-2:]} do not cover "
+            f"workers/models/attention.py: packed sequence boundaries {bounds[:3]}...{bounds[-2:]} do not cover "
             f"the {total_len} packed tokens"
         )
     return bounds
