@@ -9,20 +9,26 @@ The schema of a recipe is its dataclass in ``recipes.schemas`` (``SCHEMAS``), ma
 unknown key or a value of the wrong type is a ``ConfigError`` naming the full key, and ``validate`` then runs
 every section's check and the recipe's (batch sizes against the data-parallel sizes, placement against the
 devices, estimator against the roles), naming keys and numbers.
+
+The ``env`` section of the agent recipes has no fixed dataclass: ``env.loop`` (command line, else YAML, else the
+schema's default) names an agent-loop plugin (``workers.agents.loop``), and the section is read into the
+dataclass that plugin declares (``AgentLoop.config_class``), so a new environment brings its own keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from recipes.schemas import SCHEMAS, RecipeConfig
 from recipes.sections import WORKER_SECTION_CHECKS
+from workers.agents.loop import agent_loop_class
 from workers.engine.checkpoint import write_atomic
 
 RECIPES_DIR = Path(__file__).resolve().parent
@@ -37,7 +43,8 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _explain(err: OmegaConfBaseException, source: str, schema: type = RecipeConfig) -> ConfigError:
+def _explain(err: OmegaConfBaseException, source: str, schema: DictConfig) -> ConfigError:
+    """``err`` of merging ``source`` into ``schema`` (the config before that merge) as a ConfigError."""
     key = getattr(err, "full_key", None) or "?"
     msg = str(err).split("\n")[0]
     if isinstance(err, ConfigKeyError):
@@ -48,8 +55,8 @@ def _explain(err: OmegaConfBaseException, source: str, schema: type = RecipeConf
     return ConfigError(f"config error at {key!r} ({source}): {msg}")
 
 
-def _known_keys_hint(schema: type, parent: str, leaf: str) -> str:
-    node: Any = OmegaConf.structured(schema)
+def _known_keys_hint(schema: DictConfig, parent: str, leaf: str) -> str:
+    node: Any = schema
     for part in [p for p in parent.split(".") if p]:
         node = node.get(part) if isinstance(node, DictConfig) else None
         if node is None:
@@ -57,9 +64,13 @@ def _known_keys_hint(schema: type, parent: str, leaf: str) -> str:
     if not isinstance(node, DictConfig):
         return f"{parent!r} is not a section"
     keys = sorted(node.keys())
-    close = [k for k in keys if leaf and (leaf in k or k in leaf)]
+    close = sorted(
+        {*difflib.get_close_matches(leaf, keys), *(k for k in keys if leaf and (leaf in k or k in leaf))}
+    )
     hint = f" (did you mean {close}?)" if close else ""
-    return f"keys in {parent or 'the top level'!r}: {keys}{hint}"
+    of = OmegaConf.get_type(node)
+    where = f"{parent or 'the top level'!r}" + (f" ({of.__name__})" if dataclasses.is_dataclass(of) else "")
+    return f"keys in {where}: {keys}{hint}"
 
 
 def parse_overrides(args: list[str]) -> DictConfig:
@@ -109,19 +120,63 @@ def load_config(
     path = Path(config_path) if config_path is not None else default_config_path(recipe)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    merged = schema_config(schema_cls)
-    try:
-        merged = OmegaConf.merge(merged, OmegaConf.load(path))
-    except OmegaConfBaseException as err:
-        raise _explain(err, str(path), schema_cls) from None
+    file_cfg = OmegaConf.load(path)
     cli = parse_overrides(list(overrides or []))
+    merged = schema_config(schema_cls)
+    if "env" in merged:
+        _env_section(merged, recipe, schema_cls, file_cfg, cli, str(path))
+    try:
+        merged = OmegaConf.merge(merged, file_cfg)
+    except OmegaConfBaseException as err:
+        raise _explain(err, str(path), merged) from None
     if _switches_task(merged, cli):  # the file's knobs belong to the file's task
         merged.task.knobs = {}
     try:
         merged = OmegaConf.merge(merged, cli)
     except OmegaConfBaseException as err:
-        raise _explain(err, "command-line override", schema_cls) from None
+        raise _explain(err, "command-line override", merged) from None
     return to_dataclass(merged, check=check)
+
+
+def _env_section(
+    merged: DictConfig, recipe: str, schema_cls: type, file_cfg: DictConfig, cli: DictConfig, path: str
+) -> None:
+    """Make ``merged.env`` the dataclass of the agent loop that ``env.loop`` names (command line, else the config
+    file, else the schema's default). A command-line loop with another config than the file's drops the file's
+    ``env`` section (its keys belong to the file's environment), as another ``task.name`` drops ``task.knobs``."""
+    file_loop = OmegaConf.select(file_cfg, "env.loop", default=None)
+    if file_loop is None:
+        env_cls = _env_class(merged.env.loop, "the schema's default", recipe, schema_cls)
+    else:
+        env_cls = _env_class(str(file_loop), path, recipe, schema_cls)
+    cli_loop = OmegaConf.select(cli, "env.loop", default=None)
+    if cli_loop is not None:
+        file_env, env_cls = env_cls, _env_class(str(cli_loop), "command-line override", recipe, schema_cls)
+        if env_cls is not file_env:
+            file_cfg.pop("env", None)
+    if OmegaConf.get_type(merged.env) is not env_cls:
+        merged.env = schema_config(env_cls)
+
+
+def _env_class(loop: str, source: str, recipe: str, schema_cls: type) -> type:
+    """The ``config_class`` of the agent loop ``loop`` (set in ``source``), which must derive from the type the
+    recipe's schema gives ``env`` (the fields the recipe itself reads)."""
+    try:
+        loop_cls = agent_loop_class(loop)
+    except (ImportError, AttributeError, TypeError, ValueError) as err:
+        raise ConfigError(f"config key 'env.loop' ({source}): {err}") from None
+    env_cls, need = getattr(loop_cls, "config_class", None), get_type_hints(schema_cls)["env"]
+    if env_cls is None:
+        raise ConfigError(
+            f"env.loop={loop!r} ({source}): {loop_cls.__name__} declares no config_class (its env section's "
+            "dataclass)"
+        )
+    if not issubclass(env_cls, need):
+        raise ConfigError(
+            f"env.loop={loop!r} ({source}) reads an env config {env_cls.__name__}, but recipes.{recipe} needs one "
+            f"deriving from {need.__name__} (the recipe reads its fields)"
+        )
+    return env_cls
 
 
 def _switches_task(file_cfg: DictConfig, cli: DictConfig) -> bool:
@@ -137,7 +192,7 @@ def to_dataclass(cfg: DictConfig, check: bool = True) -> RecipeConfig:
     try:
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
-        raise _explain(err, "resolving") from None
+        raise _explain(err, "resolving", cfg) from None
     except (ValueError, TypeError) as err:  # a dataclass __post_init__ (e.g. OptimConfig) refused a value
         section, msg = _failing_section(cfg), str(err)
         field_name = msg.split(" ", 1)[0].split("=", 1)[0]

@@ -6,6 +6,7 @@ that holds a long context, turn by turn, until ``FINAL(...)`` / ``FINAL_VAR(...)
     python -m recipes.rlm trainer.placement=disaggregated trainer.n_gpus_per_node=2 trainer.rollout_gpus_per_node=1
     python -m recipes.rlm trainer.placement=disaggregated trainer.n_gpus_per_node=2 trainer.rollout_gpus_per_node=1 \
         async_rl.mode=full                             # trajectories stream in while the trainer trains
+    python -m recipes.rlm --config recipes/rlm_word_count.yaml   # another environment: env.loop (docs/agent_env.md)
 
 1. build the tiny model and the long-context task data (``task.name``: sniah / oolong / oolong_pairs);
 2. warm start: the tasks' reference solutions replayed as multi-turn RLM trajectories (system prompt + query,
@@ -17,6 +18,10 @@ that holds a long context, turn by turn, until ``FINAL(...)`` / ``FINAL_VAR(...)
    on the trajectories' model tokens (observation tokens are attended to but carry loss mask 0);
 4. greedy RLM validation (``trainer.val_before_train``, ``trainer.test_freq``): success rate
    (``val/accuracy``) and ``val-env/*``.
+
+The steps are not RLM-specific: ``env.loop`` picks any agent environment, whose own dataclass holds the ``env``
+section (``recipes/config.py``), and they run it the same way (its metrics, its reference replay for the warm
+start).
 """
 
 from __future__ import annotations

@@ -6,19 +6,21 @@
   off-policy or fully asynchronous generation, staleness bound, buffer, what happens to in-flight requests at a
   weight update).
 * ``QuickstartConfig`` (``quickstart``): GRPO plus ``sft``, the supervised warm start.
-* ``RLMConfig`` (``rlm``): the quickstart's sections plus ``env`` (``workers.rlm.env_loop.RLMEnvConfig``:
-  agent limits, sandbox) and ``async_rl``.
+* ``RLMConfig`` (``rlm``): the quickstart's sections plus ``env`` and ``async_rl``. ``env`` is any agent
+  environment: the dataclass of the loop ``env.loop`` names (``AgentLoop.config_class``; read by
+  ``recipes.config.load_config``), by default the RLM REPL's (``workers.rlm.env_loop.RLMEnvConfig``: agent
+  limits, sandbox).
 * ``HybridConfig`` (``hybrid_rl``; the GRPO baseline is ``hybrid_rl_grpo.yaml``): the quickstart's sections plus
   ``env`` (``workers.math_env.env_loop.MathToolEnvConfig``: turns, tokens per turn, observation size, the
-  Python tool's sandbox), ``prm`` (``workers.prm.worker.PRMConfig``: the judge -- ``reference`` /
-  ``checkpoint`` / ``http`` --, votes per step, hints, placement), ``hybrid`` (the advantage's weights
-  ``w_rl``, ``w_opd``, ``opd_clip``, whether the PRM term is used, how a hint is written into the teacher's
-  context) and ``eval`` (what validation measures -- when is ``trainer.val_before_train`` /
-  ``trainer.test_freq`` --: pass@k for every k in ``eval.pass_k`` from ``max(pass_k)`` samples per held-out
-  problem at ``eval.temperature``).
+  Python tool's sandbox; an ``env.loop`` whose config does not derive from it is refused), ``prm``
+  (``workers.prm.worker.PRMConfig``: the judge -- ``reference`` / ``checkpoint`` / ``http`` --, votes per step,
+  hints, placement), ``hybrid`` (the advantage's weights ``w_rl``, ``w_opd``, ``opd_clip``, whether the PRM term
+  is used, how a hint is written into the teacher's context) and ``eval`` (what validation measures -- when is
+  ``trainer.val_before_train`` / ``trainer.test_freq`` --: pass@k for every k in ``eval.pass_k`` from
+  ``max(pass_k)`` samples per held-out problem at ``eval.temperature``).
 
 Each section checks itself (``recipes.sections``); a schema adds the rules of its recipe across sections in
-``check_recipe``.
+``check_recipe``. The type a schema gives ``env`` is the base every ``env.loop``'s config must derive from.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from recipes.sections import (
     TaskConfig,
     TrainerConfig,
 )
+from workers.agents.loop import AgentEnvConfig
 from workers.config import ActorConfig, RewardConfig, RolloutConfig
 from workers.math_env.env_loop import MathToolEnvConfig
 from workers.prm.worker import PRMConfig
@@ -100,10 +103,11 @@ class QuickstartConfig(GRPOConfig):
 
 @dataclass
 class RLMConfig(QuickstartConfig):
-    """``recipes/rlm.py``: GRPO on RLM trajectories after a warm start on replayed reference solutions;
-    ``async_rl`` as ``recipes/grpo_async.py`` (trajectories generated while the trainer trains)."""
+    """``recipes/rlm.py``: GRPO on agent trajectories (RLM unless ``env.loop`` names another environment) after a
+    warm start on replayed reference solutions; ``async_rl`` as ``recipes/grpo_async.py`` (trajectories generated
+    while the trainer trains)."""
 
-    env: RLMEnvConfig = field(default_factory=RLMEnvConfig)
+    env: AgentEnvConfig = field(default_factory=RLMEnvConfig)
     async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
 
     def check_recipe(self, errors: list[str]) -> None:

@@ -1,17 +1,17 @@
 """The agent-loop plugin API: what one multi-turn environment supplies, and how the env config names it.
 
 An environment is an ``AgentLoop`` subclass plus its config (a dataclass deriving ``AgentEnvConfig`` whose
-``agent`` field holds the loop's own settings). The env workers (``workers.agents.env_worker``) and the
-reference replay (``workers.agents.replay``) do everything else: rows -> jobs (``n`` samples per prompt, seeds),
-a policy over the rollout engine, a sandbox, an event loop, bounded concurrency, trajectories -> the training
-batch, metrics. ``env.loop`` names the plugin: a registered name (``"rlm"``, ``"math_tool"``, or one given to
+``agent`` field holds the loop's own settings), which the loop declares as its ``config_class``: a recipe's
+``env`` section is read into that dataclass and checked against it (``recipes/config.py``). The env workers
+(``workers.agents.env_worker``) and the reference replay (``workers.agents.replay``) do everything else: rows ->
+jobs (``n`` samples per prompt, seeds), a policy over the rollout engine, a sandbox, an event loop, bounded
+concurrency, trajectories -> the training batch, metrics. ``env.loop`` names the plugin: a registered name (``"rlm"``, ``"math_tool"``, or one given to
 ``register_agent_loop``) or ``"package.module:Class"`` -- the latter works in every Ray process without a
 registration step. ``docs/agent_env.md`` walks through a complete one-file environment.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from dataproto import DataProto
 from workers.agents.llm import EngineLLM
 from workers.agents.trajectory import Trajectory
+from workers.plugins import load_plugin
 from workers.sandbox import ReplSandbox, SandboxConfig
 
 __all__ = [
@@ -85,6 +86,7 @@ class AgentLoop:
     A loop object lives as long as its host (an env worker rank, one replay), so it may keep state built on
     first use (e.g. a frozen sub-model engine)."""
 
+    config_class: ClassVar[type[AgentEnvConfig]]  # the env config this loop reads (module docstring)
     required_columns: ClassVar[tuple[str, ...]] = ()  # non_tensor_batch columns the loop reads
     output_columns: ClassVar[tuple[str, ...]] = ()  # columns ``columns`` writes (input ones are not copied)
 
@@ -145,15 +147,4 @@ def register_agent_loop(name: str, cls: type[AgentLoop]) -> None:
 
 def agent_loop_class(name: str) -> type[AgentLoop]:
     """The plugin class ``name`` stands for (module docstring)."""
-    entry = _LOOPS.get(name, name)
-    if isinstance(entry, type):
-        return entry
-    module, sep, attr = entry.partition(":")
-    if not sep:
-        raise ValueError(
-            f"unknown agent loop {name!r}: use one of {sorted(_LOOPS)} or 'package.module:Class'"
-        )
-    cls = getattr(importlib.import_module(module), attr)
-    if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-        raise TypeError(f"agent loop {name!r} is {cls!r}, not an AgentLoop subclass")
-    return cls
+    return load_plugin(name, _LOOPS, AgentLoop, "env.loop", "agent loop")

@@ -51,6 +51,7 @@ def tool_metrics(trajs: list[Trajectory], elapsed: float) -> dict[str, float]:
 class MathToolLoop(AgentLoop):
     """One tool-use trajectory per job (module docstring)."""
 
+    config_class = MathToolEnvConfig
     output_columns = ("steps",)
 
     async def run(self, job: AgentJob, config: ToolAgentConfig) -> list[Trajectory]:

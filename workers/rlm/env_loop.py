@@ -7,14 +7,15 @@ native engine built on the same device on first use, never updated). A task's cu
 import paths; run on the env worker) and ``env.setup_code`` reach every REPL as with
 ``RLM(custom_tools=, setup_code=)``.
 
-Metrics (rank 0's chunk for a group call): ``env/num_roots``, ``env/num_trajectories``, ``env/turns/mean``,
-``env/turns/max``, ``env/subcalls/mean``, ``env/children/mean``, ``env/depth/max``, ``env/finished_frac``,
-``env/errors``, ``env/status/<status>``, ``env/response_length/mean``, ``env/trajectories_per_s``,
-``env/turns_per_s``, ``env/gen_s_per_turn``, ``env/exec_s_per_turn``, ``timing_s/gen``; and per depth ``d``
-present (0: the roots, 1: their children, ...; SkyRL splits parent and child likewise) ``env/depth_<d>/...``:
-``num_trajectories``, ``turns/mean``, ``finished_frac``, ``answered_frac`` (a final answer, which is what the
-parent's code got), ``errors``, ``status/<status>`` and ``response_length/mean`` (the tokens after the
-trajectory's first prompt -- its turns and the observations between them -- before any row limit cuts them).
+Metrics (a group call merges them over the ranks by name: ``dataproto/metrics_merge.py``): ``env/num_roots``,
+``env/num_trajectories``, ``env/turns/mean``, ``env/turns/max``, ``env/subcalls/mean``, ``env/children/mean``,
+``env/depth/max``, ``env/finished_frac``, ``env/errors``, ``env/status/<status>``, ``env/response_length/mean``,
+``env/trajectories_per_s``, ``env/turns_per_s``, ``env/gen_s_per_turn``, ``env/exec_s_per_turn``,
+``timing_s/gen``; and per depth ``d`` present (0: the roots, 1: their children, ...; SkyRL splits parent and
+child likewise) ``env/depth_<d>/...``: ``num_trajectories``, ``turns/mean``, ``finished_frac``,
+``answered_frac`` (a final answer, which is what the parent's code got), ``errors``, ``status/<status>`` and
+``response_length/mean`` (the tokens after the trajectory's first prompt -- its turns and the observations
+between them -- before any row limit cuts them).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def _depth_metrics(prefix: str, trajs: list[Trajectory]) -> dict[str, float]:
 class RLMLoop(AgentLoop):
     """RLM trajectory trees: the root's query and REPL context from the row (module docstring)."""
 
+    config_class = RLMEnvConfig
     required_columns = ("extra_info",)
 
     def __init__(self, env: RLMEnvConfig, ctx: LoopContext):

@@ -3,7 +3,13 @@
 A model turn is a tool call ``<count>some text</count>`` (the observation is how many words that text has) or an
 answer ``ANSWER: N`` (the trajectory ends). Everything else -- the turn loop, rows to jobs, the policy over the
 rollout engine, concurrency, token-exact records, the training batch, both placements, the reference replay --
-comes from the agent layer. Use it like any environment::
+comes from the agent layer. Train on it from the command line (``env.loop`` in the YAML names ``WordCountLoop``,
+whose ``config_class`` holds the keys of the ``env`` section)::
+
+    python -m workers.agents.examples.word_count                  # write_dataset: runs/word_count/data/*.parquet
+    python -m recipes.rlm --config recipes/rlm_word_count.yaml
+
+or use it like any environment::
 
     env = WordCountEnvConfig()                      # env.loop names WordCountLoop by module path
     EnvWorker(model, rollout, env)                  # the rollout role on its own pool, or in a recipe:
@@ -13,7 +19,10 @@ comes from the agent layer. Use it like any environment::
 
 from __future__ import annotations
 
+import os
+import random
 import re
+import sys
 from dataclasses import dataclass, field
 
 from dataproto import DataProto
@@ -23,7 +32,7 @@ from workers.agents.trajectory import Trajectory, TrajectoryTurn
 from workers.agents.turns import Episode, Step, run_turns
 from workers.rollout.sampling import SamplingParams
 
-__all__ = ["WordCountAgentConfig", "WordCountEnvConfig", "WordCountEpisode", "WordCountLoop"]
+__all__ = ["WordCountAgentConfig", "WordCountEnvConfig", "WordCountEpisode", "WordCountLoop", "write_dataset"]
 
 SYSTEM_PROMPT = (
     "Count the words of the text you are given. <count>text</count> counts them; answer ANSWER: N."
@@ -82,6 +91,8 @@ class WordCountEpisode(Episode):
 class WordCountLoop(AgentLoop):
     """One trajectory per job: the shared turn loop (``run_turns``) with this file's episode."""
 
+    config_class = WordCountEnvConfig  # the env section of a recipe config that names this loop
+
     async def run(self, job: AgentJob, config: WordCountAgentConfig) -> list[Trajectory]:
         traj = Trajectory(id=job.traj_id, query=job.query, root_uid=job.uid)
         episode = WordCountEpisode(self.ctx.policy, job, config)
@@ -96,3 +107,46 @@ class WordCountLoop(AgentLoop):
             "wc/finished_frac": sum(t.status == "finished" for t in roots) / n,
             "wc/calls/mean": sum(t.metadata["count_calls"] for t in roots) / n,
         }
+
+
+# -- the example's data ------------------------------------------------------------------------------------------
+
+WORDS = ("red", "green", "blue", "cat", "dog", "sun", "tree", "river", "stone", "cloud", "apple", "bird")
+
+
+def _row(text: str, split: str, index: int) -> dict:
+    question, n = f"How many words: {text}", len(text.split())
+    return {
+        "data_source": "word_count",  # scored by reward.default_scorer: exact_match (the answer against "n")
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "counting",
+        "reward_model": {"ground_truth": str(n), "style": "rule"},
+        "extra_info": {  # the warm start replays reference_turns through WordCountLoop
+            "split": split,
+            "index": index,
+            "question": question,
+            "reference_turns": [f"<count>{text}</count>", f"ANSWER: {n}"],
+        },
+    }
+
+
+def write_dataset(out_dir: str, n_train: int = 256, n_val: int = 32, seed: int = 0) -> dict[str, str]:
+    """``out_dir/{train,val}.parquet`` (verl's columns): distinct texts of 1-6 words, validation ones first."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    texts: dict[str, None] = {}  # an ordered set of distinct texts
+    while len(texts) < n_val + n_train:
+        texts[" ".join(rng.choices(WORDS, k=rng.randint(1, 6)))] = None
+    ordered = list(texts)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for split, chunk in (("val", ordered[:n_val]), ("train", ordered[n_val:])):
+        paths[split] = os.path.join(out_dir, f"{split}.parquet")
+        pq.write_table(pa.Table.from_pylist([_row(t, split, i) for i, t in enumerate(chunk)]), paths[split])
+    return paths
+
+
+if __name__ == "__main__":
+    print(write_dataset(sys.argv[1] if len(sys.argv) > 1 else "runs/word_count/data"))
