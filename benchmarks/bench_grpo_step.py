@@ -36,7 +36,7 @@ from benchmarks.common import machine_info, print_table
 from recipes.config import load_config
 from workers.models import resolve_dtype
 from workers.models.memory import estimate_colocated_step
-from workers.roles.rollout import rollout_dtype
+from workers.rollout.base import rollout_dtype
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
 

@@ -26,6 +26,7 @@ from resource_pools.plans import PLACEMENTS
 from workers.config import CriticConfig, ModelConfig
 from workers.engine.base import OptimConfig
 from workers.models.tiny import TINY_MODEL_SIZES
+from workers.rollout.registry import rollout_engine_class
 
 if TYPE_CHECKING:  # the schemas are made of these sections
     from recipes.schemas import RecipeConfig
@@ -386,10 +387,11 @@ class AsyncRLConfig:
             errors.append(
                 f"async_rl.on_weight_update must be one of {list(ON_WEIGHT_UPDATE)}, got {self.on_weight_update!r}"
             )
-        elif self.on_weight_update == "abort" and cfg.rollout.name != "native":
+        elif self.on_weight_update == "abort" and not _engine_can(cfg, "swaps_weights_mid_generation"):
             errors.append(
-                "async_rl.on_weight_update=abort needs rollout.name=native (SGLang's weights change only "
-                "between calls: its in-flight requests finish on the old weights)"
+                "async_rl.on_weight_update=abort needs rollout.name=native or another engine that swaps weights "
+                f"mid-generation (rollout.name={cfg.rollout.name!r} changes weights only between calls: its "
+                "in-flight requests finish on the old weights)"
             )
         if self.max_staleness < 0:
             errors.append(f"async_rl.max_staleness must be >= 0, got {self.max_staleness}")
@@ -573,23 +575,32 @@ def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
             f"rollout.tensor_model_parallel_size={tp_g} is for the colocated actor-rollout worker; "
             "trainer.placement=disaggregated runs full rollout replicas on their own pool: use 1"
         )
-    if cfg.rollout.name != "native":
+    if not _engine_can(cfg, "accepts_tp_group"):
         errors.append(
-            f"rollout.tensor_model_parallel_size={tp_g} is for rollout.name=native, got "
-            f"{cfg.rollout.name!r} (SGLang: rollout.tensor_parallel_size)"
+            f"rollout.tensor_model_parallel_size={tp_g} is for an engine that can be a tensor-parallel replica on "
+            f"the trainer's ranks (rollout.name=native), got {cfg.rollout.name!r} (SGLang: "
+            "rollout.tensor_parallel_size)"
         )
+
+
+def _engine_can(cfg: RecipeConfig, capability: str) -> bool:
+    """Whether ``rollout.name``'s engine declares ``capability`` (False for a name that does not resolve: that
+    is reported by `_check_rollout_engine`)."""
+    try:
+        return bool(getattr(rollout_engine_class(cfg.rollout.name), capability))
+    except (ValueError, TypeError):
+        return False
 
 
 def _check_rollout_engine(errors: list[str], cfg: RecipeConfig) -> None:
-    """``rollout.name``: a known engine, and for SGLang the package installed (checked before Ray starts)."""
-    name = cfg.rollout.name
-    if name not in ("native", "sglang"):
-        errors.append(f"rollout.name must be 'native' or 'sglang', got {name!r}")
-    elif name == "sglang" and importlib.util.find_spec("sglang") is None:
-        errors.append(
-            "rollout.name=sglang needs the sglang package: `make sglang-cpu` (CPU engine, for tests and CI) "
-            "or `pip install hyflow[sglang]` on a CUDA machine"
-        )
+    """``rollout.name``: a registered engine or an importable ``RolloutEngine`` subclass, and what that engine
+    says about the config (SGLang: the package installed); checked before Ray starts."""
+    try:
+        engine = rollout_engine_class(cfg.rollout.name)
+    except (ValueError, TypeError) as e:
+        errors.append(str(e))
+        return
+    errors.extend(engine.config_errors(cfg.model, cfg.rollout))
 
 
 def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:

@@ -37,7 +37,8 @@ class ChatServer:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 (http.server's name)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, data = server.answer(self.path, dict(self.headers), body)
+                # the message object: header names case-insensitive (openai 3.5x sends them in lower case)
+                status, data = server.answer(self.path, self.headers, body)
                 out = json.dumps(data).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -54,7 +55,7 @@ class ChatServer:
         root = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.url = root + "/v1" if kind == "openai" else root  # what each library takes as base_url
 
-    def answer(self, path: str, headers: dict, body: dict) -> tuple[int, dict]:
+    def answer(self, path: str, headers, body: dict) -> tuple[int, dict]:
         with self.lock:
             self.requests.append((path, headers, body, time.monotonic()))
             failure = self.failures.pop(0) if self.failures else None

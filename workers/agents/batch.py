@@ -11,7 +11,8 @@ Two layouts (``step_wise``), both with rows for the roots, and for children too 
   then apply per turn, so a trajectory of many turns fits under the same ``max_prompt_length`` +
   ``max_response_length`` that one row per trajectory would have to cut.
 
-Tensors: ``prompts`` [B, P] left-padded with ``pad_token_id``; ``responses`` [B, R] right-padded;
+Tensors (built by `workers.rollout.batch.build_rollout_batch`, the one rollout-batch builder): ``prompts`` [B, P]
+left-padded with ``pad_token_id``; ``responses`` [B, R] right-padded;
 ``response_mask`` [B, R] float32, the loss mask, 1 exactly on the engine's own tokens; ``rollout_log_probs``
 [B, R] float32, the engine's log-probs on model tokens, 0 elsewhere; ``rollout_versions`` [B, R] int64, the
 weight version that sampled each model token (asynchronous RL), 0 elsewhere; ``rollout_aborted`` [B], all False
@@ -59,10 +60,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from dataproto import DataProto
 from workers.agents.trajectory import Trajectory
+from workers.rollout.batch import RolloutRow, build_rollout_batch
 
 __all__ = [
     "OWN_COLUMNS",
@@ -70,16 +71,6 @@ __all__ = [
     "trajectory_json",
     "trajectories_to_dataproto",
 ]
-
-TENSOR_KEYS = (
-    "prompts",
-    "responses",
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "response_mask",
-    "rollout_log_probs",
-)
 
 # The non-tensor columns trajectories_to_dataproto writes (an input column of the same name is not copied).
 OWN_COLUMNS = frozenset(
@@ -135,7 +126,6 @@ class _Row:
             cut = cut or "response"
         if cut == "prompt" or (cut and mask_truncated) or not trains:
             mask = [0] * len(mask)
-        lps = [lp if m else 0.0 for lp, m in zip(lps, mask)]
         return _Row(self.source, self.turn, prompt, response, mask, lps, versions), cut
 
 
@@ -233,37 +223,12 @@ def trajectories_to_dataproto(
         if trajectories[r.source].depth == 0
     }
     answers = {t.id: t.final_answer for t in trajectories if t.depth == 0}
-    B = len(specs)
-    prompts = torch.full((B, P), pad_token_id, dtype=torch.long)
-    responses = torch.full((B, R), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(B, P, dtype=torch.long)
-    resp_attn = torch.zeros(B, R, dtype=torch.long)
-    loss_mask = torch.zeros(B, R, dtype=torch.float32)
-    logps = torch.zeros(B, R, dtype=torch.float32)
-    versions = torch.zeros(B, R, dtype=torch.long)
-    for b, row in enumerate(specs):
-        if row.prompt:
-            prompts[b, P - len(row.prompt) :] = torch.tensor(row.prompt, dtype=torch.long)
-            prompt_mask[b, P - len(row.prompt) :] = 1
-        if row.response:
-            n = len(row.response)
-            responses[b, :n] = torch.tensor(row.response, dtype=torch.long)
-            resp_attn[b, :n] = 1
-            loss_mask[b, :n] = torch.tensor(row.mask, dtype=torch.float32)
-            logps[b, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
-            versions[b, :n] = torch.tensor(row.versions, dtype=torch.long)
-    attention_mask = torch.cat([prompt_mask, resp_attn], dim=1)
-    batch = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "response_mask": loss_mask,
-        "rollout_log_probs": logps,
-        "rollout_versions": versions,
-        "rollout_aborted": torch.zeros(B, dtype=torch.bool),  # a failed turn fails its trajectory instead
-    }
+    rows = [
+        RolloutRow(r.prompt, r.response, loss_mask=r.mask, log_probs=r.logprobs, versions=r.versions)
+        for r in specs
+    ]
+    # a failed turn fails its trajectory instead of aborting a row: rollout_aborted is all False
+    batch = build_rollout_batch(rows, pad_token_id=pad_token_id, prompt_length=P, response_length=R)
     sel = [trajectories[r.source] for r in specs]
     missing = sorted({_root_of(t) for t in sel} - set(source_of_root))
     if missing:

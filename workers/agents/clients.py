@@ -10,7 +10,8 @@ Backends (each builds an `EngineLLM`, token-exact and trainable, or a `ChatLLM`,
   ``base_url`` the resource endpoint, ``api_version``) -> `ChatLLM`;
 * ``anthropic``: the Anthropic Messages API through the official ``anthropic`` library -> `ChatLLM`;
 * ``native``: a Hugging Face checkpoint on our ``NativeEngine``, in this process -> `EngineLLM`;
-* ``sglang``: a checkpoint on SGLang's offline engine (``SGLangRollout``) -> `EngineLLM`.
+* ``sglang``: a checkpoint on SGLang's offline engine (``SGLangRollout``) -> `EngineLLM`;
+* any rollout engine's ``"package.module:Class"`` (the same registry as ``rollout.name``: `RolloutEngine.for_inference`).
 
 ``backend_kwargs`` of the HTTP backends: ``model_name`` (required), ``api_key``, ``api_key_env`` (the name of an
 environment variable holding the key), ``base_url``, ``timeout`` (seconds per request), ``max_retries`` (the
@@ -25,7 +26,7 @@ ai-gateway.vercel.sh, ``AZURE_OPENAI_API_KEY`` for hosts under openai.azure.com;
 server, a proxy, a gateway such as Portkey: pass its headers in ``default_headers``) gets no key unless you pass
 one.
 
-``backend_kwargs`` of the engine backends: ``model_name`` (the checkpoint path) and the engine's config fields
+``backend_kwargs`` of the engine backends: ``model_name`` (the checkpoint path) and the engine's ``inference_options()``
 (``EngineConfig`` for native: ``max_num_seqs``, ``max_model_len``, ``device``, ``seed``...; ``SGLangRolloutConfig``
 for sglang: ``device``, ``tp_size``, ``mem_fraction_static``...).
 
@@ -37,7 +38,6 @@ http://127.0.0.1:9/v1: connection failed (Connection refused) after 3 attempts``
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import weakref
 from typing import Any
@@ -45,8 +45,8 @@ from urllib.parse import urlsplit
 
 from workers.agents.llm import ChatLLM, Completion, EngineLLM
 from workers.models import load_tokenizer
-from workers.rollout.native import EngineConfig, NativeEngine
-from workers.rollout.sglang.rollout import SGLangRollout, SGLangRolloutConfig
+from workers.rollout.base import RolloutEngine
+from workers.rollout.registry import ROLLOUT_ENGINES, rollout_engine_class
 
 __all__ = [
     "BACKENDS",
@@ -61,7 +61,7 @@ __all__ = [
     "make_llm",
 ]
 
-BACKENDS = ("openai", "gemini", "vercel", "azure_openai", "anthropic", "native", "sglang")
+BACKENDS = ("openai", "gemini", "vercel", "azure_openai", "anthropic", *ROLLOUT_ENGINES)
 HTTP_KWARGS = (
     "model_name",
     "api_key",
@@ -79,11 +79,14 @@ class LLMClientError(RuntimeError):
 
 
 def make_llm(backend: str, backend_kwargs: dict[str, Any] | None) -> EngineLLM | ChatLLM:
-    """The LLM of ``backend`` (one of `BACKENDS`) built from ``backend_kwargs`` (see the module docstring).
-    Raises ``ValueError`` naming the backend and the offending key."""
+    """The LLM of ``backend`` (one of `BACKENDS`, or a rollout engine's ``"package.module:Class"``) built from
+    ``backend_kwargs`` (see the module docstring). Raises ``ValueError`` naming the backend and the offending
+    key."""
     kwargs = dict(backend_kwargs or {})
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend not in BACKENDS and ":" not in backend:
+        raise ValueError(
+            f"unknown backend {backend!r}; choose one of {list(BACKENDS)} or a rollout engine's 'package.module:Class'"
+        )
     model = kwargs.pop("model_name", None)
     if not model or not isinstance(model, str):
         raise ValueError(
@@ -93,13 +96,10 @@ def make_llm(backend: str, backend_kwargs: dict[str, Any] | None) -> EngineLLM |
         client = _CHAT_CLIENTS[backend]
         _check_keys(backend, kwargs, HTTP_KWARGS + client.extra_kwargs)
         return ChatLLM(client(model, **kwargs), name=model)
-    if backend == "native":
-        _check_keys(backend, kwargs, ("model_name", *(f.name for f in dataclasses.fields(EngineConfig))))
-        engine = NativeEngine.from_pretrained(model, config=EngineConfig(**kwargs))
-        return EngineLLM(engine, engine.tokenizer, name=model)
-    _check_keys(backend, kwargs, tuple(f.name for f in dataclasses.fields(SGLangRolloutConfig)))
-    rollout = SGLangRollout(SGLangRolloutConfig(model_path=model, **kwargs))
-    return EngineLLM(rollout, load_tokenizer(model), name=model)
+    engine_cls = rollout_engine_class(backend)  # a token engine, the same ones rollout.name chooses
+    _check_keys(backend, kwargs, ("model_name", *engine_cls.inference_options()))
+    tokenizer = load_tokenizer(model)
+    return EngineLLM(engine_cls.for_inference(model, tokenizer, **kwargs), tokenizer, name=model)
 
 
 def _check_keys(backend: str, kwargs: dict, allowed: tuple[str, ...]) -> None:
@@ -122,11 +122,16 @@ def engine_loop(llm) -> asyncio.AbstractEventLoop | None:
     """The event loop ``llm``'s engine must be driven on (SGLang's adapter reads its replies on its engine's
     loop), or None where any loop will do."""
     engine = getattr(llm, "engine", None)
-    return engine.engine.loop if isinstance(engine, SGLangRollout) else None
+    return engine.event_loop if isinstance(engine, RolloutEngine) else None
 
 
 # --------------------------------------------------------------------------------------------------
 # HTTP chat clients (official libraries)
+
+
+async def _no_api_key() -> str:
+    """The OpenAI client's key provider for a server that takes no key (the client then sends no header)."""
+    return ""
 
 
 class _HTTPChat:
@@ -254,14 +259,21 @@ class OpenAIChat(_HTTPChat):
     def _new_client(self):
         import openai  # imported on first use, as anthropic: the recipes import this module, few use the backend
 
-        return openai.AsyncOpenAI(
-            # "" (not None): the library would otherwise read OPENAI_API_KEY itself, for any URL; "" sends none
-            api_key=self.api_key or "",
+        options: dict[str, Any] = dict(
             base_url=self.url,
             timeout=self.timeout,
             max_retries=self.max_retries,
             default_headers=self.default_headers or None,
         )
+        try:
+            # "" (not None): the library would otherwise read OPENAI_API_KEY itself, for any URL; "" sends none
+            return openai.AsyncOpenAI(api_key=self.api_key or "", **options)
+        except openai.OpenAIError:
+            if self.api_key:
+                raise
+        # openai 3.5x refuses a client without credentials: a key provider that returns "" builds one, and each
+        # request omits the Authorization header on purpose (__call__)
+        return openai.AsyncOpenAI(api_key=_no_api_key, **options)
 
     async def _create(self, messages, *, n: int, max_tokens, temperature, top_p=1.0, seed=None, stop=None):
         body: dict[str, Any] = {
@@ -280,7 +292,10 @@ class OpenAIChat(_HTTPChat):
         import openai  # see _new_client
 
         try:
-            resp = await self.client().chat.completions.create(**body, extra_body=self.extra_body or None)
+            no_key = None if self.api_key else {"Authorization": openai.Omit()}  # a keyless server: send none
+            resp = await self.client().chat.completions.create(
+                **body, extra_body=self.extra_body or None, extra_headers=no_key
+            )
         except openai.OpenAIError as exc:
             raise self.error(exc, openai) from exc
         if not isinstance(getattr(resp, "choices", None), list) or not resp.choices:

@@ -30,7 +30,7 @@ return different row counts, e.g. with children as rows):
   ``pad_token_id``, ``timing_s/gen`` and ``metrics`` (the loop's, e.g. ``env/*`` or ``tool/*``; step-wise also
   ``env/rows`` and ``env/dropped_turns``, turns whose prefix exceeded ``max_prompt_length``; with children as
   rows ``env/dropped_children``, child trajectories left without a row as they train nothing -- an environment
-  failure, or beyond the length limits, `workers.agents.batch`; rank 0's chunk for a group call, as for
+  failure, or beyond the length limits, `workers.agents.batch`; merged over the ranks for a group call, ``dataproto/metrics_merge.py``, as for
   rollouts).
 
 Tests and benchmarks may pass ``policy_factory(tokenizer) -> GenerateFn`` (a scripted policy) instead of
@@ -57,7 +57,7 @@ from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.event_loop import CallerLoop, LoopThread
 from workers.models import load_tokenizer
 from workers.roles.actor_rollout import ActorRolloutWorker
-from workers.roles.rollout import RolloutWorker, is_sglang, rollout_sampling_meta
+from workers.roles.rollout import RolloutWorker, rollout_sampling_meta
 from workers.sandbox import ReplSandbox
 
 __all__ = ["ActorRolloutEnvWorker", "EnvWorker", "EnvWorkerMixin", "env_role_classes", "query_of"]
@@ -131,8 +131,9 @@ class EnvWorkerMixin:
     def _event_loop(self) -> LoopThread | CallerLoop:
         if self._env_loop is None:
             engine = self._env_engine()
-            if engine is not None and is_sglang(engine):
-                self._env_loop = CallerLoop(engine.engine.loop)
+            loop = engine.event_loop if engine is not None else None
+            if loop is not None:  # the engine reads its replies on its own loop: the agents run there
+                self._env_loop = CallerLoop(loop)
             else:
                 self._env_loop = LoopThread(name=f"{self.env_config.loop}-env-{self.rank}")
         return self._env_loop

@@ -2,7 +2,7 @@
 
 `ActorRolloutWorker(model, actor, rollout)` is an `ActorWorker` (FSDP2 training engine: log-probs, PPO
 updates, SFT steps, checkpoints) that also holds a full rollout replica on the same device: the native
-engine by default, `SGLangRollout` when ``rollout.name == "sglang"``. The two time-share the device:
+engine by default, or the one ``rollout.name`` names (`workers.rollout.registry`). The two time-share the device:
 
     init_model          build both; the trainer is then offloaded until its first use
     generate_sequences  offload the trainer (if resident), resume the rollout KV cache, generate,
@@ -58,13 +58,9 @@ from controller import (
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.roles.actor import ActorWorker
-from workers.roles.rollout import (
-    RolloutEngineMixin,
-    load_weights_into,
-    rollout_device,
-    run_rollout,
-)
+from workers.roles.rollout import RolloutEngineMixin, run_rollout
 from workers.roles.sync_member import WeightSyncMember
+from workers.rollout.registry import rollout_engine_class
 from workers.weight_sync import (
     DEFAULT_GROUP_NAME,
     bucket_mb_to_bytes,
@@ -94,10 +90,11 @@ def rollout_tp_size(actor: ActorConfig, rollout: RolloutConfig, tag: str) -> int
             f"actor.megatron.tensor_model_parallel_size={tp} (a generation shard is a union of whole training "
             "shards)"
         )
-    if rollout.name != "native":
+    if not rollout_engine_class(rollout.name).accepts_tp_group:
         raise ValueError(
-            f"{tag}: rollout.tensor_model_parallel_size={tp_g} is for the native engine (rollout.name=native); "
-            f"got rollout.name={rollout.name!r} (SGLang: rollout.tensor_parallel_size)"
+            f"{tag}: rollout.tensor_model_parallel_size={tp_g} is for the native engine or another that can be a "
+            f"tensor-parallel replica on the trainer's ranks; got rollout.name={rollout.name!r} (SGLang: "
+            "rollout.tensor_parallel_size)"
         )
     return tp_g
 
@@ -286,7 +283,7 @@ class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
             )
         return self._load_rollout_weights(
             "sync_weights",
-            lambda trainer, engine: self.hf_weight_stream(device=rollout_device(engine)),
+            lambda trainer, engine: self.hf_weight_stream(device=engine.device),
             version,
         )
 
@@ -325,7 +322,7 @@ class ActorRolloutWorker(RolloutEngineMixin, WeightSenderMixin, ActorWorker):
         stats = {"tensors": 0, "bytes": 0}
         stream = _counted(stream_of(trainer, engine), stats)
         try:
-            load_weights_into(engine, stream, version=version)
+            engine.update_weights(stream, version=version)
         finally:
             for _ in stream:  # a failed load must not leave the other ranks waiting in a collective
                 pass

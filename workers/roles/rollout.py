@@ -1,15 +1,16 @@
 """Rollout on its own resource pool (disaggregated placement), and what every rollout role shares.
 
-* `RolloutWorker(model, rollout)`: one full rollout replica per rank (native engine, or SGLang when
-  ``rollout.name == "sglang"``), no training engine. ``generate_sequences`` has the same contract as
+* `RolloutWorker(model, rollout)`: one full rollout replica per rank (the engine ``rollout.name`` names:
+  `workers.rollout.registry`), no training engine. ``generate_sequences`` has the same contract as
   `workers.roles.actor_rollout.ActorRolloutWorker.generate_sequences` (``Dispatch.DP_SPLIT_PROTO``: one
   unpadded chunk of prompts per rank, since every prompt comes back ``n`` times); new weights arrive over a
   weight-sync process group (`workers.weight_sync.sync_group`) that it joins with ``init_weight_sync`` and
   reads with ``receive_weights``, driven from the controller by `workers.weight_sync.WeightSync`.
 * Shared by both rollout roles: `RolloutEngineMixin` (the rank's engine, built from the config),
-  `build_rollout_engine`, `rollout_sampling_meta` (RolloutConfig defaults, validation settings),
-  `run_rollout` (memory resume/release around a generation, placeholder rows of the split dispatch dropped,
-  timings, token counts) and `load_weights_into` (either engine).
+  `rollout_sampling_meta` (RolloutConfig defaults, validation settings), `run_rollout` (memory
+  resume/release around a generation, placeholder rows of the split dispatch dropped, timings, token counts)
+  and `on_engine_device`. Engines are used only through `workers.rollout.base.RolloutEngine`: what differs
+  between them is what they declare (``swaps_weights_mid_generation``, ``device``, ...), never their class.
 """
 
 from __future__ import annotations
@@ -24,14 +25,10 @@ from controller import PAD_ROWS_KEY, Dispatch, Worker, register
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.device_memory import PeakDeviceMemory
-from workers.engine.distributed import default_device
-from workers.models import load_config, load_model, load_tokenizer, pad_token_id_of, resolve_dtype
-from workers.models.loading import build_on_meta, can_build_on_meta
-from workers.models.meta_init import full_tensors, use_placeholders
+from workers.models import load_tokenizer
 from workers.roles.sync_member import WeightSyncMember
-from workers.rollout.native import EngineConfig, NativeEngine
-from workers.rollout.sampling import SamplingParams
-from workers.rollout.sglang import SGLangRollout, SGLangRolloutConfig
+from workers.rollout.base import RolloutEngine
+from workers.rollout.registry import build_rollout_engine
 from workers.weight_sync import DEFAULT_GROUP_NAME, stream_metrics
 
 logger = logging.getLogger(__name__)
@@ -39,80 +36,6 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------------------------
 # Engines and generation
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def build_rollout_engine(
-    model: ModelConfig, rollout: RolloutConfig, tokenizer, *, rank: int = 0, tp_group=None
-):
-    """The rollout engine of one rank, loaded from ``model.path`` (a random-init directory: its seeded weights): `NativeEngine` (``rollout.name ==
-    "native"``) or `SGLangRollout` (``"sglang"``). Pad/EOS ids come from the tokenizer (and the model's
-    generation config for EOS); responses are padded to ``rollout.response_length``; sampling streams are
-    seeded from ``(rollout.seed, rank)`` so data-parallel ranks draw different samples. ``tp_group``: the
-    torch.distributed group of this rank's tensor-parallel native replica (None: a full replica)."""
-    seed = rollout.seed * 1_000_003 + rank
-    if rollout.name == "native":
-        hf_config = load_config(model.path, trust_remote_code=model.trust_remote_code)
-        max_len = rollout.prompt_length + rollout.response_length
-        max_pos = getattr(hf_config, "max_position_embeddings", None)
-        if max_pos:
-            max_len = min(max_len, int(max_pos))
-        cfg = EngineConfig(
-            max_num_seqs=rollout.max_num_seqs,
-            max_model_len=max_len,
-            dtype=resolve_dtype(rollout_dtype(model, rollout)),
-            device=str(default_device()),
-            pad_token_id=pad_token_id_of(tokenizer, hf_config),
-            response_length=rollout.response_length,
-            seed=seed,
-        )
-        load = dict(dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code)
-        if not can_build_on_meta(model.path):
-            return NativeEngine(load_model(model.path, **load), tokenizer, cfg, tp_group=tp_group)
-        # One copy of the weights, the engine's: its layout is made from a model without weights, then the
-        # weights are read in one tensor at a time (a random-init directory: the trainer's seeded weights).
-        hf_model, source = build_on_meta(model.path, **load)
-        engine = NativeEngine(use_placeholders(hf_model), tokenizer, cfg, tp_group=tp_group)
-        engine.update_weights(full_tensors(hf_model, source))
-        return engine
-    if rollout.name == "sglang":
-        if tp_group is not None:
-            raise ValueError("rollout.name='sglang' takes no tp_group (SGLang: rollout.tensor_parallel_size)")
-        device = default_device().type  # "cuda", or "cpu": SGLang's CPU engine (tests, CI)
-        engine_kwargs = {"max_running_requests": rollout.max_num_seqs}
-        if device == "cpu":  # no GPU memory to size the KV cache from: room for max_num_seqs whole sequences
-            max_tokens = rollout.max_num_seqs * (rollout.prompt_length + rollout.response_length)
-            engine_kwargs |= {"max_total_tokens": max_tokens, "chunked_prefill_size": min(max_tokens, 2048)}
-            engine_kwargs["sleep_on_idle"] = True  # an idle scheduler otherwise busy-polls a core
-        cfg = SGLangRolloutConfig(
-            model_path=model.path,
-            device=device,
-            tp_size=rollout.tensor_parallel_size,
-            mem_fraction_static=rollout.gpu_memory_utilization,
-            dtype=rollout_dtype(model, rollout),
-            seed=seed,
-            bucket_mb=rollout.weight_bucket_mb,
-            trust_remote_code=model.trust_remote_code,
-            response_length=rollout.response_length,
-            pad_token_id=pad_token_id_of(tokenizer),
-            sampling=SamplingParams(
-                max_new_tokens=rollout.response_length,
-                temperature=rollout.temperature,
-                top_p=rollout.top_p,
-                top_k=rollout.top_k,
-            ),
-            engine_kwargs=engine_kwargs,
-        )
-        return SGLangRollout(cfg)
-    raise ValueError(f"rollout.name must be 'native' or 'sglang', got {rollout.name!r}")
-
-
-def rollout_dtype(model: ModelConfig, rollout: RolloutConfig) -> str:
-    """The name of the rollout engine's weight and KV-cache dtype: ``rollout.dtype``, where ``auto`` is bfloat16
-    on CUDA (what every peer samples in: half the weight and KV bytes that decode streams) and the training dtype
-    (``model.dtype``) on CPU, where bfloat16 matmuls are slower than float32 ones."""
-    if rollout.dtype != "auto":
-        return rollout.dtype
-    return "bfloat16" if default_device().type == "cuda" else model.dtype
 
 
 def rollout_sampling_meta(rollout: RolloutConfig, meta: dict) -> dict:
@@ -148,7 +71,7 @@ def run_rollout(engine, data: DataProto, rollout: RolloutConfig, *, tag: str) ->
     (``temperature`` is the one ``rollout_log_probs`` were computed at: 1.0 for greedy) + ``eos_token_id``,
     ``pad_token_id``, ``timing_s/gen`` (this rank, memory resume/release included),
     ``rollout/generated_tokens``, ``rollout/prompt_tokens``, ``rollout/num_sequences``,
-    ``rollout/tokens_per_s`` (this rank's chunk; a group call reports rank 0's), and on CUDA the generation's
+    ``rollout/tokens_per_s`` (this rank's chunk; a group call merges them over the ranks: ``dataproto/metrics_merge.py``), and on CUDA the generation's
     peak device memory (``perf/max_memory_allocated_gib/gen``, ``perf/max_memory_reserved_gib/gen``)."""
     t0 = time.perf_counter()
     if not isinstance(data, DataProto):
@@ -203,29 +126,10 @@ def run_rollout(engine, data: DataProto, rollout: RolloutConfig, *, tag: str) ->
     return out
 
 
-def is_sglang(engine) -> bool:
-    return type(engine).__name__ == "SGLangRollout"
-
-
-def rollout_device(engine):
-    """The torch device an engine's weights live on (SGLang: this process's current GPU, or the CPU)."""
-    if not is_sglang(engine):
-        return engine.model.device
-    if engine.config.device == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def load_weights_into(engine, named_tensors, flush_cache: bool = True, version: int | None = None) -> None:
-    """``engine.update_weights`` for either engine (SGLang: tensors moved to its device, prefix cache flushed
-    only when ``flush_cache``); ``version`` (the trainer's update count) becomes the engine's
-    ``weight_version`` once the tensors are in."""
-    if is_sglang(engine):
-        device = rollout_device(engine)
-        named = ((n, t.to(device)) for n, t in named_tensors)
-        engine.update_weights(named, flush_cache=flush_cache, version=version)
-    else:
-        engine.update_weights(named_tensors, version=version)
+def on_engine_device(engine: RolloutEngine, named_tensors):
+    """``(name, tensor)`` pairs moved to the engine's device, as ``update_weights`` takes them."""
+    device = engine.device
+    return ((n, t.to(device)) for n, t in named_tensors)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,9 +141,9 @@ class RolloutEngineMixin:
     """The rollout engine of one rank (``self.rollout_engine``), for a worker with ``model_config``,
     ``rollout_config``, ``tokenizer``, ``rank`` and ``tag``."""
 
-    rollout_engine = None
+    rollout_engine: RolloutEngine | None = None
 
-    def _require_rollout(self, method: str):
+    def _require_rollout(self, method: str) -> RolloutEngine:
         if self.rollout_engine is None:
             raise RuntimeError(f"{self.tag}: {method} called before init_model()")
         return self.rollout_engine
@@ -255,10 +159,9 @@ class RolloutEngineMixin:
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_named_weights(self, names: list[str] | None = None) -> dict:
-        """This rank's rollout replica's weights (CPU copies), for tests and debugging; native engine only."""
+        """This rank's rollout replica's weights (CPU copies), for tests and debugging (engines that expose
+        them: `RolloutEngine.named_weights`)."""
         engine = self._require_rollout("rollout_named_weights")
-        if is_sglang(engine):
-            raise NotImplementedError(f"{self.tag}: rollout_named_weights reads the native engine's store")
         return {n: t.detach().cpu().clone() for n, t in engine.named_weights() if names is None or n in names}
 
 
@@ -266,10 +169,11 @@ class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
     """A rollout replica per rank on its own resource pool; receives weights from the trainer's rank 0.
 
     ``concurrent`` (asynchronous RL; the actor then runs with Ray ``max_concurrency`` > 1): weights and
-    aborts may arrive while a generation runs. The native engine receives the whole stream into a staging
-    copy and swaps it in between two decode steps (generation pauses only for the copy; tokens after the swap
-    record the new version, or the requests that started on the old weights are aborted at the swap);
-    SGLang's weights change only between calls, so its receive waits for the running generation to finish."""
+    aborts may arrive while a generation runs. An engine that ``swaps_weights_mid_generation`` (native)
+    receives the whole stream into a staging copy and swaps it in between two decode steps (generation pauses
+    only for the copy; tokens after the swap record the new version, or the requests that started on the old
+    weights are aborted at the swap); for any other (SGLang) weights change only between calls, so its receive
+    waits for the running generation to finish."""
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, concurrent: bool = False):
         self.model_config = model
@@ -298,7 +202,7 @@ class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
         self, group_name: str = DEFAULT_GROUP_NAME, version: int | None = None, abort_running: bool = False
     ) -> dict:
         """Receive one full weight stream from the trainer into this rank's engine, as policy ``version``;
-        ``abort_running`` (concurrent, native engine): the requests that started on the old weights are
+        ``abort_running`` (concurrent, an engine that swaps weights mid-generation): the requests that started on the old weights are
         aborted at the swap (flagged in ``rollout_aborted``) instead of going on with the new ones. Returns
         this rank's metrics (``timing_s/update_weights``, ``perf/weight_sync_bytes``, bucket/tensor counts,
         ``weight_sync/swap_s``: how long generation was held for the weights to change,
@@ -306,36 +210,33 @@ class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
         t0 = time.perf_counter()
         engine = self._require_rollout("receive_weights")
         group = self.weight_sync_groups.require(group_name, f"{self.tag}: receive_weights")
-        if abort_running and (not self.concurrent or is_sglang(engine)):
+        swap_mid_generation = self.concurrent and engine.swaps_weights_mid_generation
+        if abort_running and not swap_mid_generation:
             raise ValueError(
-                f"{self.tag}: abort_running needs a concurrent rollout worker with the native engine "
-                f"(concurrent={self.concurrent}, engine {type(engine).__name__})"
+                f"{self.tag}: abort_running needs a concurrent rollout worker whose engine swaps weights "
+                f"mid-generation (concurrent={self.concurrent}, {type(engine).__name__}."
+                f"swaps_weights_mid_generation={engine.swaps_weights_mid_generation})"
             )
         aborted = 0
-        if not self.concurrent:
-            engine.resume_memory(kv_cache=False)
-            stats = group.receive(lambda named: load_weights_into(engine, named, flush_cache=False))
-            if is_sglang(engine) and stats["buckets"]:
-                engine.flush_cache()
-            if version is not None:
-                engine.weight_version = int(version)
-            swap_s = stats["apply_s"]
-        elif is_sglang(engine):  # weights change between calls only: after the running generation
-            with self._generating:
-                engine.resume_memory(kv_cache=False)
-                stats = group.receive(lambda named: load_weights_into(engine, named, flush_cache=False))
-                t_swap = time.perf_counter()
-                engine.flush_cache()
-                if version is not None:
-                    engine.weight_version = int(version)
-                swap_s = stats["apply_s"] + time.perf_counter() - t_swap
-        else:
+        if swap_mid_generation:
             staged: list[tuple[str, torch.Tensor]] = []  # bucket views are reused: keep copies
             stats = group.receive(lambda named: staged.extend((n, t.clone()) for n, t in named))
             t_swap = time.perf_counter()
             # one swap, between two decode steps
             aborted = engine.update_weights(staged, version=version, abort_running=abort_running)
             swap_s = time.perf_counter() - t_swap
+        else:  # weights change between calls only: after the running generation, if any
+            with self._generating:
+                engine.resume_memory(kv_cache=False)
+                stats = group.receive(
+                    lambda named: engine.update_weights(on_engine_device(engine, named), flush_cache=False)
+                )
+                t_swap = time.perf_counter()
+                if stats["buckets"]:
+                    engine.flush_cache()
+                if version is not None:
+                    engine.weight_version = int(version)
+                swap_s = stats["apply_s"] + time.perf_counter() - t_swap
         self.sync_count += 1
         return stream_metrics(stats, time.perf_counter() - t0) | {
             "weight_sync/apply_s": stats["apply_s"],
@@ -348,10 +249,7 @@ class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
 __all__: list[str] = [
     "RolloutEngineMixin",
     "RolloutWorker",
-    "build_rollout_engine",
-    "is_sglang",
-    "load_weights_into",
-    "rollout_device",
+    "on_engine_device",
     "rollout_sampling_meta",
     "run_rollout",
 ]

@@ -121,7 +121,7 @@ def test_rollout_dtype_auto_keeps_the_training_dtype_on_cpu_and_a_named_dtype_wi
     """``rollout.dtype``: auto is the model's dtype on the CPU (bf16 on CUDA: the GPU check's grpo_step); a named
     dtype builds the engine's weights in it, rounded from the same directory; a bad name is refused by name."""
     from workers.models import resolve_dtype
-    from workers.roles.rollout import rollout_dtype
+    from workers.rollout.base import rollout_dtype
 
     model = ModelConfig(path=dirs["random"])
     assert resolve_dtype(rollout_dtype(model, RolloutConfig())) == torch.float32

@@ -15,16 +15,16 @@ import uuid
 import pytest
 import torch
 
+from workers.rollout.batch import build_rollout_batch as build_rows
+from workers.rollout.batch import prompt_id_lists, rows_from_outputs
 from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta
 from workers.rollout.sglang import (
     SGLangRollout,
     SGLangRolloutConfig,
-    build_rollout_batch,
     config_from_dict,
     expand_requests,
     output_to_generation,
     parse_finish_reason,
-    prompt_id_lists,
     to_sglang_sampling_params,
 )
 
@@ -173,6 +173,13 @@ def test_build_rollout_batch_layout():
         GenerationOutput([40, 41, 42, 43], [-1.0, -1.0, -1.0, -1.0], "length"),
         GenerationOutput([], [], "abort"),
     ]
+
+    def build_rollout_batch(prompts, mask, outputs, pad_token_id, response_length=None):  # the one builder
+        rows = rows_from_outputs(prompt_id_lists(prompts, mask), outputs)
+        return build_rows(
+            rows, pad_token_id=pad_token_id, prompt_length=prompts.shape[1], response_length=response_length
+        )
+
     t = build_rollout_batch(prompts, mask, outputs, pad_token_id=PAD, response_length=4)
     assert t["responses"].tolist() == [[30, 31, EOS, PAD], [40, 41, 42, 43], [PAD] * 4]
     assert t["responses"].dtype == torch.int64 and t["response_mask"].dtype == torch.float32

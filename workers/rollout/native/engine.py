@@ -31,6 +31,7 @@ ranks accept those, which keeps their scheduling (stops, lengths, slots) identic
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import threading
@@ -43,8 +44,11 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from dataproto import DataProto
-from workers.rollout.base import RolloutEngine
+from workers.models import load_config, load_model, pad_token_id_of, resolve_dtype
+from workers.models.loading import build_on_meta, can_build_on_meta
+from workers.models.meta_init import full_tensors, use_placeholders
+from workers.rollout.base import RolloutEngine, rollout_dtype, rollout_seed
+from workers.rollout.batch import prompt_rows, rollout_dataproto
 from workers.rollout.native.model import NativeCausalLM
 from workers.rollout.native.sampler import BatchSampler
 from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta, token_id_list
@@ -111,7 +115,7 @@ class Request:
         self.text: str | None = None
         self.slot = -1
         self.seq_len = 0  # positions of this request held in its KV slot
-        self.future = None
+        self.future: asyncio.Future[GenerationOutput] | None = None  # set for an asyncio caller (generate)
         self.aborted = False
         self.text_len = 0
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
@@ -137,6 +141,9 @@ class NativeEngine(RolloutEngine):
     used for generation and may be freed). ``tokenizer``: any Hugging Face tokenizer, needed only for stop
     strings, output text and default EOS/pad ids.
     """
+
+    swaps_weights_mid_generation = True  # update_weights lands between two scheduler steps
+    accepts_tp_group = True
 
     def __init__(
         self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, tp_group=None
@@ -178,7 +185,7 @@ class NativeEngine(RolloutEngine):
         self._model_lock = threading.RLock()  # one step / weight update / memory change at a time
         self._decode_sampler: BatchSampler | None = None
         self._driver: asyncio.Task | None = None
-        self._driver_loop = None
+        self._driver_loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: set[Request] = set()  # async requests whose callers still wait
         self._missing_weights: set[str] = set()  # HF names still to be loaded after resume_memory
@@ -212,6 +219,50 @@ class NativeEngine(RolloutEngine):
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, config, tp_group=tp_group)
+
+    @classmethod
+    def from_config(cls, model, rollout, tokenizer, *, rank: int = 0, tp_group=None) -> NativeEngine:
+        """The engine of one rank (`RolloutEngine.from_config`): ``max_num_seqs`` slots of
+        ``prompt_length + response_length`` tokens (at most the model's positions), ``rollout_dtype``, pad id
+        from the tokenizer. A directory that can be built on the meta device keeps one copy of the weights,
+        the engine's: its layout is made from a model without weights, then the weights are read in one tensor
+        at a time (a random-init directory: the trainer's seeded weights)."""
+        from workers.engine.distributed import default_device  # the training package: imported only here
+
+        hf_config = load_config(model.path, trust_remote_code=model.trust_remote_code)
+        max_len = rollout.prompt_length + rollout.response_length
+        max_pos = getattr(hf_config, "max_position_embeddings", None)
+        if max_pos:
+            max_len = min(max_len, int(max_pos))
+        cfg = EngineConfig(
+            max_num_seqs=rollout.max_num_seqs,
+            max_model_len=max_len,
+            dtype=resolve_dtype(rollout_dtype(model, rollout)),
+            device=str(default_device()),
+            pad_token_id=pad_token_id_of(tokenizer, hf_config),
+            response_length=rollout.response_length,
+            seed=rollout_seed(rollout, rank),
+        )
+        load = dict(dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code)
+        if not can_build_on_meta(model.path):
+            return cls(load_model(model.path, **load), tokenizer, cfg, tp_group=tp_group)
+        hf_model, source = build_on_meta(model.path, **load)
+        engine = cls(use_placeholders(hf_model), tokenizer, cfg, tp_group=tp_group)
+        engine.update_weights(full_tensors(hf_model, source))
+        return engine
+
+    @classmethod
+    def inference_options(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+    @classmethod
+    def for_inference(cls, model_path: str, tokenizer, **options) -> NativeEngine:
+        """``from_pretrained`` with ``EngineConfig(**options)``."""
+        return cls.from_pretrained(model_path, tokenizer, EngineConfig(**options))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     # ---- requests ------------------------------------------------------------------------------------
 
@@ -301,7 +352,7 @@ class NativeEngine(RolloutEngine):
     def _drop_aborted(self, finished: list[Request]) -> None:
         if any(r.aborted for r in self._waiting):
             with self._queue_lock:
-                kept = deque()
+                kept: deque[Request] = deque()
                 for r in self._waiting:
                     if r.aborted:
                         r.finish_reason = "abort"
@@ -466,15 +517,16 @@ class NativeEngine(RolloutEngine):
         params = sampling_params or self.config.sampling
         loop = asyncio.get_running_loop()
         reqs = [self._new_request(prompt_ids, params, i) for i in range(params.n)]
-        for r in reqs:
-            r.future = loop.create_future()
+        futures = [loop.create_future() for _ in reqs]
+        for r, future in zip(reqs, futures):
+            r.future = future
         self._inflight.update(reqs)
         self._enqueue(reqs)
         if self._driver is None or self._driver.done() or self._driver_loop is not loop:
             self._driver_loop = loop
             self._driver = loop.create_task(self._drive())
         try:
-            outs = [await r.future for r in reqs]
+            outs = [await future for future in futures]
         except asyncio.CancelledError:
             for r in reqs:
                 r.aborted = True
@@ -534,69 +586,23 @@ class NativeEngine(RolloutEngine):
         Returns a DataProto with ``prompts``, ``responses`` (right-padded with the pad id),
         ``input_ids``, ``attention_mask``, ``position_ids`` (``clamp(cumsum(mask) - 1, 0)``),
         ``response_mask`` (float32, 1 through the EOS/stop token), ``rollout_log_probs`` (float32, 0 on
-        padding), the input's other tensors and non-tensor columns, and ``meta_info`` = input meta +
+        padding; absent when ``logprobs`` is off), built by `rollout_dataproto`, the input's other tensors and non-tensor columns, and ``meta_info`` = input meta +
         ``eos_token_id``, ``pad_token_id``, ``timing_s/gen`` and ``rollout/*`` counters.
         """
         t0 = time.perf_counter()
         meta = dict(prompts.meta_info)
         params, response_length = self.sampling_from_meta(meta)
         pad = int(meta.get("pad_token_id", self.pad_token_id))
-        key = "input_ids" if "input_ids" in prompts.batch else "prompts"
-        if key not in prompts.batch:
-            raise KeyError(
-                f"generate_sequences needs batch['input_ids'] or batch['prompts'], got {sorted(prompts.batch)}"
-            )
-        prompt_ids = prompts.batch[key]
-        mask = prompts.batch.get("attention_mask")
-        mask = (prompt_ids != pad).long() if mask is None else mask[:, : prompt_ids.shape[1]]
-        n = params.n
-        source = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
-        prompt_ids, mask = prompt_ids[source.to(prompt_ids.device)], mask[source.to(mask.device)]
-        B = prompt_ids.shape[0]
-        ids_cpu, mask_cpu = prompt_ids.cpu(), mask.cpu().bool()
-        rows = [ids_cpu[i][mask_cpu[i]].tolist() for i in range(B)]
+        source = [i for i in range(len(prompts)) for _ in range(params.n)]
+        prompt_of = prompt_rows(prompts, pad)
+        rows = [prompt_of[i] for i in source]
         row_params = [
-            replace(params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(B)
+            replace(params, n=1, seed=None if params.seed is None else params.seed + j)
+            for j in range(len(rows))
         ]
         steps0 = self.stats["decode_steps"]
         outs = [group[0] for group in self.generate_batch(rows, row_params)]
-
-        longest = max(len(o.token_ids) for o in outs)
-        R = response_length if response_length is not None else longest
-        responses = torch.full((B, R), pad, dtype=torch.long)
-        resp_mask = torch.zeros(B, R, dtype=torch.long)
-        logps = torch.zeros(B, R, dtype=torch.float32)
-        versions = torch.zeros(B, R, dtype=torch.long)
-        for i, o in enumerate(outs):
-            k = len(o.token_ids)
-            responses[i, :k] = torch.tensor(o.token_ids, dtype=torch.long)
-            resp_mask[i, :k] = 1
-            if o.log_probs is not None:
-                logps[i, :k] = torch.tensor(o.log_probs, dtype=torch.float32)
-            versions[i, :k] = torch.tensor(o.versions or [], dtype=torch.long)
-        aborted = torch.tensor([o.finish_reason == "abort" for o in outs], dtype=torch.bool)
-        device = prompt_ids.device
-        responses, resp_mask, logps = responses.to(device), resp_mask.to(device), logps.to(device)
-        attention_mask = torch.cat([mask.long(), resp_mask], dim=1)
-        batch = {
-            k: v[source.to(v.device)]
-            for k, v in prompts.batch.items()
-            if k not in ("prompts", "input_ids", "attention_mask", "position_ids")
-        }
-        batch.update(
-            prompts=prompt_ids.long(),
-            responses=responses,
-            input_ids=torch.cat([prompt_ids.long(), responses], dim=1),
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-            response_mask=resp_mask.float(),
-            rollout_log_probs=logps,
-            rollout_versions=versions.to(device),
-            rollout_aborted=aborted.to(device),
-        )
-        np_source = source.numpy()
-        non_tensor = {k: v[np_source] for k, v in prompts.non_tensor_batch.items()}
-        generated = int(resp_mask.sum())
+        generated = sum(len(o.token_ids) for o in outs)
         elapsed = time.perf_counter() - t0
         meta.update(
             {
@@ -608,7 +614,9 @@ class NativeEngine(RolloutEngine):
                 "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             }
         )
-        return DataProto.from_dict(batch, non_tensor, meta)
+        return rollout_dataproto(
+            prompts, source, rows, outs, pad_token_id=pad, response_length=response_length, meta=meta
+        )
 
     # ---- memory and weights --------------------------------------------------------------------------
 
@@ -647,7 +655,9 @@ class NativeEngine(RolloutEngine):
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
         version: int | None = None,
+        flush_cache: bool = True,  # nothing to flush: no prefix cache outlives a request
         abort_running: bool = False,
     ) -> int:
         """Copy ``(name, tensor)`` pairs (Hugging Face parameter names) into the engine's weights in place,

@@ -37,6 +37,7 @@ The per-rank slices are exactly ``workers/weight_sync/reshard_plan.py``'s genera
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,9 @@ import torch.nn.functional as F
 
 from workers.models.shape import DecoderShape
 from workers.models.tp_split import LAYER_TP_SPLIT
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -71,7 +75,7 @@ class ModelSpec(DecoderShape):
 
 def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
     """Read a ModelSpec off a Hugging Face ``*ForCausalLM``; raise for what this forward does not implement."""
-    cfg = model.config
+    cfg = cast("PretrainedConfig", model.config)
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(
             f"native engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
@@ -85,18 +89,19 @@ def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
         raise NotImplementedError(
             f"sliding-window attention (window {window}) shorter than max_model_len {max_model_len}"
         )
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    # get_submodule: the HF decoder's submodules typed as modules (attribute access types them Tensor | Module)
+    rope_type = getattr(model.get_submodule("model.rotary_emb"), "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         raise NotImplementedError(f"RoPE type {rope_type!r} depends on the sequence length")
-    layer0 = model.model.layers[0]
-    attn, mlp = layer0.self_attn, layer0.mlp
+    layer0 = model.get_submodule("model.layers.0")
+    attn, mlp = layer0.get_submodule("self_attn"), layer0.get_submodule("mlp")
     return ModelSpec(
         **DecoderShape.sizes_from_hf_config(cfg),
         model_type=cfg.model_type,
         hidden_act=cfg.hidden_act,
-        qkv_bias=attn.q_proj.bias is not None,
-        o_bias=attn.o_proj.bias is not None,
-        mlp_bias=mlp.gate_proj.bias is not None,
+        qkv_bias=attn.get_submodule("q_proj").bias is not None,
+        o_bias=attn.get_submodule("o_proj").bias is not None,
+        mlp_bias=mlp.get_submodule("gate_proj").bias is not None,
         qk_norm=hasattr(attn, "q_norm"),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
@@ -350,9 +355,10 @@ class NativeCausalLM:
         self._bind()
         # cos/sin for every position, from the model's own rotary module (same values HF computes per call).
         with torch.no_grad():
-            rotary = hf_model.model.rotary_emb
-            pos = torch.arange(max_model_len, device=rotary.inv_freq.device)[None]
-            probe = torch.empty(0, dtype=self.dtype, device=rotary.inv_freq.device)
+            rotary = hf_model.get_submodule("model.rotary_emb")
+            inv_freq = cast(torch.Tensor, rotary.inv_freq)
+            pos = torch.arange(max_model_len, device=inv_freq.device)[None]
+            probe = torch.empty(0, dtype=self.dtype, device=inv_freq.device)
             cos, sin = rotary(probe, pos)
         half = self.spec.head_dim // 2
         self.cos = cos[0].to(self.device)
@@ -365,9 +371,10 @@ class NativeCausalLM:
     def _bind(self) -> None:
         t = self.store.tensors
         self.layers = [_Layer(t, i) for i in range(self.spec.num_layers)]
-        self.embed = t["embed"]
-        self.norm = t["norm"]
-        self.lm_head = t["embed"] if self.spec.tie_word_embeddings else t["lm_head"]
+        # None while the weights are released (free_weights)
+        self.embed: torch.Tensor | None = t["embed"]
+        self.norm: torch.Tensor | None = t["norm"]
+        self.lm_head: torch.Tensor | None = t["embed"] if self.spec.tie_word_embeddings else t["lm_head"]
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """The unsharded HF shape of parameter ``name``."""
@@ -437,10 +444,16 @@ class NativeCausalLM:
             2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=self.dtype).element_size()
         )
 
+    def _kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value caches, which a forward pass or a slot move needs allocated (allocate_kv)."""
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        return self.k_cache, self.v_cache
+
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cache positions of slot ``src`` into slot ``dst`` (all layers)."""
-        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
-        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
+        k_cache, v_cache = self._kv_cache()
+        k_cache[:, dst, :, :length] = k_cache[:, src, :, :length]
+        v_cache[:, dst, :, :length] = v_cache[:, src, :, :length]
 
     # ---- forward passes ------------------------------------------------------------------------------
 
@@ -489,6 +502,7 @@ class NativeCausalLM:
         return h + self._row_parallel(act, layer.down_w, layer.down_b)
 
     def _logits(self, h):
+        assert self.lm_head is not None, "weights released"
         return F.linear(self._norm(h, self.norm, self.spec.rms_norm_eps), self.lm_head).float()
 
     def prefill(self, prompts: list[list[int]], slot_start: int) -> torch.Tensor:
@@ -529,17 +543,19 @@ class NativeCausalLM:
             + pos[:, None]
         ).reshape(-1)
         gqa = s.num_kv_heads != s.num_heads
+        k_cache, v_cache = self._kv_cache()
+        assert self.embed is not None, "weights released"
         h = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self._layer_qkv(h, layer, cos, sin_signed)
-            self.k_cache[li].view(-1, hd).index_copy_(0, cache_rows, k.reshape(-1, hd))
-            self.v_cache[li].view(-1, hd).index_copy_(0, cache_rows, v.reshape(-1, hd))
+            k_cache[li].view(-1, hd).index_copy_(0, cache_rows, k.reshape(-1, hd))
+            v_cache[li].view(-1, hd).index_copy_(0, cache_rows, v.reshape(-1, hd))
             parts = []
             for a, e, t, ta, tb, padded in spans:
                 q_pad = q.new_zeros((e - a) * t, s.num_heads, hd).index_copy_(0, padded, q[ta:tb])
                 q_pad = q_pad.view(e - a, t, s.num_heads, hd).transpose(1, 2)
-                keys = self.k_cache[li, slot_start + a : slot_start + e, :, :t]
-                values = self.v_cache[li, slot_start + a : slot_start + e, :, :t]
+                keys = k_cache[li, slot_start + a : slot_start + e, :, :t]
+                values = v_cache[li, slot_start + a : slot_start + e, :, :t]
                 attn = F.scaled_dot_product_attention(
                     q_pad, keys, values, is_causal=True, scale=hd**-0.5, enable_gqa=gqa
                 )
@@ -601,10 +617,12 @@ class NativeCausalLM:
             + pos[:, None]
         ).reshape(-1)
         scale = hd**-0.5
+        k_cache, v_cache = self._kv_cache()
+        assert self.embed is not None, "weights released"
         h = F.embedding(tokens_t, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self._layer_qkv(h, layer, cos, sin_signed)
-            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc, vc = k_cache[li], v_cache[li]
             kc.view(-1, hd).index_copy_(0, cache_rows, k.reshape(B * nkv, hd))
             vc.view(-1, hd).index_copy_(0, cache_rows, v.reshape(B * nkv, hd))
             q = q.reshape(B * nkv, g, hd)

@@ -66,6 +66,7 @@ class BatchSampler:
         """``logits [B, V]`` float32 -> (tokens [B] int64, log-probs [B] float32)."""
         if self.all_greedy:
             return greedy_sample(logits)
+        assert uniforms is not None, "a batch with sampled rows needs one uniform number per row"
         logp = torch.log_softmax(logits / self.temps, dim=-1)  # greedy rows: temperature 1
         probs = logp.exp()
         vocab = probs.shape[-1]
@@ -82,7 +83,7 @@ class BatchSampler:
         cdf = probs.cumsum(dim=-1)
         u = torch.tensor([min(x, _U_MAX) for x in uniforms], device=logits.device)[:, None]
         tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=vocab - 1)
-        if self.any_greedy:
+        if self.greedy_mask is not None:  # set exactly when some rows are greedy
             tokens = torch.where(self.greedy_mask, logits.argmax(dim=-1), tokens)
         return tokens, logp.gather(1, tokens[:, None])[:, 0]
 

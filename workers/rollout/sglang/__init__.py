@@ -49,11 +49,9 @@ single commit hash covers every file -- the per-file commits are listed below wh
 """
 
 from workers.rollout.sglang.convert import (
-    build_rollout_batch,
     expand_requests,
     output_to_generation,
     parse_finish_reason,
-    prompt_id_lists,
     to_sglang_sampling_params,
 )
 from workers.rollout.sglang.lifecycle import SGLangEngineDied
@@ -70,12 +68,10 @@ __all__ = [
     "SGLangEngineDied",
     "SGLangRollout",
     "SGLangRolloutConfig",
-    "build_rollout_batch",
     "config_from_dict",
     "expand_requests",
     "import_sglang",
     "output_to_generation",
     "parse_finish_reason",
-    "prompt_id_lists",
     "to_sglang_sampling_params",
 ]

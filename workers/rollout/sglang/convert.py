@@ -33,8 +33,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from workers.rollout.sampling import (
     GenerationOutput,
     SamplingParams,
@@ -67,36 +65,6 @@ def to_sglang_sampling_params(params: SamplingParams, seed: int | None = None) -
     return out
 
 
-def prompt_id_lists(
-    prompts: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None
-) -> list[list[int]]:
-    """Left-padded ``[B, P]`` prompt ids -> one list of real token ids per row.
-
-    With ``attention_mask`` (``[B, P]`` or ``[B, P + R]``; only the first ``P`` columns are used) the
-    real tokens are where the mask is 1, so a pad id that also occurs inside a prompt is kept. Without
-    it, leading ``pad_token_id`` tokens are stripped.
-    """
-    if prompts.dim() != 2:
-        raise ValueError(f"prompts must be [B, P], got shape {tuple(prompts.shape)}")
-    rows = prompts.tolist()
-    if attention_mask is not None:
-        mask = attention_mask[:, : prompts.shape[1]].bool().tolist()
-        ids = [[t for t, m in zip(row, keep) if m] for row, keep in zip(rows, mask)]
-    elif pad_token_id is not None:
-        ids = []
-        for row in rows:
-            start = 0
-            while start < len(row) and row[start] == pad_token_id:
-                start += 1
-            ids.append(row[start:])
-    else:
-        raise ValueError("prompt_id_lists needs an attention_mask or a pad_token_id")
-    empty = [i for i, row in enumerate(ids) if not row]
-    if empty:
-        raise ValueError(f"prompt rows {empty[:8]} have no tokens")
-    return ids
-
-
 def expand_requests(
     id_lists: Sequence[list[int]], params: SamplingParams
 ) -> tuple[list[list[int]], list[dict[str, Any]], list[int]]:
@@ -107,7 +75,9 @@ def expand_requests(
     (the same prompt repeated n times must not draw n identical samples). The row order matches
     ``DataProto.repeat(n, interleave=True)`` and SGLang's own n-expansion order.
     """
-    input_ids, sampling, source = [], [], []
+    input_ids: list[list[int]] = []
+    sampling: list[dict[str, Any]] = []
+    source: list[int] = []
     for b, ids in enumerate(id_lists):
         for _ in range(params.n):
             row = len(input_ids)
@@ -168,64 +138,3 @@ def output_to_generation(output: Mapping[str, Any], want_log_probs: bool = True)
         finish_reason=parse_finish_reason(meta.get("finish_reason")),
         text=output.get("text"),
     )
-
-
-def build_rollout_batch(
-    prompts: torch.Tensor,
-    prompt_attention_mask: torch.Tensor,
-    outputs: Sequence[GenerationOutput],
-    pad_token_id: int,
-    response_length: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Tensors of a rollout batch (``dataproto/BATCH_LAYOUT.md``) from left-padded prompts and samples.
-
-    ``prompts`` / ``prompt_attention_mask`` are ``[B, P]`` and already row-aligned with ``outputs``.
-    Responses are right-padded with ``pad_token_id`` to exactly ``response_length`` columns (a fixed
-    width lets batches from several workers concatenate), or to the longest response when it is
-    ``None``. Returns ``prompts``, ``responses``,
-    ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``, ``rollout_versions`` (each
-    token's weight version, 0 where the output tracks none), ``rollout_aborted`` (per row) and, when every
-    output has log-probs, ``rollout_log_probs`` (0 on padding).
-    """
-    batch = len(outputs)
-    if prompts.shape[0] != batch or prompt_attention_mask.shape[0] != batch:
-        raise ValueError(
-            f"{prompts.shape[0]} prompt rows / {prompt_attention_mask.shape[0]} mask rows for {batch} outputs"
-        )
-    if prompt_attention_mask.shape != prompts.shape:
-        raise ValueError(
-            f"prompt attention mask shape {tuple(prompt_attention_mask.shape)} != prompts {tuple(prompts.shape)}"
-        )
-    if response_length is None:
-        response_length = max((len(o.token_ids) for o in outputs), default=0)
-    responses = torch.full((batch, response_length), pad_token_id, dtype=torch.int64)
-    response_mask = torch.zeros(batch, response_length, dtype=torch.float32)
-    with_log_probs = all(o.log_probs is not None for o in outputs)
-    log_probs = torch.zeros(batch, response_length, dtype=torch.float32)
-    versions = torch.zeros(batch, response_length, dtype=torch.int64)
-    for i, out in enumerate(outputs):
-        n = len(out.token_ids)
-        if n > response_length:
-            raise ValueError(f"row {i} has {n} response tokens, more than response_length {response_length}")
-        if n:
-            responses[i, :n] = torch.tensor(out.token_ids, dtype=torch.int64)
-            response_mask[i, :n] = 1.0
-            if with_log_probs:
-                log_probs[i, :n] = torch.tensor(out.log_probs, dtype=torch.float32)
-            if out.versions:
-                versions[i, :n] = torch.tensor(out.versions, dtype=torch.int64)
-    prompts = prompts.to(torch.int64)
-    attention_mask = torch.cat([prompt_attention_mask.to(torch.int64), response_mask.to(torch.int64)], dim=1)
-    out = {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0),
-        "response_mask": response_mask,
-        "rollout_versions": versions,
-        "rollout_aborted": torch.tensor([o.finish_reason == "abort" for o in outputs], dtype=torch.bool),
-    }
-    if with_log_probs:
-        out["rollout_log_probs"] = log_probs
-    return out

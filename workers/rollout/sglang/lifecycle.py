@@ -65,7 +65,9 @@ class EngineLifecycle:
         self._closed = False
         self._in_sync_call = False
         self._waiters: set[asyncio.Future] = set()
-        atexit.unregister(getattr(engine, "shutdown", None))  # SGLang's kills every child of this process
+        sglang_shutdown = getattr(engine, "shutdown", None)
+        if sglang_shutdown is not None:
+            atexit.unregister(sglang_shutdown)  # SGLang's kills every child of this process
         atexit.register(self.shutdown)
         if processes:
             self._take_over_sigquit()

@@ -6,14 +6,15 @@ Same interface and ``meta_info`` contract as the native engine (``workers/rollou
 * ``generate_sequences(DataProto) -> DataProto``: left-padded ``input_ids`` (or ``prompts``) and
   ``attention_mask`` ``[B, P]`` in; out the keys of ``dataproto/BATCH_LAYOUT.md``: ``prompts``,
   right-padded ``responses``, ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``
-  (float32, 1 through the EOS / stop token), ``rollout_log_probs`` (float32, 0 on padding). Sampling
+  (float32, 1 through the EOS / stop token), ``rollout_log_probs`` (float32, 0 on padding; absent when
+  ``logprobs`` is off), built by ``workers.rollout.batch.rollout_dataproto``. Sampling
   settings come from ``meta_info`` (see ``workers.rollout.sampling.sampling_from_meta``) with the configured
   ``SamplingParams`` as defaults. With ``n > 1`` every row (tensors and non-tensor columns) is
   repeated n times, interleaved (a, a, b, b). Output ``meta_info`` = input meta + ``eos_token_id``,
   ``pad_token_id``, ``timing_s/gen``, ``rollout/generated_tokens``, ``rollout/tokens_per_s``.
 * ``async generate(prompt_ids, sampling_params)``: one ``GenerationOutput`` through
   ``Engine.async_generate`` (a list of n when ``sampling_params.n > 1``).
-* ``update_weights(named_tensors)``: HF-named tensors through ``Engine.update_weights_from_tensor`` in
+* ``update_weights(named_tensors)``: HF-named tensors (on the engine's ``device``) through ``Engine.update_weights_from_tensor`` in
   size-bounded buckets (``bucket_mb``, each sent with ``flush_cache=False``), then one
   ``Engine.flush_cache()``. SGLang >= 0.5.21 accepts tensors only inside a weight-update session
   (``begin_weight_update()`` ... ``end_weight_update()``); older versions have no such methods. The
@@ -40,9 +41,11 @@ sglang is imported only when an engine is built; on a machine without it the con
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import logging
 import os
 import sys
@@ -52,17 +55,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dataproto import DataProto
-from workers.rollout.base import RolloutEngine
+from workers.rollout.base import RolloutEngine, rollout_dtype, rollout_seed
+from workers.rollout.batch import prompt_rows, rollout_dataproto
 from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta, token_id_list
 from workers.rollout.sglang.convert import (
-    build_rollout_batch,
     expand_requests,
     output_to_generation,
-    prompt_id_lists,
 )
 from workers.rollout.sglang.lifecycle import EngineLifecycle
 from workers.weight_sync.buckets import bucket_mb_to_bytes, flatten_bucket, iter_buckets
@@ -79,9 +80,6 @@ WEIGHTS = "weights"  # sglang.srt.constants.GPU_MEMORY_TYPE_WEIGHTS
 CUDA_GRAPH = "cuda_graph"  # sglang.srt.constants.GPU_MEMORY_TYPE_CUDA_GRAPH
 
 WEIGHT_LOAD_FORMATS = ("tensor", "flattened_bucket")
-
-# tensor keys of the input batch that generate_sequences rebuilds (the others are repeated and kept)
-_REBUILT_KEYS = ("prompts", "input_ids", "attention_mask", "position_ids")
 
 
 def import_sglang(device: str = "cuda", tp_size: int = 1):
@@ -245,28 +243,87 @@ class SGLangRollout(RolloutEngine):
         self.released_tags: set[str] = set()
         self._pad_token_id = config.pad_token_id
         self._eos_token_ids = None if config.eos_token_ids is None else token_id_list(config.eos_token_ids)
-        self._tokenizer = None
+        self._tokenizer: Any = None  # a Hugging Face tokenizer, looked up on first use
         self._warned_seed = False
         self.weight_version = 0  # the policy version of the loaded weights (update_weights' ``version``)
+
+    @classmethod
+    def from_config(cls, model, rollout, tokenizer, *, rank: int = 0, tp_group=None) -> SGLangRollout:
+        """The engine of one rank (`RolloutEngine.from_config`) on this process's device: CUDA, or SGLang's CPU
+        engine (tests, CI), whose KV cache is sized for ``max_num_seqs`` whole sequences (no GPU memory to size
+        it from) and whose idle scheduler sleeps instead of busy-polling a core."""
+        # the training package and the model loaders: imported only where a worker builds an engine
+        from workers.engine.distributed import default_device
+        from workers.models import pad_token_id_of
+
+        device = default_device().type
+        engine_kwargs: dict[str, Any] = {"max_running_requests": rollout.max_num_seqs}
+        if device == "cpu":
+            max_tokens = rollout.max_num_seqs * (rollout.prompt_length + rollout.response_length)
+            engine_kwargs |= {"max_total_tokens": max_tokens, "chunked_prefill_size": min(max_tokens, 2048)}
+            engine_kwargs["sleep_on_idle"] = True
+        return cls(
+            SGLangRolloutConfig(
+                model_path=model.path,
+                device=device,
+                tp_size=rollout.tensor_parallel_size,
+                mem_fraction_static=rollout.gpu_memory_utilization,
+                dtype=rollout_dtype(model, rollout),
+                seed=rollout_seed(rollout, rank),
+                bucket_mb=rollout.weight_bucket_mb,
+                trust_remote_code=model.trust_remote_code,
+                response_length=rollout.response_length,
+                pad_token_id=pad_token_id_of(tokenizer),
+                sampling=SamplingParams(
+                    max_new_tokens=rollout.response_length,
+                    temperature=rollout.temperature,
+                    top_p=rollout.top_p,
+                    top_k=rollout.top_k,
+                ),
+                engine_kwargs=engine_kwargs,
+            )
+        )
+
+    @classmethod
+    def config_errors(cls, model, rollout) -> list[str]:
+        if importlib.util.find_spec("sglang") is None:
+            return [
+                f"rollout.name={rollout.name} needs the sglang package: `make sglang-cpu` (CPU engine, for tests "
+                "and CI) or `pip install hyflow[sglang]` on a CUDA machine"
+            ]
+        return []
+
+    @classmethod
+    def inference_options(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(SGLangRolloutConfig) if f.name != "model_path")
+
+    @classmethod
+    def for_inference(cls, model_path: str, tokenizer, **options) -> SGLangRollout:
+        """An engine started from ``SGLangRolloutConfig(model_path, **options)``."""
+        return cls(SGLangRolloutConfig(model_path=model_path, **options))
+
+    @property
+    def device(self) -> torch.device:
+        """This process's current GPU, or the CPU for SGLang's CPU engine."""
+        if self.config.device == "cpu":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """SGLang's adapter reads its replies on its engine's loop: agents' requests must run there."""
+        return self.engine.loop
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate for every prompt row; the batch layout of ``dataproto/BATCH_LAYOUT.md``."""
         t0 = time.perf_counter()
         meta = dict(prompts.meta_info)
-        key = "input_ids" if "input_ids" in prompts.batch else "prompts"
-        if key not in prompts.batch:
-            raise KeyError(
-                f"generate_sequences needs batch['input_ids'] or batch['prompts']; got {sorted(prompts.batch)}"
-            )
-        prompt_ids = prompts.batch[key]
         pad = self._resolve_pad_token_id(meta)
-        mask = prompts.batch.get("attention_mask")
-        mask = (prompt_ids != pad).long() if mask is None else mask[:, : prompt_ids.shape[1]]
         params, response_length = sampling_from_meta(meta, self.config.sampling, self.config.response_length)
         self._check_seed(params)
 
-        id_lists = prompt_id_lists(prompt_ids, mask)
+        id_lists = prompt_rows(prompts, pad)
         self._check_prompt_lengths(id_lists)
         input_ids, sampling, source = expand_requests(id_lists, params)
         version = self.weight_version  # weights change only between calls: one version per call
@@ -283,25 +340,6 @@ class SGLangRollout(RolloutEngine):
         outputs = [output_to_generation(r, want_log_probs=params.logprobs) for r in raw]
         for o in outputs:
             o.versions = [version] * len(o.token_ids)
-
-        index = torch.tensor(source, dtype=torch.long)
-        rows = {
-            k: v.index_select(0, index.to(v.device))
-            for k, v in prompts.batch.items()
-            if k not in _REBUILT_KEYS
-        }
-        device = prompt_ids.device
-        tensors = build_rollout_batch(
-            prompt_ids.index_select(0, index.to(device)).cpu(),
-            mask.index_select(0, index.to(mask.device)).cpu(),
-            outputs,
-            pad_token_id=pad,
-            response_length=response_length,
-        )
-        rows.update({k: v.to(device) for k, v in tensors.items()})
-        np_index = np.asarray(source, dtype=np.int64)
-        non_tensor = {k: v[np_index] for k, v in prompts.non_tensor_batch.items()}
-
         generated = sum(len(o.token_ids) for o in outputs)
         elapsed = time.perf_counter() - t0
         meta.update(
@@ -313,7 +351,9 @@ class SGLangRollout(RolloutEngine):
                 "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             }
         )
-        return DataProto(batch=rows, non_tensor_batch=non_tensor, meta_info=meta)
+        return rollout_dataproto(
+            prompts, source, input_ids, outputs, pad_token_id=pad, response_length=response_length, meta=meta
+        )
 
     async def generate(
         self, prompt_ids: list[int], sampling_params: SamplingParams | None = None
@@ -346,18 +386,25 @@ class SGLangRollout(RolloutEngine):
     def update_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
-        flush_cache: bool = True,
+        *,
         version: int | None = None,
+        flush_cache: bool = True,
+        abort_running: bool = False,
     ) -> dict:
         """Load HF-named tensors into the engine, ``bucket_mb`` at a time; returns bucket stats. ``version``
         (the trainer's update count) then becomes ``weight_version``, which later outputs' tokens record.
 
-        Tensors should already be on the engine's GPU (``tensor`` format sends CUDA IPC handles, one
-        serialization per TP rank, done by ``Engine.update_weights_from_tensor``). One bucket is
+        Tensors should already be on the engine's ``device`` (``tensor`` format sends CUDA IPC handles, one
+        serialization per TP rank, done by ``Engine.update_weights_from_tensor``). Weights change only
+        between calls here, so there is nothing running to abort (``abort_running`` is refused). One bucket is
         materialised at a time; every bucket is sent with ``flush_cache=False`` and the prefix cache is
         flushed once at the end (``flush_cache=False`` skips that). SGLang's model loader raises on
         names the model does not have.
         """
+        if abort_running:
+            raise ValueError(
+                "SGLangRollout: weights change only between calls; abort_running is not supported"
+            )
         if WEIGHTS in self.released_tags:
             raise RuntimeError("weights are released; call resume_memory() before update_weights()")
         bucket_bytes = bucket_mb_to_bytes(self.config.bucket_mb)

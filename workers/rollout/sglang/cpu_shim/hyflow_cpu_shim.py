@@ -52,7 +52,9 @@ class Placeholder:
 def fill(module: types.ModuleType) -> None:
     """Make ``module`` a shim: unknown attributes become placeholders, submodules import."""
     module.__path__ = []  # a package, so ``import sgl_kernel.x`` reaches the finder below
-    module.__getattr__ = lambda name: _attr(module.__name__, name)  # PEP 562
+    # PEP 562: a module-level __getattr__ lives in the module's namespace (assigning the attribute stores it
+    # there too, but mypy reads that as overriding typeshed's ModuleType.__getattr__ method)
+    module.__dict__["__getattr__"] = lambda name: _attr(module.__name__, name)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
