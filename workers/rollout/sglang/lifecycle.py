@@ -31,7 +31,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
+try:
+    import psutil  # SGLang's requirement: present wherever an engine can start
+except (
+    ImportError
+):  # the adapter still imports (registry, config checks); starting an engine asks for SGLang first
+    psutil = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
