@@ -29,14 +29,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:
-    import psutil  # SGLang's requirement: present wherever an engine can start
-except (
-    ImportError
-):  # the adapter still imports (registry, config checks); starting an engine asks for SGLang first
-    psutil = None  # type: ignore[assignment]
+if TYPE_CHECKING:
+    import psutil  # SGLang's requirement: imported where a process is looked at, so the adapter imports without it
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +42,8 @@ class SGLangEngineDied(RuntimeError):
 
 
 def _children() -> dict[int, psutil.Process]:
+    import psutil
+
     out = {}
     for p in psutil.Process().children(recursive=True):
         try:
@@ -202,6 +200,8 @@ class EngineLifecycle:
     @staticmethod
     def _kill(processes: list[psutil.Process], name: str) -> None:
         """SIGKILL, as SGLang's own shutdown does: its scheduler does not exit on SIGTERM while serving."""
+        import psutil
+
         for p in processes:
             try:
                 p.kill()
@@ -261,6 +261,8 @@ def _set_done(future: asyncio.Future) -> None:
 
 
 def _name(process: psutil.Process) -> str:
+    import psutil
+
     try:
         return process.name()
     except psutil.NoSuchProcess:
@@ -268,6 +270,8 @@ def _name(process: psutil.Process) -> str:
 
 
 def _state(process: psutil.Process) -> str:
+    import psutil
+
     try:
         return "gone" if process.status() == psutil.STATUS_ZOMBIE else "still running"
     except psutil.NoSuchProcess:
