@@ -1,7 +1,7 @@
 """Single controller: Worker base, @register dispatch/collect modes and declared inputs, RayWorkerGroup,
 colocation, futures."""
 
-from controller.colocate import create_colocated_worker_cls
+from controller.colocate import Shared, create_colocated_worker_cls
 from controller.decorator import MethodSpec, register, registered_methods
 from controller.dispatch import (
     PAD_ROWS_KEY,
@@ -34,6 +34,7 @@ __all__ = [
     "MethodSpec",
     "RayClassWithInitArgs",
     "RayWorkerGroup",
+    "Shared",
     "Worker",
     "WorkerGroupError",
     "WorkerGroupTimeoutError",

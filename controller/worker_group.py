@@ -204,6 +204,10 @@ class RayWorkerGroup:
     def actors(self) -> list:
         return list(self._actors)
 
+    def shares_processes_with(self, other: RayWorkerGroup) -> bool:
+        """Whether both groups run on the same actors (roles spawned from one colocated group)."""
+        return self._actors == other._actors
+
     def method_names(self) -> list[str]:
         return sorted(registered_methods(self._worker_cls))
 

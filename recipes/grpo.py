@@ -67,9 +67,10 @@ def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataP
     return batch
 
 
-def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo", **role_classes) -> dict:
-    """``role_classes``: the workers that generate (``build_roles``' hook), e.g. an environment's."""
-    session = Session(cfg, run, recipe, **role_classes)  # data, pools + WorkerGroups, KL controller, resume
+def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo", **role_options) -> dict:
+    """``role_options``: ``build_roles``' options, e.g. an environment's role that generates
+    (`recipes.trainer.roles.env_generator`)."""
+    session = Session(cfg, run, recipe, **role_options)  # data, pools + WorkerGroups, KL controller, resume
     # weights -> rollout engine, validation before training; rl_step, then metrics, validation and
     # checkpoint when due, per step; at the end: export, plot, shutdown
     return session.train(rl_step)

@@ -59,11 +59,11 @@ def async_step(s: Session, source: SyncRollout | RolloutStream, metrics: dict, t
     return batch
 
 
-def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo_async", **role_classes) -> dict:
-    """``role_classes``: the workers that generate (``build_roles``' hook), e.g. an agent environment's
-    (``recipes/rlm.py`` with ``async_rl.mode`` one_step / full)."""
+def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo_async", **role_options) -> dict:
+    """``role_options``: ``build_roles``' options, e.g. an agent environment's role that generates
+    (``recipes/rlm.py`` with ``async_rl.mode`` one_step / full, `recipes.trainer.roles.env_generator`)."""
     asynchronous = cfg.async_rl.mode != "sync"  # type: ignore[attr-defined]
-    s = Session(cfg, run, recipe, fixed_prompt_width=True, async_rollout=asynchronous, **role_classes)
+    s = Session(cfg, run, recipe, fixed_prompt_width=True, async_rollout=asynchronous, **role_options)
     with s, rollout_source(s) as source:  # weights -> rollout, validation; then the stream starts
         s.data_state = lambda: source.checkpoint_state(s.loader)  # checkpoints: loader + untrained prompts
         for _ in s.step_numbers():

@@ -54,7 +54,7 @@ from recipes.trainer.hybrid import (
     add_teacher_hints,
     hinted_demonstrations,
     hybrid_advantage,
-    role_classes,
+    role_options,
 )
 from recipes.trainer.warm_start import SFTData
 
@@ -106,7 +106,7 @@ def warm_start_data(cfg: HybridConfig) -> SFTData:
 
 def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:
     validator = PassAtK(cfg.eval.pass_k, cfg.eval.temperature)
-    session = Session(cfg, run, recipe, validator=validator, **role_classes(cfg))  # tool env generates
+    session = Session(cfg, run, recipe, validator=validator, **role_options(cfg, run))  # tool env generates
     try:
         prm = PRMRole(cfg, run, session.roles) if cfg.prm.enable else None  # own pool, or the rollout group
     except BaseException:

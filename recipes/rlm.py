@@ -40,14 +40,14 @@ from recipes.trainer import (
     start_run,
     warm_start,
 )
-from workers.agents.env_worker import env_role_classes
+from recipes.trainer.roles import env_generator
 from workers.agents.replay import reference_batch
 
 
 def train(cfg: RLMConfig, run: Run, recipe: str = "rlm") -> dict:
     # the RLM env generates, in its sandbox; async_rl.mode one_step / full: while the trainer trains
     trainer = grpo if cfg.async_rl.mode == "sync" else grpo_async
-    return trainer.train(cfg, run, recipe, **env_role_classes(cfg.env))
+    return trainer.train(cfg, run, recipe, **env_generator(cfg, run, cfg.env))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -141,7 +141,7 @@ class RolloutStream:
         a = cfg.async_rl  # type: ignore[attr-defined]
         self.cfg, self.roles, self._prompts, self.poll_s = cfg, roles, prompts, poll_s
         self.batch_groups = cfg.data.train_batch_size
-        self.ranks = roles.rollout.world_size
+        self.ranks = roles.generator.world_size
         if a.mode == "one_step":  # one batch at a time, each rank its share in one call
             self.capacity = self.batch_groups
             self.groups_per_call = math.ceil(self.batch_groups / self.ranks)
@@ -272,7 +272,7 @@ class RolloutStream:
             self._calls += 1
             prompts = DataProto.concat([g.prompt for g in groups])
             prompts.meta_info = rollout_meta(self.cfg, self._calls)
-            future = self.roles.rollout.call_rank(rank, "generate_sequences", prompts)
+            future = self.roles.generator.call_rank(rank, "generate_sequences", prompts)
             self._inflight[rank] = _Call(future, groups)
             self._mark_busy(rank)
 

@@ -1,10 +1,10 @@
 """The pieces of ``recipes/hybrid_rl.py``: tool-env roles, the PRM role, hint-conditioned teacher log-probs,
 and the hybrid advantage with its metrics.
 
-* ``role_classes``: ``build_roles``' hook -- the agent layer's env workers running the tool env
-  (``env.loop: math_tool``); with ``prm.placement=colocated`` they also host the PRM judge (``PRMMixin``:
-  ``score_steps`` on the rollout group).
-* ``PRMRole``: the PRM on its own resource pool (``prm.placement=separate``) or on the rollout group.
+* ``role_options``: ``build_roles``' options -- the agent layer's env role running the tool env
+  (``env.loop: math_tool``) beside the rollout role; with ``prm.placement=colocated`` the PRM role
+  (``PRMWorker``: ``score_steps``) joins the same processes.
+* ``PRMRole``: the PRM on its own resource pool (``prm.placement=separate``) or the role beside the rollout.
 * ``add_teacher_hints`` / ``hybrid_advantage``: hints -> ``teacher_hint`` (``hybrid.hint_template``), then
   ``algorithms`` ``hybrid`` with the config's weights; metrics ``hybrid/hint_frac`` (trajectories with a
   hint), ``hybrid/prm_score/mean``, ``hybrid/opd/abs_mean`` (|teacher - old| on hinted rows' policy
@@ -32,57 +32,37 @@ from algorithms.hybrid import hybrid_advantage_terms
 from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from recipes.schemas import HybridConfig
-from recipes.trainer.roles import Roles
+from recipes.trainer.roles import PooledRole, Roles, env_generator
 from recipes.trainer.sources import is_source
 from resource_pools import ResourcePoolManager
-from workers.agents.env_worker import ActorRolloutEnvWorker, EnvWorker, env_role_classes
 from workers.agents.replay import reference_trajectories, sft_batch
 from workers.agents.trajectory import Trajectory
 from workers.engine.packing import padded_response_log_probs
-from workers.math_env.env_loop import MathToolEnvConfig
 from workers.prm.hindsight import bridge_thought
-from workers.prm.worker import PRMConfig, PRMMixin, PRMWorker
+from workers.prm.worker import PRMWorker
 
 __all__ = [
-    "PRMActorRolloutEnvWorker",
-    "PRMEnvWorker",
     "PRMRole",
     "add_teacher_hints",
     "hint_gap",
     "hinted_demonstrations",
     "hybrid_advantage",
-    "role_classes",
+    "role_options",
 ]
-
-
-class PRMActorRolloutEnvWorker(PRMMixin, ActorRolloutEnvWorker):
-    """Colocated placement with the PRM judge in the same process as actor, rollout and reference."""
-
-    def __init__(self, model, actor, rollout, env: MathToolEnvConfig, prm: PRMConfig | None = None):
-        super().__init__(model, actor, rollout, env)
-        self._prm_init(prm or PRMConfig(), reference_path=model.path)
-
-
-class PRMEnvWorker(PRMMixin, EnvWorker):
-    """Disaggregated placement with the PRM judge in the env (rollout) processes."""
-
-    def __init__(self, model, rollout, env: MathToolEnvConfig, prm: PRMConfig | None = None):
-        super().__init__(model, rollout, env)
-        self._prm_init(prm or PRMConfig(), reference_path=model.path)
 
 
 def prm_colocated(cfg: HybridConfig) -> bool:
     return cfg.prm.enable and cfg.prm.placement == "colocated"
 
 
-def role_classes(cfg: HybridConfig) -> dict:
+def role_options(cfg: HybridConfig, run) -> dict:
+    """``build_roles``' options: the tool env generates (the env role beside the rollout role); with
+    ``prm.placement=colocated`` the PRM is a role in the same processes too."""
+    options = env_generator(cfg, run, cfg.env)
     if prm_colocated(cfg):
-        return {
-            "hybrid_cls": PRMActorRolloutEnvWorker,
-            "rollout_cls": PRMEnvWorker,
-            "rollout_kwargs": {"env": cfg.env, "prm": cfg.prm},
-        }
-    return env_role_classes(cfg.env)
+        prm = RayClassWithInitArgs(PRMWorker, config=cfg.prm, reference_path=run.model_path)
+        options["extra_roles"] |= {"prm": PooledRole(prm, beside="rollout")}
+    return options
 
 
 class PRMRole:
@@ -92,7 +72,7 @@ class PRMRole:
         self.manager = None
         self.own = not prm_colocated(cfg)
         if not self.own:
-            self.wg = roles.rollout
+            self.wg = roles.extra["prm"]
             return
         self.manager = ResourcePoolManager({"prm_pool": [1]}, {"prm": "prm_pool"}, use_gpu=run.use_gpu)
         self.manager.create_resource_pools()

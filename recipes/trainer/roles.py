@@ -1,13 +1,20 @@
 """Resource pools and WorkerGroups from the config, for every placement (``resource_pools.placement_plan``).
 
+Placement is a mapping of roles to pools (`pool_roles`): each role is its own small worker class, and every
+process of a pool holds one instance of each of the pool's roles (``create_colocated_worker_cls`` + ``spawn``:
+one group per role, all on the pool's actors). A role that needs another's object in process says so with
+`controller.Shared` (the rollout role shares the actor in the hybrid engine; an env role shares the rollout
+role). A recipe adds roles with ``extra_roles`` (`PooledRole`: the class and the role whose pool it joins),
+touching no other role's class.
+
 ``colocated`` (one pool of ``n_gpus_per_node * nnodes`` devices): every device runs ONE process holding the
-actor + rollout engines (``ActorRolloutWorker``, the hybrid engine), the reference, the critic (PPO) and the
-reward scorer (``create_colocated_worker_cls`` + ``spawn``). Weights reach the rollout engines in process
-(``WeightSync``'s colocated strategy, or resharded when ``rollout.tensor_model_parallel_size > 1``).
+actor and the rollout role sharing it (the hybrid engine, `workers.roles.hybrid_roles`), the reference, the critic
+(PPO) and the reward scorer. Weights reach the rollout engines in process (``WeightSync``'s colocated strategy,
+or resharded when ``rollout.tensor_model_parallel_size > 1``).
 
 ``disaggregated`` (two pools): the rollout pool (``rollout_gpus_per_node`` per node) runs ``RolloutWorker``;
-the training pool (the rest) runs ActorWorker + reference + critic + reward colocated. Weights go from the
-actor group to the rollout group over a weight-sync process group (``WeightSync``'s disaggregated strategy).
+the training pool (the rest) runs actor + reference + critic + reward. Weights go from the actor group to the
+rollout group over a weight-sync process group (``WeightSync``'s disaggregated strategy).
 
 ``split_critic`` (two pools): the actor pool runs the hybrid engine + reference + reward colocated as above; the
 critic pool (``critic_gpus_per_node`` per node) runs ``CriticWorker`` alone, so actor and critic train on
@@ -25,6 +32,7 @@ moves weights; ``roles.sync_weights()`` is the recipes' call to it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
@@ -33,10 +41,15 @@ from recipes.schemas import RecipeConfig
 from recipes.sections import device_counts, needs_reference
 from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
-from resource_pools import InsufficientResourcesError, ResourcePoolManager, alive_nodes, placement_plan
-from workers.roles import ActorWorker, CriticWorker, RefWorker
-from workers.roles.actor_rollout import ActorRolloutWorker, DisaggregatedActorWorker
-from workers.roles.rollout import RolloutWorker
+from resource_pools import (
+    InsufficientResourcesError,
+    PlacementPlan,
+    ResourcePoolManager,
+    alive_nodes,
+    placement_plan,
+)
+from workers.agents.env_worker import env_role
+from workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker, hybrid_roles
 from workers.weight_sync import WeightSync
 
 logger = logging.getLogger("recipes")
@@ -54,20 +67,25 @@ def metrics_of(result) -> dict[str, float]:
 
 @dataclass
 class Roles:
+    """One group per role (groups of one pool share its processes). ``rollout`` holds the engines that take the
+    weights; ``generator`` makes the batches (the rollout role, or e.g. the env role that runs agents on it)."""
+
     placement: str
     actor: RayWorkerGroup
     rollout: RayWorkerGroup
+    generator: RayWorkerGroup
     reward: RayWorkerGroup
     weight_sync: WeightSync
     ref: RayWorkerGroup | None = None
     critic: RayWorkerGroup | None = None
+    extra: dict[str, RayWorkerGroup] = field(default_factory=dict)
     n_devices: int = 1
     manager: ResourcePoolManager | None = None
     groups: list[RayWorkerGroup] = field(default_factory=list)
 
     def generate(self, prompts: DataProto, meta: dict) -> DataProto:
         prompts.meta_info.update(meta)
-        return self.rollout.generate_sequences(prompts)
+        return self.generator.generate_sequences(prompts)
 
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Push the actor's current weights to the rollout engine(s) as policy ``version`` (the number of
@@ -99,28 +117,76 @@ def check_nodes(cfg: RecipeConfig) -> None:
         )
 
 
-def _role_classes(
-    cfg: RecipeConfig, run: Run, *, hybrid: bool, critic: bool, hybrid_cls=None, rollout_kwargs=None
-) -> dict[str, RayClassWithInitArgs]:
-    """The training-side roles: actor (hybrid: + rollout engine), reference, critic, reward."""
+@dataclass(frozen=True)
+class PooledRole:
+    """A role a recipe adds to the standard ones: its worker class and arguments, and the role whose pool it
+    joins (``beside``: the same processes, so it may take that role's instance as a `controller.Shared`
+    argument). The env role joins the rollout role; the PRM joins it too with ``prm.placement=colocated``."""
+
+    spec: RayClassWithInitArgs
+    beside: str = "rollout"
+
+
+def plan_of(cfg: RecipeConfig) -> PlacementPlan:
+    """The placement plan ``trainer`` asks for: pools and the standard roles' pools."""
+    t = cfg.trainer
+    return placement_plan(
+        t.placement,
+        t.n_gpus_per_node,
+        t.nnodes,
+        rollout_per_node=t.rollout_gpus_per_node,
+        critic_per_node=t.critic_gpus_per_node,
+    )
+
+
+def pool_roles(
+    cfg: RecipeConfig,
+    run: Run,
+    plan: PlacementPlan,
+    *,
+    critic: bool = False,
+    extra_roles: Mapping[str, PooledRole] | None = None,
+    async_rollout: bool = False,
+) -> dict[str, dict[str, RayClassWithInitArgs]]:
+    """``{pool: {role: worker class with arguments}}``, each pool's roles in build order, from the placement
+    plan: the actor's pool holds actor (colocated: + the rollout role sharing it), reference, critic (unless on
+    its own pool), reward; the rollout and critic roles go to their own pools where the plan says so; each of
+    ``extra_roles`` joins its ``beside`` role's pool."""
     mc = model_config(cfg, run.model_path)
-    if hybrid:
-        actor_cls, kw = hybrid_cls or ActorRolloutWorker, dict(rollout_kwargs or {})
+    # asynchronous recipes: the rollout workers take weights and aborts while they generate
+    rollout_kw = {"concurrent": True} if async_rollout else {}
+    roles: dict[str, tuple[str, RayClassWithInitArgs]] = {}
+    if plan.pool_of("rollout") == plan.pool_of("actor"):  # the hybrid engine
+        for name, spec in hybrid_roles(mc, cfg.actor, cfg.rollout).items():
+            roles[name] = (plan.pool_of("actor"), spec)
     else:
-        actor_cls, kw = DisaggregatedActorWorker, {}  # it sends weights out
-    out = {"actor": RayClassWithInitArgs(actor_cls, model=mc, actor=cfg.actor, rollout=cfg.rollout, **kw)}
+        roles["actor"] = (
+            plan.pool_of("actor"),
+            RayClassWithInitArgs(ActorWorker, mc, cfg.actor, cfg.rollout),
+        )
+        rollout = RayClassWithInitArgs(RolloutWorker, model=mc, rollout=cfg.rollout, **rollout_kw)
+        roles["rollout"] = (plan.pool_of("rollout"), rollout)
     if needs_reference(cfg):
-        out["ref"] = RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout)
+        roles["ref"] = (plan.pool_of("ref"), RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout))
     if critic:
-        out["critic"] = _critic_class(cfg, run)
+        critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
+        spec = RayClassWithInitArgs(CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout)
+        roles["critic"] = (plan.pool_of("critic"), spec)
     crf = cfg.custom_reward_function
-    out["reward"] = RayClassWithInitArgs(TaskRewardWorker, run.model_path, cfg.reward, crf.path, crf.name)
-    return out
-
-
-def _critic_class(cfg: RecipeConfig, run: Run) -> RayClassWithInitArgs:
-    critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
-    return RayClassWithInitArgs(CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout)
+    reward = RayClassWithInitArgs(TaskRewardWorker, run.model_path, cfg.reward, crf.path, crf.name)
+    roles["reward"] = (plan.pool_of("reward"), reward)
+    for name, extra in (extra_roles or {}).items():
+        if name in roles:
+            raise ValueError(f"extra role {name!r} is already a role of this recipe ({sorted(roles)})")
+        if extra.beside not in roles:
+            raise ValueError(
+                f"extra role {name!r} joins role {extra.beside!r}, which this run has not: {sorted(roles)}"
+            )
+        roles[name] = (roles[extra.beside][0], extra.spec)
+    pools: dict[str, dict[str, RayClassWithInitArgs]] = {}
+    for name, (pool, spec) in roles.items():
+        pools.setdefault(pool, {})[name] = spec
+    return pools
 
 
 def build_roles(
@@ -128,85 +194,48 @@ def build_roles(
     run: Run,
     *,
     critic: bool = False,
-    hybrid_cls: type | None = None,
-    rollout_cls: type | None = None,
-    rollout_kwargs: dict | None = None,
+    extra_roles: Mapping[str, PooledRole] | None = None,
+    generator: str = "rollout",
     async_rollout: bool = False,
 ) -> Roles:
-    """Create the pools and worker groups and initialise every model (``init_model``).
+    """Create the pools and one worker group per pool (its roles composed into each process, `pool_roles`),
+    and initialise every role (``init_model``, in build order: a shared role before the roles that share it).
 
-    Hook for recipes whose rollout is not plain generation (e.g. ``recipes/rlm.py``): ``hybrid_cls`` replaces
-    ``ActorRolloutWorker`` (colocated), ``rollout_cls`` replaces ``RolloutWorker`` (disaggregated), and both get
-    ``rollout_kwargs`` as extra constructor arguments. ``async_rollout`` (disaggregated; asynchronous recipes):
-    the rollout workers take weights and aborts while they generate (``RolloutWorker(concurrent=True)``, Ray
-    actors running several calls at once)."""
+    ``extra_roles``: roles a recipe adds (e.g. an agent env, `workers.agents.env_worker.env_role`, beside the
+    rollout role); ``generator``: the role whose ``generate_sequences`` makes the batch (``roles.generate``), the
+    rollout role or one of ``extra_roles``. ``async_rollout`` (asynchronous recipes): the rollout workers take
+    weights and aborts while they generate (``RolloutWorker(concurrent=True)``, Ray actors running several
+    calls at once)."""
     t = cfg.trainer
     counts = device_counts(cfg)
-    plan = placement_plan(
-        t.placement,
-        t.n_gpus_per_node,
-        t.nnodes,
-        rollout_per_node=t.rollout_gpus_per_node,
-        critic_per_node=t.critic_gpus_per_node,
-    )
-    colocated = plan.pool_of("rollout") == plan.pool_of("actor")  # the hybrid actor + rollout engine
-    critic_apart = critic and plan.pool_of("critic") != plan.pool_of("actor")
+    plan = plan_of(cfg)
+    pools = pool_roles(cfg, run, plan, critic=critic, extra_roles=extra_roles, async_rollout=async_rollout)
+    if not any(generator in roles for roles in pools.values()):
+        names = sorted(r for roles in pools.values() for r in roles)
+        raise ValueError(f"generator role {generator!r} is not a role of this run: {names}")
     check_nodes(cfg)
     manager = ResourcePoolManager(plan.pool_spec, plan.role_to_pool, use_gpu=run.use_gpu)
     manager.create_resource_pools()
     groups: list[RayWorkerGroup] = []
+    wgs: dict[str, RayWorkerGroup] = {}
     try:
-        classes = _role_classes(
-            cfg,
-            run,
-            hybrid=colocated,
-            critic=critic and not critic_apart,
-            hybrid_cls=hybrid_cls,
-            rollout_kwargs=rollout_kwargs,
-        )
-        train_wg = RayWorkerGroup(
-            manager.get_pool("actor"),
-            create_colocated_worker_cls(classes),
-            name_prefix="train" if not colocated else "hybrid",
-            call_timeout_s=t.call_timeout_s,
-            call_timeout_per_row_s=t.call_timeout_per_row_s,
-        )
-        groups.append(train_wg)
-        wgs = train_wg.spawn(list(classes))
-        for name in classes:  # actor first: it joins the process group the others then reuse
-            wgs[name].init_model()
-        if colocated:
-            rollout_wg = wgs["actor"]
-        else:
-            concurrency = {"concurrent": True} if async_rollout else {}
-            rollout_wg = RayWorkerGroup(
-                manager.get_pool("rollout"),
-                RayClassWithInitArgs(
-                    rollout_cls or RolloutWorker,
-                    model=model_config(cfg, run.model_path),
-                    rollout=cfg.rollout,
-                    **dict(rollout_kwargs or {}),
-                    **concurrency,
-                ),
-                name_prefix="rollout",
+        for pool, roles in pools.items():
+            hybrid = "actor" in roles and "rollout" in roles
+            concurrent = async_rollout and "rollout" in roles and not hybrid
+            wg = RayWorkerGroup(
+                manager.pools[pool],
+                create_colocated_worker_cls(roles),
+                name_prefix="hybrid" if hybrid else ("train" if "actor" in roles else next(iter(roles))),
                 call_timeout_s=t.call_timeout_s,
                 call_timeout_per_row_s=t.call_timeout_per_row_s,
                 # a generation, a weight receive and an abort at once
-                actor_options={"max_concurrency": 3} if async_rollout else None,
+                actor_options={"max_concurrency": 3} if concurrent else None,
             )
-            groups.append(rollout_wg)
-            rollout_wg.init_model()
-        if critic_apart:
-            critic_wg = RayWorkerGroup(
-                manager.get_pool("critic"),
-                _critic_class(cfg, run),
-                name_prefix="critic",
-                call_timeout_s=t.call_timeout_s,
-                call_timeout_per_row_s=t.call_timeout_per_row_s,
-            )
-            groups.append(critic_wg)
-            critic_wg.init_model()
-            wgs["critic"] = critic_wg
+            groups.append(wg)
+            wgs |= wg.spawn(list(roles))
+        for roles in pools.values():
+            for name in roles:  # actor first: it joins the process group the others then reuse
+                wgs[name].init_model()
     except BaseException:
         for wg in groups:
             wg.shutdown()
@@ -215,17 +244,26 @@ def build_roles(
     return Roles(
         placement=t.placement,
         actor=wgs["actor"],
-        rollout=rollout_wg,
+        rollout=wgs["rollout"],
+        generator=wgs[generator],
         reward=wgs["reward"],
         weight_sync=WeightSync.for_groups(
-            wgs["actor"], rollout_wg, rollout_tp=cfg.rollout.tensor_model_parallel_size
+            wgs["actor"], wgs["rollout"], rollout_tp=cfg.rollout.tensor_model_parallel_size
         ),
         ref=wgs.get("ref"),
         critic=wgs.get("critic"),
+        extra={name: wgs[name] for name in extra_roles or {}},
         n_devices=counts["total"],
         manager=manager,
         groups=groups,
     )
+
+
+def env_generator(cfg: RecipeConfig, run: Run, env) -> dict:
+    """``build_roles``' options that make an agent environment (``env``, an ``AgentEnvConfig``) generate: the env
+    role beside the rollout role, sharing its engine, in either placement."""
+    spec = env_role(model_config(cfg, run.model_path), cfg.rollout, env)
+    return {"extra_roles": {"env": PooledRole(spec)}, "generator": "env"}
 
 
 def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[RayWorkerGroup, ResourcePoolManager]:

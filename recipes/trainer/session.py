@@ -58,10 +58,10 @@ class Session:
         critic: bool = False,
         validator: Validator = greedy_accuracy,
         fixed_prompt_width: bool = False,
-        **role_classes,
+        **role_options,
     ):
-        """``role_classes``: ``build_roles``' hook (``hybrid_cls``, ``rollout_cls``, ``rollout_kwargs``,
-        ``async_rollout``); ``fixed_prompt_width``: prompt batches ``data.max_prompt_length`` wide."""
+        """``role_options``: ``build_roles``' options (``extra_roles``, ``generator``, ``async_rollout``);
+        ``fixed_prompt_width``: prompt batches ``data.max_prompt_length`` wide."""
         self.cfg, self.run, self.recipe, self.validator = cfg, run, recipe, validator
         self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
         self.last_batch: DataProto | None = None
@@ -70,7 +70,7 @@ class Session:
         self.loader = train_loader(cfg, run, pad_to_max_length=fixed_prompt_width)
         self.val_data = val_batches(cfg, run)
         self.total = total_steps(cfg, self.loader)
-        self.roles = build_roles(cfg, run, critic=critic, **role_classes)
+        self.roles = build_roles(cfg, run, critic=critic, **role_options)
         try:
             self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
             self.state = resume(run, self.roles, self.loader, self.kl_ctrl, cfg)

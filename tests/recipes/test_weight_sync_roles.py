@@ -60,7 +60,7 @@ def test_sync_weights_through_roles(ray_session, tmp_path, placement):
     roles = build_roles(cfg, run)
     try:
         assert roles.weight_sync.strategy == placement
-        assert (roles.rollout is roles.actor) == (placement == "colocated")
+        assert roles.rollout.shares_processes_with(roles.actor) == (placement == "colocated")
         batch = roles.generate(prompts(run.tokenizer), {})
         roles.actor.sft_step(batch)  # the actor moves, the rollout engines do not
         exported = load_file(f"{roles.actor.export_hf(str(tmp_path / 'export'))[0]}/model.safetensors")

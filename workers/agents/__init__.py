@@ -9,7 +9,8 @@
 * ``limits``: the shared run ``Budget``, ``BudgetSpent`` and bounded concurrency (``gather_bounded``);
 * ``scripted``: a scripted policy (tests, demos, the reference replay);
 * ``loop``: the plugin API (``AgentLoop``, ``AgentEnvConfig``, ``env.loop`` names a plugin);
-* ``env_worker``: ``EnvWorker`` / ``ActorRolloutEnvWorker``, whose ``generate_sequences`` runs the env's loop;
+* ``env_worker``: the env role ``EnvWorker`` (sharing a rollout role's engine), whose ``generate_sequences``
+  runs the env's loop;
 * ``replay``: reference turns replayed through a loop into an SFT batch (``reference_batch``);
 * ``examples/word_count``: a complete tool environment in one file (``docs/agent_env.md``).
 

@@ -1,14 +1,10 @@
 """The agent environment as a role: ``generate_sequences(data)`` runs the env config's agent loop on every prompt.
 
-One pair of workers serves every environment (``env.loop``: ``rlm``, ``math_tool``, yours); they differ only in
-where the policy engine lives and therefore how its weights arrive:
-
-* ``EnvWorker(model, rollout, env)`` -- the rollout role on its own resource pool (disaggregated placement). It
-  *is* a `workers.roles.rollout.RolloutWorker`: one rollout replica per rank (native engine or SGLang); new
-  weights arrive over the weight-sync process group like any rollout group's.
-* ``ActorRolloutEnvWorker(model, actor, rollout, env)`` -- colocated placement: the hybrid actor-rollout worker
-  (trainer + rollout replica in one process; weights reach the replica in process, ``sync_weights``); its
-  trainer is offloaded while the agents run.
+`EnvWorker(model, rollout, env, rollout_role=Shared("rollout"))` serves every environment (``env.loop``: ``rlm``,
+``math_tool``, yours) in both placements: it is composed into the rollout role's pool (`controller.colocate`)
+and shares that role's engine in process (`workers.roles.rollout.RolloutWorker`, on its own pool or colocated with
+the actor), so how weights arrive is the rollout role's business, not the environment's. `env_roles` gives the
+roles of such a pool.
 
 So ``Roles.generate(batch, meta)`` runs the environment in both placements. ``generate_sequences(data)``
 (``Dispatch.DP_SPLIT_PROTO``: one contiguous chunk of prompts per rank, outputs concatenated in rank order; ranks may
@@ -40,27 +36,27 @@ building an engine.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from typing import Any
 
 import numpy as np
 
-from controller import PAD_ROWS_KEY, Dispatch, register
+from controller import PAD_ROWS_KEY, Dispatch, RayClassWithInitArgs, Shared, Worker, register
 from dataproto import DataProto
 from workers.agents.batch import OWN_COLUMNS, trajectories_to_dataproto, trajectory_json
 from workers.agents.limits import gather_bounded
 from workers.agents.llm import EngineLLM
 from workers.agents.loop import AgentEnvConfig, AgentJob, AgentLoop, LoopContext, agent_loop_class
 from workers.agents.trajectory import Trajectory
-from workers.config import ActorConfig, ModelConfig, RolloutConfig
+from workers.config import ModelConfig, RolloutConfig
 from workers.event_loop import CallerLoop, LoopThread
 from workers.models import load_tokenizer
-from workers.roles.actor_rollout import ActorRolloutWorker
 from workers.roles.rollout import RolloutWorker, rollout_sampling_meta
 from workers.sandbox import ReplSandbox
 
-__all__ = ["ActorRolloutEnvWorker", "EnvWorker", "EnvWorkerMixin", "env_role_classes", "query_of"]
+__all__ = ["EnvWorker", "env_role", "env_roles", "query_of"]
 
 
 def query_of(raw_prompt, extra_info) -> str:
@@ -78,32 +74,66 @@ def query_of(raw_prompt, extra_info) -> str:
     raise ValueError(f"cannot find a query in raw_prompt={raw_prompt!r}")
 
 
-class EnvWorkerMixin:
-    """Agent rollouts for a worker with ``tokenizer``, ``rollout_engine`` (or a policy factory),
-    ``rollout_config``, ``model_config``, ``rank`` and ``tag``; ``env`` is an ``AgentEnvConfig`` subclass whose
-    ``loop`` names the agent-loop plugin. Policy, sandbox, event loop and plugin are built on first use."""
+class EnvWorker(Worker):
+    """The agent environment of one rank: its agent loop, sandbox and event loop, running the policy on the engine
+    of the rollout role it shares (``rollout_role``), or on ``policy_factory(tokenizer) -> GenerateFn`` (a
+    scripted policy: tests and benchmarks, no engine). Policy, sandbox, event loop and plugin are built on
+    first use; ``env`` is an ``AgentEnvConfig`` subclass whose ``loop`` names the agent-loop plugin."""
 
-    tokenizer: Any
-    rollout_config: RolloutConfig
-    model_config: ModelConfig
-    rank: int
-    tag: str
-
-    def _env_init(self, env: AgentEnvConfig, policy_factory=None) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        env: AgentEnvConfig,
+        policy_factory=None,
+        rollout_role: RolloutWorker | None = None,
+    ):
         if not isinstance(env, AgentEnvConfig):
             raise TypeError(f"env must be an AgentEnvConfig (e.g. RLMEnvConfig), got {type(env).__name__}")
+        if (policy_factory is None) == (rollout_role is None):
+            raise ValueError(f"{self.tag}: give exactly one of rollout_role (an engine) and policy_factory")
+        if rollout_role is not None and rollout_role.rollout_tp > 1:
+            raise ValueError(
+                f"{self.tag}: rollout.tensor_model_parallel_size={rollout_role.rollout_tp}: the agent env splits "
+                "prompts per rank, which would give the TP ranks of a generation replica different prompts; use 1"
+            )
+        self.model_config = model
+        self.rollout_config = rollout
         self.env_config = env
+        self.tokenizer: Any = None
         self._loop_cls = agent_loop_class(env.loop)
         self._policy_factory = policy_factory
+        self._rollout_role = rollout_role
+        # one agent rollout at a time; with a rollout role, its lock (weights wait for the agents, as for a rollout)
+        self._generating = rollout_role.generating if rollout_role is not None else threading.Lock()
         self._env_loop: LoopThread | CallerLoop | None = None
         self._sandbox: ReplSandbox | None = None
         self._agent_loop: AgentLoop | None = None
         self.env_calls = 0
 
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """The tokenizer (the rollout role's, built first in this process; or loaded, with a policy factory)
+        and this rank's sandbox."""
+        if self._rollout_role is not None:
+            if self._rollout_role.tokenizer is None:
+                raise RuntimeError(f"{self.tag}: init_model before the rollout role's init_model")
+            self.tokenizer = self._rollout_role.tokenizer
+        else:
+            m = self.model_config
+            self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+        self._env_sandbox()
+
+    @register(Dispatch.DP_SPLIT_PROTO)
+    def generate_sequences(self, data: DataProto) -> DataProto:
+        """Agent trajectories for this rank's chunk of prompts (module docstring)."""
+        with self._generating:
+            return self._env_generate(data)
+
     # -- pieces, built on first use ---------------------------------------------------------------------------
 
     def _env_engine(self):
-        return getattr(self, "rollout_engine", None) if self._policy_factory is None else None
+        return None if self._rollout_role is None else self._rollout_role.rollout_engine
 
     def _env_policy(self) -> EngineLLM:
         if self.tokenizer is None:
@@ -137,14 +167,6 @@ class EnvWorkerMixin:
             else:
                 self._env_loop = LoopThread(name=f"{self.env_config.loop}-env-{self.rank}")
         return self._env_loop
-
-    def _env_before_generate(self) -> None:
-        """Hook: the colocated worker offloads its trainer here."""
-
-    def _load_tokenizer_only(self) -> None:
-        """``init_model`` with a policy factory: no engine, only the tokenizer."""
-        m = self.model_config
-        self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
 
     # -- the rollout ------------------------------------------------------------------------------------------
 
@@ -180,7 +202,8 @@ class EnvWorkerMixin:
         """Every job on this worker's event loop, at most ``env.max_concurrent`` at once, with the rollout
         engine's memory resumed meanwhile; results in job order."""
         engine = self._env_engine()
-        self._env_before_generate()
+        if self._rollout_role is not None:
+            self._rollout_role.before_generate()  # a colocated trainer leaves the device
         if engine is not None:
             engine.resume_memory()
         try:
@@ -287,56 +310,19 @@ class EnvWorkerMixin:
             self._env_loop = None
 
 
-class EnvWorker(EnvWorkerMixin, RolloutWorker):
-    """The rollout role on its own pool running the agent env: a rollout replica per rank + a sandbox; weights
-    arrive over the weight-sync group."""
-
-    def __init__(
-        self,
-        model: ModelConfig,
-        rollout: RolloutConfig,
-        env: AgentEnvConfig,
-        policy_factory=None,
-        concurrent: bool = False,
-    ):
-        """``concurrent``: weights may arrive while the agents run (asynchronous RL, `RolloutWorker`)."""
-        super().__init__(model, rollout, concurrent=concurrent)
-        self._env_init(env, policy_factory)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        """Tokenizer + this rank's rollout engine (only the tokenizer with a ``policy_factory``) + sandbox."""
-        if self._policy_factory is not None:
-            self._load_tokenizer_only()
-        else:
-            super().init_model()
-        self._env_sandbox()
-
-    @register(Dispatch.DP_SPLIT_PROTO)
-    def generate_sequences(self, data: DataProto) -> DataProto:
-        """Agent trajectories for this rank's chunk of prompts (module docstring)."""
-        with self._generating:
-            return self._env_generate(data)
+def env_roles(model: ModelConfig, rollout: RolloutConfig, env: AgentEnvConfig, **rollout_kwargs) -> dict:
+    """The roles of a pool that runs ``env`` on its own rollout engines (disaggregated placement: ``rollout`` then
+    ``env``, in build order), for `controller.create_colocated_worker_cls`; ``rollout_kwargs`` go to the
+    `RolloutWorker` (e.g. ``concurrent=True``). Colocated with the actor, add the ``env`` role alone
+    (`env_role`) beside the hybrid engine's roles (`workers.roles.hybrid_roles`)."""
+    return {
+        "rollout": RayClassWithInitArgs(RolloutWorker, model=model, rollout=rollout, **rollout_kwargs),
+        "env": env_role(model, rollout, env),
+    }
 
 
-class ActorRolloutEnvWorker(EnvWorkerMixin, ActorRolloutWorker):
-    """Colocated placement: the hybrid actor-rollout worker whose ``generate_sequences`` runs the agent env with
-    the current rollout weights (the trainer is offloaded meanwhile)."""
-
-    def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig, env: AgentEnvConfig):
-        super().__init__(model, actor, rollout)
-        self._env_init(env)
-
-    def _env_before_generate(self) -> None:
-        self._offload_trainer()
-
-    @register(Dispatch.DP_SPLIT_PROTO)
-    def generate_sequences(self, data: DataProto) -> DataProto:
-        """Agent trajectories for this rank's chunk of prompts (module docstring)."""
-        self._require_rollout("generate_sequences")
-        return self._env_generate(data)
-
-
-def env_role_classes(env: AgentEnvConfig) -> dict:
-    """``build_roles``' hook arguments that make the rollout role run ``env`` in either placement."""
-    return {"hybrid_cls": ActorRolloutEnvWorker, "rollout_cls": EnvWorker, "rollout_kwargs": {"env": env}}
+def env_role(model: ModelConfig, rollout: RolloutConfig, env: AgentEnvConfig) -> RayClassWithInitArgs:
+    """The env role, sharing the ``rollout`` role of its pool."""
+    return RayClassWithInitArgs(
+        EnvWorker, model=model, rollout=rollout, env=env, rollout_role=Shared("rollout")
+    )

@@ -137,21 +137,47 @@ class TrainEngine(Protocol):
     device: torch.device
     dp_size: int
     dp_rank: int
-    dp_group: dist.ProcessGroup | None  # None: one replica, nothing to reduce over
     is_value_model: bool
     global_step: int  # applied optimizer steps
     skipped_steps: int  # steps dropped for a non-finite gradient norm
     hf_config: Any  # the model's transformers config; ``architectures`` names the class it was loaded as
     generation_config: Any  # transformers GenerationConfig of a causal LM, None for a critic
 
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel process group; None: one replica, nothing to reduce over."""
+
     def dp_all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """``t`` reduced over ``dp_group`` (identity without one), on CPU."""
 
-    def compute_log_prob(self, data, **kwargs) -> dict[str, torch.Tensor]: ...
+    def compute_log_prob(
+        self,
+        data,
+        *,
+        temperature: float | None = None,
+        calculate_entropy: bool = False,
+        micro_batch_size: int | None = None,
+        max_token_len: int | None = None,
+    ) -> dict[str, torch.Tensor]: ...
 
-    def compute_values(self, data, **kwargs) -> dict[str, torch.Tensor]: ...
+    def compute_values(
+        self, data, *, micro_batch_size: int | None = None, max_token_len: int | None = None
+    ) -> dict[str, torch.Tensor]: ...
 
-    def train_step(self, data, loss_fn: LossFn, **kwargs) -> dict[str, Any]: ...
+    def train_step(
+        self,
+        data,
+        loss_fn: LossFn,
+        *,
+        mini_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        max_token_len: int | None = None,
+        epochs: int = 1,
+        shuffle: bool = False,
+        temperature: float | None = None,
+        calculate_entropy: bool = False,
+        loss_mask_key: str = "response_mask",
+    ) -> dict[str, Any]: ...
 
     def full_state_dict_iter(
         self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None

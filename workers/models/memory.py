@@ -20,7 +20,7 @@ Terms (bytes; ``P`` parameters, ``W`` FSDP ranks sharing the training state):
                                                        (c = 5)
 
 and per stage: ``gen`` = reference + rollout weights + KV cache + the sampling logits, plus the train state
-unless the colocated trainer is offloaded while the engine generates (`ActorRolloutWorker` does);
+unless the colocated trainer is offloaded while the engine generates (the hybrid engine's rollout role does);
 ``update_actor`` = train state + reference + rollout weights + gather + activations of one micro-batch.
 
 Checked on an H200 (Qwen2-0.5B shape, 256 samples of <= 256 tokens, a 16,384-token micro-batch; BENCHMARKS.md,

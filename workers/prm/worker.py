@@ -36,7 +36,7 @@ from workers.prm.hindsight import HindsightJudge
 from workers.prm.prompts import hint_prompt, judge_prompt, parse_hint, parse_vote
 from workers.prm.scorers import EngineScorer, HTTPScorer
 
-__all__ = ["ModelJudge", "PRMConfig", "PRMMixin", "PRMWorker", "build_judge"]
+__all__ = ["ModelJudge", "PRMConfig", "PRMWorker", "build_judge"]
 
 SCORERS = ("reference", "checkpoint", "http", "rule")
 # `steps`: the tool env's JSON step records; the problem text comes from extra_info or raw_prompt; the rule
@@ -158,20 +158,25 @@ def _problem(nt: dict, i: int) -> str:
     return ""
 
 
-class PRMMixin:
-    """``score_steps`` for any worker: ``PRMWorker`` (a role of its own) or a training/rollout worker that
-    hosts the judge in its own process (colocated); the scorer is built on first use."""
+class PRMWorker(Worker):
+    """The PRM as a role of its own: on its own resource pool, or composed into another pool's processes (e.g.
+    beside the rollout role, ``prm.placement=colocated``); the judge is built on first use."""
 
-    def _prm_init(self, config: PRMConfig, reference_path: str | None = None, scorer=None) -> None:
+    def __init__(self, config: PRMConfig, reference_path: str | None = None, scorer=None):
+        """``scorer``: an object with ``complete(prompts, n, max_new_tokens=, temperature=, seed=)`` used
+        instead of building one (tests); ``reference_path``: the checkpoint of ``prm.scorer=reference``."""
         self.prm_config = config
         self.prm_reference_path = reference_path
         self._prm_judge = None if scorer is None else ModelJudge(scorer, config)
         self.prm_calls = 0
 
+    @property
+    def config(self) -> PRMConfig:
+        return self.prm_config
+
     def _judge(self):
         if self._prm_judge is None:
-            path = self.prm_reference_path or getattr(getattr(self, "model_config", None), "path", None)
-            self._prm_judge = build_judge(self.prm_config, path, self.rank)
+            self._prm_judge = build_judge(self.prm_config, self.prm_reference_path, self.rank)
         return self._prm_judge
 
     @register(Dispatch.DP_COMPUTE_PROTO, inputs=SCORE_STEPS_INPUTS)
@@ -230,19 +235,6 @@ class PRMMixin:
             },
             meta_info={"metrics": metrics},
         )
-
-
-class PRMWorker(PRMMixin, Worker):
-    """The PRM as a role of its own (its own resource pool, or colocated with others by the group)."""
-
-    def __init__(self, config: PRMConfig, reference_path: str | None = None, scorer=None):
-        """``scorer``: an object with ``complete(prompts, n, max_new_tokens=, temperature=, seed=)`` used
-        instead of building one (tests)."""
-        self._prm_init(config, reference_path, scorer)
-
-    @property
-    def config(self) -> PRMConfig:
-        return self.prm_config
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

@@ -5,8 +5,12 @@ an `FSDPEngine` (FSDP2 over all ranks when the group has more than one) or, with
 a `MegatronEngine` (``actor.megatron``: TP x PP ranks per model replica, the rest data parallel). The data
 methods use the n-D dispatch on mesh "actor" (``ACTOR_MESH``): each data-parallel replica gets a contiguous
 chunk of the batch (all of its TP/PP ranks the same chunk) and one rank per replica is collected, in order.
-`workers.roles.actor_rollout` subclasses this class to add generation and weight sync; the attributes it
-relies on are ``engine``, ``tokenizer``, ``model_config``, ``actor_config`` and ``rollout_config``.
+
+Its weights leave it two ways: in process, to a rollout role colocated with it (`workers.roles.rollout.
+RolloutWorker` built with ``trainer=Shared("actor")`` reads ``hf_weight_stream`` and offloads the engine while
+it generates), or over a weight-sync process group to a rollout pool of its own (``open_weight_sync_store``,
+``init_weight_sync``, ``send_weights``: trainer rank 0 broadcasts size-bounded buckets of full tensors), driven
+from the controller by `workers.weight_sync.WeightSync`.
 
 Loss of `update_actor`, per PPO mini-batch (``actor.ppo_mini_batch_size * rollout.n`` rows in all)::
 
@@ -25,6 +29,9 @@ numbers); the call returns them as ``old_log_probs``.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 import torch
 
 from algorithms import KL_PENALTY_NAMES, agg_loss, compute_kl_loss, get_policy_loss_fn
@@ -42,6 +49,8 @@ from workers.roles.common import (
     ppo_micro_batch_kwargs,
     token_share,
 )
+from workers.roles.sync_member import WeightSyncMember
+from workers.weight_sync import DEFAULT_GROUP_NAME, bucket_mb_to_bytes, hf_named_tensors, stream_metrics
 
 # Optional per-token weights (rollout importance-sampling correction) passed to the policy loss when present.
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
@@ -53,7 +62,7 @@ UPDATE_INPUTS = Inputs(
 ROW_INDEX = "_row"  # the row of each micro-batch row in the call's batch (on-policy old log-probs go there)
 
 
-class ActorWorker(EngineRoleWorker):
+class ActorWorker(EngineRoleWorker, WeightSyncMember):
     def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig):
         self.model_config = model
         self.actor_config = actor
@@ -208,3 +217,54 @@ class ActorWorker(EngineRoleWorker):
             data.batch, loss_fn, temperature=1.0, **ppo_micro_batch_kwargs(self.actor_config)
         )
         return self._train_result("sft_step", "sft", m, {"loss": float(m["loss"])})
+
+    # -- weights out ------------------------------------------------------------------------------------------
+
+    def hf_weight_stream(
+        self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor)`` for every parameter (and persistent buffer) of the training model, one
+        all-gather at a time. Collective: every rank of the trainer group must consume it to the end."""
+        engine = self._require_engine("hf_weight_stream")
+        tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
+        return hf_named_tensors(
+            engine.full_state_dict_iter(device=device, dtype=dtype), tie_word_embeddings=tied
+        )
+
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_sync_store(
+        self, world_size: int, group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 300.0
+    ) -> tuple[str, int]:
+        """Host the weight-sync group's TCPStore on this process (trainer rank 0) on a port the OS picks;
+        returns ``(node address, port)`` for the rollout ranks to dial. ``init_weight_sync`` then joins
+        through it."""
+        return self.weight_sync_groups.host_store(group_name, world_size, timeout_s)
+
+    @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
+    def send_weights(self, bucket_bytes: int | None = None, group_name: str = DEFAULT_GROUP_NAME) -> dict:
+        """Broadcast the full weights to the weight-sync group; every trainer rank must run it (each takes
+        part in gathering every parameter), rank 0 sends. Buckets hold at most ``bucket_bytes`` (default
+        ``rollout.weight_bucket_mb`` MiB); a larger tensor travels alone. Returns rank 0's metrics."""
+        t0 = time.perf_counter()
+        if bucket_bytes is None:
+            bucket_bytes = bucket_mb_to_bytes(self.rollout_config.weight_bucket_mb)
+        group = self.weight_sync_groups.get(group_name) if self.rank == 0 else None
+        if self.rank == 0 and group is None:
+            # Still consume the stream so the other ranks' gathers do not hang, then fail.
+            for _ in self.hf_weight_stream():
+                pass
+            self.weight_sync_groups.require(group_name, f"{self.tag}: send_weights")
+        if group is None:  # ranks > 0: take part in the gathers only (full tensors stay where they are made)
+            for _ in self.hf_weight_stream(device=self._require_engine("send_weights").device):
+                pass
+            return {}
+        stream = self.hf_weight_stream(device=group.device)
+        try:
+            stats = group.send(stream, bucket_bytes)
+        finally:
+            for _ in stream:  # a failed broadcast must not leave the other trainer ranks in a gather
+                pass
+        return stream_metrics(stats, time.perf_counter() - t0) | {
+            "weight_sync/max_bucket_bytes": stats["max_bucket_bytes"],
+            "weight_sync/bucket_bytes": bucket_bytes,
+        }

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import torch
 
@@ -41,6 +43,11 @@ from workers.engine import (
     save_checkpoint,
 )
 from workers.models import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from workers.engine.megatron.engine import MegatronEngine
 
 logger = logging.getLogger(__name__)
 
@@ -115,23 +122,30 @@ def mesh_info(engine, rank: int) -> tuple[int, bool]:
     return rank, True
 
 
+class MicroBatchKwargs(TypedDict):
+    """The micro-batching keyword arguments of an engine call (`micro_batch_kwargs`)."""
+
+    max_token_len: int | None
+    micro_batch_size: int | None
+
+
 def micro_batch_kwargs(
     use_dynamic_bsz: bool, micro_batch_size: int | None, max_token_len: int | None
-) -> dict[str, int | None]:
+) -> MicroBatchKwargs:
     """Engine micro-batching arguments: a token budget (dynamic batch size) or a row count."""
     if use_dynamic_bsz:
         return {"max_token_len": max_token_len, "micro_batch_size": None}
     return {"max_token_len": None, "micro_batch_size": micro_batch_size}
 
 
-def ppo_micro_batch_kwargs(section) -> dict[str, int | None]:
+def ppo_micro_batch_kwargs(section) -> MicroBatchKwargs:
     """`micro_batch_kwargs` of a trained role's section (actor / critic: ``ppo_*_per_gpu``)."""
     return micro_batch_kwargs(
         section.use_dynamic_bsz, section.ppo_micro_batch_size_per_gpu, section.ppo_max_token_len_per_gpu
     )
 
 
-def log_prob_settings(tag: str, rollout: RolloutConfig, meta: Mapping) -> tuple[float, dict]:
+def log_prob_settings(tag: str, rollout: RolloutConfig, meta: Mapping) -> tuple[float, MicroBatchKwargs]:
     """(temperature, micro-batch kwargs) of a log-prob pass (old or reference log-probs): the rollout
     temperature and rollout.log_prob_* settings, each overridden by the same-named ``meta_info`` key
     (``temperature``, ``use_dynamic_bsz``, ``max_token_len``, ``micro_batch_size``)."""
@@ -184,11 +198,14 @@ class StepMetrics:
 class EngineRoleWorker(Worker):
     """Base of the roles that hold an `FSDPEngine` (``self.engine``, built by the subclass's ``init_model``).
 
-    Every method that uses the engine gets it through `_require_engine` first, so a subclass can hook that
-    (e.g. the colocated actor-rollout worker reloads an offloaded trainer there)."""
+    Every method that uses the engine gets it through `_require_engine` first, which reloads an engine that a
+    colocated role offloaded (`offload_engine`: the rollout role, before it generates on the same device)."""
 
-    engine: FSDPEngine | None = None
-    tokenizer = None
+    engine: FSDPEngine | MegatronEngine | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
+    model_config: ModelConfig  # set by the subclass's __init__
+    rollout_config: RolloutConfig
+    _engine_offloaded = False
 
     # -- messages and checks ---------------------------------------------------------------------------------
 
@@ -229,10 +246,23 @@ class EngineRoleWorker(Worker):
             self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
         )
 
-    def _require_engine(self, method: str) -> FSDPEngine:
+    def _require_engine(self, method: str) -> FSDPEngine | MegatronEngine:
+        """The engine, brought back first if a colocated role offloaded it (`offload_engine`)."""
         if self.engine is None:
             raise RuntimeError(f"{self.tag}: {method} called before init_model()")
+        if self._engine_offloaded:
+            self.engine.reload()
+            self._engine_offloaded = False
         return self.engine
+
+    def offload_engine(self) -> float:
+        """Move the engine's parameters and optimizer state off the device until its next use (a colocated
+        rollout role calls it in process before it generates); returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.engine is not None and not self._engine_offloaded:
+            self.engine.offload()
+            self._engine_offloaded = True
+        return time.perf_counter() - t0
 
     def _require_keys(self, data: DataProto, keys: Iterable[str], method: str) -> None:
         if not isinstance(data, DataProto):
@@ -249,6 +279,7 @@ class EngineRoleWorker(Worker):
         over the DP group."""
         global_rows = section.ppo_mini_batch_size * self.rollout_config.n
         what = f"{name}.ppo_mini_batch_size * rollout.n"
+        assert self.engine is not None  # the caller's _require_engine checked it
         dp = self.engine.dp_size
         if global_rows < 1 or global_rows % dp:
             raise ValueError(
@@ -269,6 +300,7 @@ class EngineRoleWorker(Worker):
     ) -> dict:
         """``section.ppo_epochs`` passes of optimizer steps on ``mini_batch_rows`` rows each over ``data``; the
         engine's metrics plus ``device_memory``: the call's peak device memory, named after ``stage``."""
+        assert self.engine is not None  # the caller's _require_engine checked it
         with PeakDeviceMemory(stage) as peak:
             m = self.engine.train_step(
                 data.batch,
@@ -286,6 +318,7 @@ class EngineRoleWorker(Worker):
         and skipped-step count, named ``<prefix>/<name>``. Warns when the engine dropped optimizer steps of this
         call (non-finite gradient norm)."""
         engine = self.engine
+        assert engine is not None  # the caller's _require_engine checked it
         if train_metrics["skipped"]:
             logger.warning(
                 "%s: %s skipped %d of %d optimizer step(s) for a non-finite loss/gradient norm (grad norms %s); "
@@ -324,7 +357,8 @@ class EngineRoleWorker(Worker):
                 num_params=self.engine.num_params,
             )
             if hasattr(self.engine, "tp_rank"):  # Megatron: place in the TP x PP group of its replica
-                info.update(tp_rank=self.engine.tp_rank, pp_rank=self.engine.pp_rank)
+                megatron = cast("MegatronEngine", self.engine)
+                info.update(tp_rank=megatron.tp_rank, pp_rank=megatron.pp_rank)
         return info
 
     @register(Dispatch.ONE_TO_ALL)

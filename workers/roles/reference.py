@@ -88,6 +88,7 @@ class RefWorker(EngineRoleWorker):
         temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
         hints = data.non_tensor_batch.get("teacher_hint")
         texts = ["" if h is None else str(h) for h in hints] if hints is not None else [""] * len(data)
+        assert self.tokenizer is not None  # loaded with the engine (_init_engine)
         hint_ids = [list(self.tokenizer.encode(t, add_special_tokens=False)) if t else [] for t in texts]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         b = data.batch

@@ -13,6 +13,8 @@ With a group of several ranks ``reward/errors`` is summed over the ranks (``data
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from controller import Dispatch, Inputs, Worker, register
@@ -20,6 +22,9 @@ from dataproto import DataProto
 from workers.config import RewardConfig
 from workers.models import load_tokenizer
 from workers.reward import score_batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_ERROR_MESSAGES = 5
 # `responses` and the row's source and ground truth; the valid length from attention_mask (else response_mask);
@@ -35,7 +40,7 @@ class RewardWorker(Worker):
     def __init__(self, model_path_or_tokenizer_path: str, reward: RewardConfig):
         self.tokenizer_path = str(model_path_or_tokenizer_path)
         self.reward_config = reward
-        self.tokenizer = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         if reward.reward_manager != "outcome":
             raise ValueError(
                 f"{self.tag}: reward.reward_manager={reward.reward_manager!r} is not supported; "
@@ -80,6 +85,7 @@ class RewardWorker(Worker):
             # agent's final answer (None when it never called FINAL, which scores as an empty answer).
             texts = ["" if a is None else str(a) for a in data.non_tensor_batch["answer"]]
         else:
+            assert self.tokenizer is not None  # init_model loaded it
             texts = self.tokenizer.batch_decode(
                 [responses[i, : int(lengths[i])].tolist() for i in range(len(data))], skip_special_tokens=True
             )

@@ -1,16 +1,20 @@
-"""Rollout on its own resource pool (disaggregated placement), and what every rollout role shares.
+"""The rollout role: one rollout replica per rank (the engine ``rollout.name`` names: `workers.rollout.registry`).
 
-* `RolloutWorker(model, rollout)`: one full rollout replica per rank (the engine ``rollout.name`` names:
-  `workers.rollout.registry`), no training engine. ``generate_sequences`` has the same contract as
-  `workers.roles.actor_rollout.ActorRolloutWorker.generate_sequences` (``Dispatch.DP_SPLIT_PROTO``: one
-  unpadded chunk of prompts per rank, since every prompt comes back ``n`` times); new weights arrive over a
-  weight-sync process group (`workers.weight_sync.sync_group`) that it joins with ``init_weight_sync`` and
-  reads with ``receive_weights``, driven from the controller by `workers.weight_sync.WeightSync`.
-* Shared by both rollout roles: `RolloutEngineMixin` (the rank's engine, built from the config),
-  `rollout_sampling_meta` (RolloutConfig defaults, validation settings), `run_rollout` (memory
-  resume/release around a generation, placeholder rows of the split dispatch dropped, timings, token counts)
-  and `on_engine_device`. Engines are used only through `workers.rollout.base.RolloutEngine`: what differs
-  between them is what they declare (``swaps_weights_mid_generation``, ``device``, ...), never their class.
+`RolloutWorker(model, rollout)` in either placement; where its weights come from is the only difference:
+
+* on its own resource pool (disaggregated), new weights arrive over a weight-sync process group
+  (`workers.weight_sync.sync_group`) that it joins with ``init_weight_sync`` and reads with ``receive_weights``;
+* colocated with the actor (``trainer=Shared("actor")``, `controller.colocate.Shared`: the hybrid engine,
+  `workers.roles.hybrid_engine`), it reads them in process from the trainer (``sync_weights``, or
+  ``sync_resharded_weights`` for tensor-parallel replicas) and offloads the trainer while it generates.
+
+Both are driven from the controller by `workers.weight_sync.WeightSync`. ``generate_sequences`` (the "rollout"
+mesh: one unpadded chunk of prompts per replica, since every prompt comes back ``n`` times) is `run_rollout`:
+memory resume/release around a generation, placeholder rows of the split dispatch dropped, timings, token
+counts; `rollout_sampling_meta` holds the RolloutConfig defaults and validation settings. Engines are used only
+through `workers.rollout.base.RolloutEngine`: what differs between them is what they declare
+(``swaps_weights_mid_generation``, ``device``, ...), never their class. An environment role (`workers.agents.
+env_worker.EnvWorker`) shares this role to run agents on its engine.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,10 +31,19 @@ from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.device_memory import PeakDeviceMemory
 from workers.models import load_tokenizer
+from workers.roles.hybrid_engine import (
+    ROLLOUT_MESH,
+    generation_tp_group,
+    load_from_trainer,
+    rollout_tp_size,
+)
 from workers.roles.sync_member import WeightSyncMember
 from workers.rollout.base import RolloutEngine
 from workers.rollout.registry import build_rollout_engine
 from workers.weight_sync import DEFAULT_GROUP_NAME, stream_metrics
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -133,29 +147,95 @@ def on_engine_device(engine: RolloutEngine, named_tensors):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Workers
+# The role
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class RolloutEngineMixin:
-    """The rollout engine of one rank (``self.rollout_engine``), for a worker with ``model_config``,
-    ``rollout_config``, ``tokenizer``, ``rank`` and ``tag``."""
+class RolloutWorker(WeightSyncMember, Worker):
+    """A rollout replica per rank; weights from a colocated ``trainer`` in process, else over a weight-sync group.
 
-    rollout_engine: RolloutEngine | None = None
+    ``trainer`` (colocated placement): the actor role of this process (an `ActorWorker`, passed as
+    ``Shared("actor")``), whose engine is offloaded while this role generates and whose weights ``sync_weights``
+    streams in. ``concurrent`` (asynchronous RL; the actor then runs with Ray ``max_concurrency`` > 1): weights
+    and aborts may arrive while a generation runs. An engine that ``swaps_weights_mid_generation`` (native)
+    receives the whole stream into a staging copy and swaps it in between two decode steps (generation pauses
+    only for the copy; tokens after the swap record the new version, or the requests that started on the old
+    weights are aborted at the swap); for any other (SGLang) weights change only between calls, so its receive
+    waits for the running generation to finish."""
+
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig, concurrent: bool = False, trainer=None):
+        self.model_config = model
+        self.rollout_config = rollout
+        self.concurrent = concurrent
+        self.trainer = trainer
+        # tensor-parallel replicas over the trainer's ranks (3D-HybridEngine); 1 on a pool of its own
+        self.rollout_tp = 1 if trainer is None else rollout_tp_size(trainer.actor_config, rollout, self.tag)
+        self.rollout_engine: RolloutEngine | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.sync_count = 0  # weight syncs received
+        # one generation at a time (the engine batches within a call); an env role sharing this one takes it too
+        self.generating = threading.Lock()
 
     def _require_rollout(self, method: str) -> RolloutEngine:
         if self.rollout_engine is None:
             raise RuntimeError(f"{self.tag}: {method} called before init_model()")
         return self.rollout_engine
 
-    def _build_rollout_engine(self, tp_group=None) -> None:
-        """Build this rank's engine (`build_rollout_engine`); its KV cache is released until the first
-        generation when ``rollout.free_cache_engine``."""
+    def _require_trainer(self, method: str):
+        if self.trainer is None:
+            raise RuntimeError(
+                f"{self.tag}: {method} reads weights from a colocated trainer, but this rollout role has none "
+                "(on a pool of its own, weights arrive through receive_weights)"
+            )
+        return self.trainer
+
+    def before_generate(self) -> None:
+        """Free the device for generation: offload the colocated trainer (until its next use)."""
+        if self.trainer is not None:
+            self.trainer.offload_engine()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        """Build this rank's engine from ``model.path`` (colocated: after the actor's ``init_model``, whose
+        tokenizer and, for tensor-parallel replicas, reshard plan it uses); its KV cache is released until the
+        first generation when ``rollout.free_cache_engine``, and a colocated trainer offloaded."""
+        m = self.model_config
+        if self.trainer is not None and self.trainer.tokenizer is None:
+            raise RuntimeError(f"{self.tag}: init_model before the colocated actor's init_model")
+        tp_group = None
+        if self.rollout_tp > 1:
+            tp_group, replica, gen_tp_rank = generation_tp_group(
+                self.trainer.engine, self.rollout_tp, self.tag
+            )
+            self.register_dispatch_collect_info("rollout", replica, gen_tp_rank == 0)
+        else:  # one full replica per rank
+            self.register_dispatch_collect_info("rollout", self.rank, True)
+        if self.trainer is not None:
+            self.tokenizer = self.trainer.tokenizer
+        else:
+            self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
         self.rollout_engine = build_rollout_engine(
-            self.model_config, self.rollout_config, self.tokenizer, rank=self.rank, tp_group=tp_group
+            m, self.rollout_config, self.tokenizer, rank=self.rank, tp_group=tp_group
         )
         if self.rollout_config.free_cache_engine:
             self.rollout_engine.release_memory()
+        self.before_generate()
+
+    @register(ROLLOUT_MESH)
+    def generate_sequences(self, data: DataProto) -> DataProto:
+        """Responses for this replica's chunk of prompts (left-padded ``input_ids``/``attention_mask``).
+
+        ``meta_info`` may set ``n``, ``temperature``, ``top_p``, ``top_k``, ``do_sample``, ``validate``
+        (defaults: rollout.temperature / rollout.n, or val_temperature / val_n when validating),
+        ``response_length``, ``seed``, ``stop_token_ids``. Rows come back repeated ``n`` times (a, a, b, b);
+        output keys as in dataproto/BATCH_LAYOUT.md. With ``rollout.tensor_model_parallel_size > 1`` every rank
+        of a replica generates the same chunk in lockstep and one of them is collected. ``meta_info`` gains
+        ``temperature`` (of the reported log-probs), ``eos_token_id``, ``pad_token_id``, ``timing_s/gen`` and
+        ``rollout/*`` token counts (`run_rollout`)."""
+        engine = self._require_rollout("generate_sequences")
+        with self.generating:
+            self.before_generate()
+            return run_rollout(engine, data, self.rollout_config, tag=self.tag)
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_named_weights(self, names: list[str] | None = None) -> dict:
@@ -164,48 +244,67 @@ class RolloutEngineMixin:
         engine = self._require_rollout("rollout_named_weights")
         return {n: t.detach().cpu().clone() for n, t in engine.named_weights() if names is None or n in names}
 
+    # -- weights from a colocated trainer ---------------------------------------------------------------------
 
-class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
-    """A rollout replica per rank on its own resource pool; receives weights from the trainer's rank 0.
+    @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
+    def sync_weights(self, version: int | None = None) -> dict:
+        """Load the colocated trainer's current weights into every rank's replica (as policy ``version``, which
+        the generated tokens then record), then offload the trainer.
 
-    ``concurrent`` (asynchronous RL; the actor then runs with Ray ``max_concurrency`` > 1): weights and
-    aborts may arrive while a generation runs. An engine that ``swaps_weights_mid_generation`` (native)
-    receives the whole stream into a staging copy and swaps it in between two decode steps (generation pauses
-    only for the copy; tokens after the swap record the new version, or the requests that started on the old
-    weights are aborted at the swap); for any other (SGLang) weights change only between calls, so its receive
-    waits for the running generation to finish."""
+        Collective over the trainer group (every rank gathers every parameter); each rank's replica receives
+        the full tensors. Returns rank 0's metrics: ``timing_s/update_weights`` (the whole call),
+        ``perf/weight_sync_bytes`` (tensor bytes loaded into one replica), ``weight_sync/tensors``,
+        ``weight_sync/load_s`` (gather + load), ``weight_sync/offload_s``. Tensor-parallel replicas
+        (``rollout.tensor_model_parallel_size > 1``) take ``sync_resharded_weights`` instead."""
+        if self.rollout_tp > 1:
+            raise RuntimeError(
+                f"{self.tag}: rollout.tensor_model_parallel_size={self.rollout_tp}: the replicas load "
+                "generation shards (sync_resharded_weights), not full tensors"
+            )
+        trainer, engine = self._require_trainer("sync_weights"), self._require_rollout("sync_weights")
+        stream = trainer.hf_weight_stream(device=engine.device)  # reloads an offloaded trainer
+        return self._counted_sync(load_from_trainer(trainer, engine, stream, version))
 
-    def __init__(self, model: ModelConfig, rollout: RolloutConfig, concurrent: bool = False):
-        self.model_config = model
-        self.rollout_config = rollout
-        self.concurrent = concurrent
-        self.tokenizer = None
-        self.sync_count = 0  # weight syncs received
-        self._generating = threading.Lock()  # one generation at a time (the engine batches within a call)
+    @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
+    def sync_resharded_weights(self, version: int | None = None) -> dict:
+        """``sync_weights`` for tensor-parallel rollout replicas: this rank's generation shards straight from
+        the 3D-HybridEngine reshard (collective over the micro-DP groups; the native engine all-gathers
+        vocabulary shards in its TP group, in the same name order on every rank). ``perf/weight_sync_bytes``
+        is what rank 0's replica shard holds; ``weight_sync/bytes_received`` / ``bytes_sent`` what the
+        reshard moved."""
+        if self.rollout_tp == 1:
+            raise RuntimeError(f"{self.tag}: rollout.tensor_model_parallel_size=1: use sync_weights")
+        trainer = self._require_trainer("sync_resharded_weights")
+        engine = self._require_rollout("sync_resharded_weights")
+        shards = trainer._require_engine("sync_resharded_weights")  # reloads an offloaded trainer
+        stream = shards.generation_shard_iter(self.rollout_tp)
+        metrics = self._counted_sync(load_from_trainer(trainer, engine, stream, version))
+        # counts of the stream just consumed (the engine keeps one Resharder per generation TP size)
+        reshard = shards.reshard_stats(self.rollout_tp)
+        return metrics | {
+            "weight_sync/bytes_received": reshard.bytes_received,  # moved by the reshard (0: shard in place)
+            "weight_sync/bytes_sent": reshard.bytes_sent,
+            "weight_sync/gen_shard_bytes": metrics["perf/weight_sync_bytes"],
+            "weight_sync/held_bytes": reshard.held_bytes,
+            "weight_sync/peak_transient_bytes": reshard.peak_transient_bytes,
+            "weight_sync/rollout_tp": self.rollout_tp,
+        }
 
-    @register(Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        """Load the tokenizer and build this rank's rollout engine from ``model.path``."""
-        m = self.model_config
-        self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
-        self._build_rollout_engine()
+    def _counted_sync(self, metrics: dict) -> dict:
+        self.sync_count += 1
+        return metrics | {"weight_sync/count": self.sync_count}
 
-    @register(Dispatch.DP_SPLIT_PROTO)
-    def generate_sequences(self, data: DataProto) -> DataProto:
-        """Responses for this rank's chunk of prompts (see `run_rollout` for the output contract)."""
-        engine = self._require_rollout("generate_sequences")
-        with self._generating:
-            return run_rollout(engine, data, self.rollout_config, tag=self.tag)
+    # -- weights over a weight-sync group ---------------------------------------------------------------------
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(
         self, group_name: str = DEFAULT_GROUP_NAME, version: int | None = None, abort_running: bool = False
     ) -> dict:
         """Receive one full weight stream from the trainer into this rank's engine, as policy ``version``;
-        ``abort_running`` (concurrent, an engine that swaps weights mid-generation): the requests that started on the old weights are
-        aborted at the swap (flagged in ``rollout_aborted``) instead of going on with the new ones. Returns
-        this rank's metrics (``timing_s/update_weights``, ``perf/weight_sync_bytes``, bucket/tensor counts,
-        ``weight_sync/swap_s``: how long generation was held for the weights to change,
+        ``abort_running`` (concurrent, an engine that swaps weights mid-generation): the requests that started
+        on the old weights are aborted at the swap (flagged in ``rollout_aborted``) instead of going on with the
+        new ones. Returns this rank's metrics (``timing_s/update_weights``, ``perf/weight_sync_bytes``,
+        bucket/tensor counts, ``weight_sync/swap_s``: how long generation was held for the weights to change,
         ``weight_sync/aborted_requests``)."""
         t0 = time.perf_counter()
         engine = self._require_rollout("receive_weights")
@@ -225,8 +324,10 @@ class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
             # one swap, between two decode steps
             aborted = engine.update_weights(staged, version=version, abort_running=abort_running)
             swap_s = time.perf_counter() - t_swap
-        else:  # weights change between calls only: after the running generation, if any
-            with self._generating:
+        else:
+            # Weights change between calls only: wait for the running generation, if any. Without
+            # ``concurrent`` nothing else runs in this actor, so the lock is free at once.
+            with self.generating:
                 engine.resume_memory(kv_cache=False)
                 stats = group.receive(
                     lambda named: engine.update_weights(on_engine_device(engine, named), flush_cache=False)
@@ -237,17 +338,17 @@ class RolloutWorker(RolloutEngineMixin, WeightSyncMember, Worker):
                 if version is not None:
                     engine.weight_version = int(version)
                 swap_s = stats["apply_s"] + time.perf_counter() - t_swap
-        self.sync_count += 1
-        return stream_metrics(stats, time.perf_counter() - t0) | {
-            "weight_sync/apply_s": stats["apply_s"],
-            "weight_sync/swap_s": swap_s,
-            "weight_sync/aborted_requests": aborted,
-            "weight_sync/count": self.sync_count,
-        }
+        return self._counted_sync(
+            stream_metrics(stats, time.perf_counter() - t0)
+            | {
+                "weight_sync/apply_s": stats["apply_s"],
+                "weight_sync/swap_s": swap_s,
+                "weight_sync/aborted_requests": aborted,
+            }
+        )
 
 
 __all__: list[str] = [
-    "RolloutEngineMixin",
     "RolloutWorker",
     "on_engine_device",
     "rollout_sampling_meta",

@@ -1,10 +1,11 @@
 """`WeightSyncMember`: the worker side of joining and leaving a weight-sync process group, shared by both ends
-of a disaggregated weight sync (the trainer's `workers.roles.actor_rollout.WeightSenderMixin` and
+of a disaggregated weight sync (the trainer, `workers.roles.actor.ActorWorker`, and
 `workers.roles.rollout.RolloutWorker`). The controller side is `workers.weight_sync.sync.WeightSync`."""
 
 from __future__ import annotations
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from controller import Dispatch, register
 from workers.weight_sync import DEFAULT_GROUP_NAME, WeightSyncMemberships
@@ -12,6 +13,11 @@ from workers.weight_sync import DEFAULT_GROUP_NAME, WeightSyncMemberships
 
 class WeightSyncMember:
     """Worker mixin (needs ``self.tag``): the weight-sync groups this rank belongs to."""
+
+    if TYPE_CHECKING:  # the `controller.Worker` it is mixed into gives it
+
+        @property
+        def tag(self) -> str: ...
 
     @cached_property
     def weight_sync_groups(self) -> WeightSyncMemberships:

@@ -7,9 +7,10 @@ benchmarks that build worker groups by hand drive the same code (nothing imports
 
 Strategies, one sequence of group calls each:
 
-* ``colocated``: the rollout engines live in the trainer's processes (the hybrid engine,
-  `workers.roles.actor_rollout.ActorRolloutWorker`). One call, ``sync_weights``: every rank all-gathers each
-  parameter and streams the full tensor into its own rollout replica in process.
+* ``colocated``: the rollout engines live in the trainer's processes (the hybrid engine: a rollout role sharing
+  the actor, `workers.roles.hybrid_engine`; the two groups run on the same actors). One call, the rollout
+  role's ``sync_weights``: every rank all-gathers each parameter and streams the full tensor into its own
+  rollout replica in process.
 * ``resharded``: colocated, with tensor-parallel rollout replicas laid out differently from the training
   shards (``rollout.tensor_model_parallel_size > 1``, Megatron trainer). One call, ``sync_resharded_weights``:
   each rank receives only the generation shard it lacks, over the micro-DP groups of the 3D-HybridEngine
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from controller import RayWorkerGroup, WorkerGroupError, wait_all
 
 STRATEGIES = ("colocated", "resharded", "disaggregated")
-# Worker method of the trainer group that runs a whole in-process sync, per colocated strategy
+# Method of the colocated rollout group that runs a whole in-process sync, per colocated strategy
 _IN_PROCESS_METHOD = {"colocated": "sync_weights", "resharded": "sync_resharded_weights"}
 # Disaggregated: what trainer rank 0 reports of a stream that every receiver got too
 _SENDER_METRICS = (
@@ -76,7 +77,7 @@ class WeightSync:
         else gloo; ``setup_timeout_s`` bounds joining that group."""
         if strategy not in STRATEGIES:
             raise ValueError(f"weight-sync strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if (strategy == "disaggregated") == (actor is rollout):
+        if (strategy == "disaggregated") == actor.shares_processes_with(rollout):
             where = "a separate" if strategy == "disaggregated" else "the actor group as its"
             raise ValueError(f"weight-sync strategy {strategy!r} needs {where} rollout group")
         self.actor, self.rollout, self.strategy = actor, rollout, strategy
@@ -89,9 +90,9 @@ class WeightSync:
     def for_groups(
         cls, actor: RayWorkerGroup, rollout: RayWorkerGroup, *, rollout_tp: int = 1, **kwargs
     ) -> WeightSync:
-        """The strategy the placement implies: disaggregated when the groups differ, else resharded when the
-        rollout replicas are ``rollout_tp``-way tensor parallel (> 1), else colocated."""
-        if actor is not rollout:
+        """The strategy the placement implies: disaggregated when the groups run on different processes, else
+        resharded when the rollout replicas are ``rollout_tp``-way tensor parallel (> 1), else colocated."""
+        if not actor.shares_processes_with(rollout):
             strategy = "disaggregated"
         else:
             strategy = "resharded" if rollout_tp > 1 else "colocated"
@@ -121,7 +122,7 @@ class WeightSync:
         sync's own time, not the call it queued behind); None for the disaggregated strategy (use `sync`)."""
         if self.strategy == "disaggregated":
             return None
-        method = getattr(self.actor, _IN_PROCESS_METHOD[self.strategy])
+        method = getattr(self.rollout, _IN_PROCESS_METHOD[self.strategy])  # it reads the trainer it shares
         pending = method.with_options(blocking=False)(version=version)
 
         def wait() -> dict[str, float]:

@@ -1,6 +1,6 @@
 """``actor.strategy=megatron`` through real 2-rank actor groups (Ray actors, gloo) laid out as Megatron DP=2, TP=2
 and PP=2, against the FSDP strategy on one rank: the same old log-probs, update metrics and updated weights;
-the TP=2 group is the hybrid ActorRolloutWorker, whose rollout replicas must receive the full weights. Plus
+the TP=2 group is the hybrid engine (a rollout role sharing the actor), whose rollout replicas must receive the full weights. Plus
 the n-D dispatch layout each group registers and the engine-selection / group-size errors."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataproto import DataProto
 from resource_pools import ResourcePool
 from workers.config import ActorConfig, CriticConfig, ModelConfig, RolloutConfig
 from workers.engine import EngineConfig, MegatronConfig, OptimConfig
-from workers.roles import ActorRolloutWorker, ActorWorker, CriticWorker
+from workers.roles import ActorWorker, CriticWorker, hybrid_roles
 from workers.roles.common import build_engine, data_parallel_size
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
@@ -67,7 +67,7 @@ def critic_config(strategy: str, megatron: MegatronConfig | None = None) -> Crit
 
 
 # Megatron layouts of a 2-rank actor group, each compared with the 1-rank FSDP actor. The TP=2 group is the
-# hybrid ActorRolloutWorker, so its weight sync from a TP-sharded trainer is checked too. The PP=2 group and
+# hybrid engine (its rollout role as ``rollout_<name>``), so its weight sync from a TP-sharded trainer is checked too. The PP=2 group and
 # the FSDP group also hold a critic colocated with the actor (one process per rank, two engines: the critic's
 # data methods dispatch on their own mesh, "critic").
 LAYOUTS = {
@@ -90,22 +90,25 @@ def groups(ray_session, model_dir):
         layout = layouts[name]
         strategy = "fsdp" if layout is None else "megatron"
         actor_cfg = replace(actor_config(strategy), megatron=layout or MegatronConfig())
-        actor = RayClassWithInitArgs(
-            ActorRolloutWorker if name in HYBRID else ActorWorker, model, actor_cfg, ROLLOUT
-        )
-        if name not in WITH_CRITIC:
-            return {name: RayWorkerGroup(pools[name], actor, name_prefix=f"meg_roles_{name}")}
-        critic = RayClassWithInitArgs(CriticWorker, model, critic_config(strategy, layout), ROLLOUT)
-        cls = create_colocated_worker_cls({"actor": actor, "critic": critic})
-        spawned = RayWorkerGroup(pools[name], cls, name_prefix=f"meg_roles_{name}").spawn({"actor", "critic"})
-        return {name: spawned["actor"], f"critic_{name}": spawned["critic"]}
+        if name in HYBRID:
+            roles = hybrid_roles(model, actor_cfg, ROLLOUT)
+        else:
+            roles = {"actor": RayClassWithInitArgs(ActorWorker, model, actor_cfg, ROLLOUT)}
+        if name in WITH_CRITIC:
+            roles["critic"] = RayClassWithInitArgs(
+                CriticWorker, model, critic_config(strategy, layout), ROLLOUT
+            )
+        cls = create_colocated_worker_cls(roles)
+        spawned = RayWorkerGroup(pools[name], cls, name_prefix=f"meg_roles_{name}").spawn(list(roles))
+        # actor first: init_model is called in this order (a process runs its calls in the order sent)
+        return {name if role == "actor" else f"{role}_{name}": wg for role, wg in spawned.items()}
 
     with ThreadPoolExecutor(len(layouts)) as ex:
         wgs = {k: v for started in ex.map(start, layouts) for k, v in started.items()}
     [f.get() for f in [wg.init_model.with_options(blocking=False)() for wg in wgs.values()]]
     yield wgs
-    for wg in wgs.values():
-        wg.shutdown()
+    for name in layouts:
+        wgs[name].shutdown()
     for pool in pools.values():
         pool.remove()
 
@@ -195,14 +198,14 @@ def test_megatron_actor_matches_fsdp_actor(groups, model_dir, tmp_path):
 
     # hybrid worker: the TP-sharded trainer's full weights reach both ranks' rollout replicas (compared with
     # the trainer's own HF export: Adam steps amplify the 1e-7 gradient differences to FSDP on a few elements)
-    hybrid = {k: groups[k] for k in HYBRID}
+    hybrid = {k: groups[f"rollout_{k}"] for k in HYBRID}
     sync = call_all(hybrid, "sync_weights")
     assert sync["tp2"]["weight_sync/tensors"] == sync["fsdp"]["weight_sync/tensors"] > 0
     export = groups["tp2"].export_hf(str(tmp_path / "tp2_hf"))[0]
     trained = load_file(f"{export}/model.safetensors")
     initial = load_file(f"{model_dir}/model.safetensors")
-    rollout = groups["tp2"].rollout_named_weights()
-    assert rollout[0].keys() == rollout[1].keys() == groups["fsdp"].rollout_named_weights()[0].keys()
+    rollout = groups["rollout_tp2"].rollout_named_weights()
+    assert rollout[0].keys() == rollout[1].keys() == groups["rollout_fsdp"].rollout_named_weights()[0].keys()
     for n, t in rollout[0].items():
         assert torch.equal(t, rollout[1][n]), n
     for n, t in trained.items():

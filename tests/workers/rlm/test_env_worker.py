@@ -13,11 +13,11 @@ import pytest
 import ray
 import torch
 
-from controller import RayClassWithInitArgs, RayWorkerGroup
+from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from dataproto import DataProto
 from recipes.tasks import generate_splits
 from resource_pools import ResourcePool
-from workers.agents.env_worker import ActorRolloutEnvWorker, EnvWorker
+from workers.agents.env_worker import EnvWorker, env_role
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import OptimConfig
@@ -25,6 +25,7 @@ from workers.reward.long_context import score_oolong, score_sniah
 from workers.rlm.agent import AgentConfig
 from workers.rlm.env_loop import RLMEnvConfig
 from workers.rlm.prompts import PromptConfig
+from workers.roles import hybrid_roles
 from workers.sandbox import SandboxConfig
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -181,15 +182,15 @@ def test_colocated_actor_rollout_rlm_with_real_engine(ray_session, model_path):
     )
     actor = ActorConfig(ppo_mini_batch_size=2, optim=OptimConfig(lr=1e-2, grad_clip=None))
     pool = ResourcePool([1], name="test_rlm_colocated_pool")
-    wg = RayWorkerGroup(
-        pool,
-        RayClassWithInitArgs(
-            ActorRolloutEnvWorker, model=ModelConfig(path=model_path), actor=actor, rollout=rollout, env=env
-        ),
-        name_prefix="rlm_actor_rollout",
+    model = ModelConfig(path=model_path)
+    roles = hybrid_roles(model, actor, rollout) | {"env": env_role(model, rollout, env)}
+    wgs = RayWorkerGroup(pool, create_colocated_worker_cls(roles), name_prefix="rlm_actor_rollout").spawn(
+        roles
     )
+    trainer, wg = wgs["actor"], wgs["env"]
     try:
-        wg.init_model()
+        for role in roles:  # in build order: the rollout role shares the actor, the env role the rollout
+            wgs[role].init_model()
         rows = [
             {
                 "data_source": "t",
@@ -209,13 +210,13 @@ def test_colocated_actor_rollout_rlm_with_real_engine(ray_session, model_path):
         }
         mask = out.batch["response_mask"]
         assert (mask.sum(-1) >= 16).all()  # at least one full model turn per row
-        old = wg.compute_log_prob(out).batch["old_log_probs"]
+        old = trainer.compute_log_prob(out).batch["old_log_probs"]
         assert float(((old - out.batch["rollout_log_probs"]).abs() * mask).max()) < 1e-4
 
-        wg.sft_step(out)
-        wg.sync_weights()
+        trainer.sft_step(out)
+        wgs["rollout"].sync_weights()
         again = wg.generate_sequences(data)
-        new_old = wg.compute_log_prob(again).batch["old_log_probs"]
+        new_old = trainer.compute_log_prob(again).batch["old_log_probs"]
         mask2 = again.batch["response_mask"]
         assert float(((new_old - again.batch["rollout_log_probs"]).abs() * mask2).max()) < 1e-4
         first = out.batch["rollout_log_probs"][:, 0] - again.batch["rollout_log_probs"][:, 0]

@@ -1,4 +1,5 @@
-"""ActorRolloutWorker: FSDP2 actor + native rollout replica in the same process, 2 gloo ranks on CPU.
+"""The hybrid engine: FSDP2 actor + a native rollout replica sharing its process (`workers.roles.hybrid_groups`:
+the actor and rollout roles on the same actors), 2 gloo ranks on CPU.
 
 Checks with numbers: the rollout's log-probs of its sampled tokens equal the trainer's ``compute_log_prob``
 on the same tokens (fp32, ATOL) before any update; after a PPO ``update_actor`` the replica is stale (the
@@ -13,12 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
 from resource_pools import ResourcePool
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import OptimConfig
-from workers.roles.actor_rollout import ActorRolloutWorker
+from workers.roles import hybrid_groups
 
 P, R = 10, 12  # prompt / response length
 ATOL = 1e-4  # rollout vs trainer log-probs, fp32
@@ -92,14 +92,11 @@ def setup(ray_session, tmp_path_factory):
         optim=OptimConfig(lr=1e-2, grad_clip=None),
     )
     pool = ResourcePool([2], name="test_actor_rollout_pool")
-    wg = RayWorkerGroup(
-        pool,
-        RayClassWithInitArgs(ActorRolloutWorker, model=ModelConfig(path=path), actor=actor, rollout=ROLLOUT),
-        name_prefix="actor_rollout",
-    )
-    wg.init_model()
-    yield {"wg": wg, "path": path, "vocab": len(tok), "pad": tok.pad_token_id, "eos": tok.eos_token_id}
-    wg.shutdown()
+    wgs = hybrid_groups(pool, ModelConfig(path=path), actor, ROLLOUT, name_prefix="actor_rollout")
+    wgs["actor"].init_model()
+    wgs["rollout"].init_model()
+    yield {**wgs, "path": path, "vocab": len(tok), "pad": tok.pad_token_id, "eos": tok.eos_token_id}
+    wgs["actor"].shutdown()
     pool.remove()
 
 
@@ -107,11 +104,11 @@ def test_sync_after_update_makes_rollout_match_trainer(setup, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    wg = setup["wg"]
+    actor, rollout = setup["actor"], setup["rollout"]
     prompts = make_prompts(4, setup["vocab"], setup["pad"], seed=1)
     prompts.meta_info["seed"] = 123
 
-    gen0 = wg.generate_sequences(prompts)
+    gen0 = rollout.generate_sequences(prompts)
     assert len(gen0) == 4 and gen0.batch["responses"].shape == (4, R)
     assert gen0.meta_info["temperature"] == 1.0 and gen0.meta_info["n"] == 1
     assert gen0.meta_info["timing_s/gen"] > 0
@@ -120,25 +117,25 @@ def test_sync_after_update_makes_rollout_match_trainer(setup, tmp_path):
     assert gen0.meta_info["rollout/generated_tokens"] == int(mask0.sum())
 
     # same weights on both sides: the rollout's sampled-token log-probs are the trainer's
-    old = wg.compute_log_prob(gen0).batch["old_log_probs"]
+    old = actor.compute_log_prob(gen0).batch["old_log_probs"]
     assert masked_max_diff(old, gen0.batch["rollout_log_probs"], mask0) < ATOL
 
     # one PPO step with random advantages
     g = torch.Generator().manual_seed(0)
     adv = torch.randn(mask0.shape, generator=g) * mask0
     train = gen0.union(DataProto.from_dict({"old_log_probs": old, "advantages": adv}))
-    metrics = wg.update_actor(train).meta_info["metrics"]
+    metrics = actor.update_actor(train).meta_info["metrics"]
     assert np.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
 
-    new = wg.compute_log_prob(gen0).batch["old_log_probs"]
+    new = actor.compute_log_prob(gen0).batch["old_log_probs"]
     assert masked_max_diff(new, old, mask0) > STALE  # the trainer moved ...
-    gen_stale = wg.generate_sequences(prompts)  # ... the rollout did not: same seed, same tokens
+    gen_stale = rollout.generate_sequences(prompts)  # ... the rollout did not: same seed, same tokens
     assert torch.equal(gen_stale.batch["responses"], gen0.batch["responses"])
     assert (
         masked_max_diff(gen_stale.batch["rollout_log_probs"], gen0.batch["rollout_log_probs"], mask0) < 1e-6
     )
 
-    m = wg.sync_weights()
+    m = rollout.sync_weights()
     hf = AutoModelForCausalLM.from_pretrained(setup["path"])
     expected_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())  # tied embedding once
     assert m["perf/weight_sync_bytes"] == expected_bytes
@@ -146,20 +143,20 @@ def test_sync_after_update_makes_rollout_match_trainer(setup, tmp_path):
     assert m["timing_s/update_weights"] > 0 and m["weight_sync/count"] == 1
 
     # the next rollout uses the new weights: its log-probs moved, and equal the trainer's again
-    gen1 = wg.generate_sequences(prompts)
+    gen1 = rollout.generate_sequences(prompts)
     mask1 = gen1.batch["response_mask"]
     first = gen1.batch["rollout_log_probs"][:, 0] - gen0.batch["rollout_log_probs"][:, 0]
     if torch.equal(gen1.batch["responses"][:, 0], gen0.batch["responses"][:, 0]):
         assert float(first.abs().max()) > STALE
-    new1 = wg.compute_log_prob(gen1).batch["old_log_probs"]
+    new1 = actor.compute_log_prob(gen1).batch["old_log_probs"]
     assert masked_max_diff(new1, gen1.batch["rollout_log_probs"], mask1) < ATOL
     # tokens sampled before the sync, scored by the updated trainer, disagree with the stale rollout
     assert masked_max_diff(new, gen_stale.batch["rollout_log_probs"], mask0) > STALE
 
     # every rank's replica holds exactly the trainer's weights
-    out_dir = wg.export_hf(str(tmp_path / "export"))[0]
+    out_dir = actor.export_hf(str(tmp_path / "export"))[0]
     exported = load_file(f"{out_dir}/model.safetensors")
-    for replica in wg.rollout_named_weights():
+    for replica in rollout.rollout_named_weights():
         for name, t in exported.items():
             assert torch.equal(replica[name], t), name
 
@@ -167,18 +164,18 @@ def test_sync_after_update_makes_rollout_match_trainer(setup, tmp_path):
 def test_greedy_validation_after_sync_equals_hf_generate(setup, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    wg = setup["wg"]
+    actor, rollout = setup["actor"], setup["rollout"]
     # move the weights away from the initial checkpoint, then sync
-    batch = wg.generate_sequences(make_prompts(4, setup["vocab"], setup["pad"], seed=2))
-    wg.sft_step(batch)
-    wg.sync_weights()
+    batch = rollout.generate_sequences(make_prompts(4, setup["vocab"], setup["pad"], seed=2))
+    actor.sft_step(batch)
+    rollout.sync_weights()
 
     prompts = make_prompts(5, setup["vocab"], setup["pad"], seed=3)
     prompts.meta_info["validate"] = True  # val_temperature=0: greedy, val_n=1
-    out = wg.generate_sequences(prompts)
+    out = rollout.generate_sequences(prompts)
     assert len(out) == 5 and out.meta_info["n"] == 1 and out.meta_info["temperature"] == 1.0
 
-    out_dir = wg.export_hf(str(tmp_path / "export"))[0]
+    out_dir = actor.export_hf(str(tmp_path / "export"))[0]
     hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf.generate(
@@ -192,16 +189,16 @@ def test_greedy_validation_after_sync_equals_hf_generate(setup, tmp_path):
     ref = torch.nn.functional.pad(ref, (0, R - ref.shape[1]), value=setup["pad"])
     assert torch.equal(out.batch["responses"], ref)
     # greedy log-probs (temperature 1) equal the trainer's too
-    lp = wg.compute_log_prob(out).batch["old_log_probs"]
+    lp = actor.compute_log_prob(out).batch["old_log_probs"]
     assert masked_max_diff(lp, out.batch["rollout_log_probs"], out.batch["response_mask"]) < ATOL
 
 
 @pytest.mark.parametrize("num_prompts", [3, 1])
 def test_uneven_batch_with_n_samples(setup, num_prompts):
-    wg = setup["wg"]
+    actor, rollout = setup["actor"], setup["rollout"]
     prompts = make_prompts(num_prompts, setup["vocab"], setup["pad"], seed=4)
     prompts.meta_info.update(n=2, temperature=0.7)
-    out = wg.generate_sequences(prompts)
+    out = rollout.generate_sequences(prompts)
     assert len(out) == 2 * num_prompts
     assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(2, dim=0))
     assert list(out.non_tensor_batch["uid"]) == [f"p{i}" for i in range(num_prompts) for _ in range(2)]
@@ -212,5 +209,5 @@ def test_uneven_batch_with_n_samples(setup, num_prompts):
     assert float((out.batch["rollout_log_probs"] * (1 - mask)).abs().sum()) == 0.0
     assert torch.equal(out.batch["input_ids"], torch.cat([out.batch["prompts"], out.batch["responses"]], 1))
     # scored at the sampling temperature, the trainer agrees
-    lp = wg.compute_log_prob(out).batch["old_log_probs"]
+    lp = actor.compute_log_prob(out).batch["old_log_probs"]
     assert masked_max_diff(lp, out.batch["rollout_log_probs"], mask) < ATOL

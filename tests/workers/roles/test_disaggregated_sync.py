@@ -18,7 +18,7 @@ from dataproto import DataProto
 from resource_pools import ResourcePoolManager
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import OptimConfig
-from workers.roles.actor_rollout import DisaggregatedActorWorker
+from workers.roles.actor import ActorWorker
 from workers.roles.rollout import RolloutWorker
 from workers.weight_sync import WeightSync, iter_buckets
 
@@ -88,7 +88,7 @@ def setup(ray_session, tmp_path_factory):
     assert not mgr.is_colocated("actor", "rollout")
     actor_wg = RayWorkerGroup(
         mgr.get_pool("actor"),
-        RayClassWithInitArgs(DisaggregatedActorWorker, model=model, actor=actor, rollout=ROLLOUT),
+        RayClassWithInitArgs(ActorWorker, model=model, actor=actor, rollout=ROLLOUT),
         name_prefix="trainer",
     )
     rollout_wg = RayWorkerGroup(

@@ -1,6 +1,7 @@
-"""The 3D-HybridEngine end to end in the colocated ActorRolloutWorker: a Megatron TP=2 actor whose rollout
-replica is itself TP=2 (``rollout.tensor_model_parallel_size=2``) on the same 2 gloo ranks (real Ray actors,
-real process groups), against a 1-rank FSDP ActorRolloutWorker (full replica).
+"""The 3D-HybridEngine end to end in the hybrid engine (`workers.roles.hybrid_groups`: actor and rollout roles on
+the same actors): a Megatron TP=2 actor whose rollout replica is itself TP=2 (``rollout.tensor_model_parallel_size=
+2``) on the same 2 gloo ranks (real Ray actors, real process groups), against a 1-rank FSDP hybrid engine (full
+replica).
 
 After the same PPO update on both and ``sync_weights``: greedy generation equals the FSDP group's; the TP
 replica's log-probs of its own samples equal the trainer's ``compute_log_prob`` within 1e-5 (a stale replica
@@ -19,12 +20,13 @@ import pytest
 import ray
 import torch
 
-from controller import PAD_ROWS_KEY, RayClassWithInitArgs, RayWorkerGroup, make_nd_split_dataproto_dispatch_fn
+from controller import PAD_ROWS_KEY, make_nd_split_dataproto_dispatch_fn
 from dataproto import DataProto
 from resource_pools import ResourcePool
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import MegatronConfig, OptimConfig
-from workers.roles.actor_rollout import ActorRolloutWorker, rollout_tp_size
+from workers.roles import hybrid_groups
+from workers.roles.hybrid_engine import rollout_tp_size
 from workers.weight_sync import WeightSync
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
@@ -78,21 +80,21 @@ def groups(ray_session, model_dir):
 
     def start(name):
         _, actor, rollout = configs[name]
-        cls = RayClassWithInitArgs(ActorRolloutWorker, model, actor, rollout)
-        return name, RayWorkerGroup(pools[name], cls, name_prefix=f"hybrid_tp_{name}")
+        return name, hybrid_groups(pools[name], model, actor, rollout, name_prefix=f"hybrid_tp_{name}")
 
     with ThreadPoolExecutor(len(configs)) as ex:
         wgs = dict(ex.map(start, configs))
-    [f.get() for f in [wg.init_model.with_options(blocking=False)() for wg in wgs.values()]]
+    for role in ("actor", "rollout"):  # both groups at once: the TP ranks join each other's process groups
+        [f.get() for f in [g[role].init_model.with_options(blocking=False)() for g in wgs.values()]]
     yield wgs
-    for wg in wgs.values():
-        wg.shutdown()
+    for g in wgs.values():
+        g["actor"].shutdown()
     for pool in pools.values():
         pool.remove()
 
 
-def call_all(wgs: dict, method: str, *args) -> dict:
-    futures = {k: getattr(wg, method).with_options(blocking=False)(*args) for k, wg in wgs.items()}
+def call_all(wgs: dict, role: str, method: str, *args) -> dict:
+    futures = {k: getattr(g[role], method).with_options(blocking=False)(*args) for k, g in wgs.items()}
     return {k: f.get() for k, f in futures.items()}
 
 
@@ -117,30 +119,34 @@ def test_rollout_tp_replica_after_update_and_sync(groups, model_dir):
     tok = load_tokenizer(model_dir)
     tp2, fsdp = groups["tp2"], groups["fsdp"]
     # one generation replica over both ranks: same prompts to both, rank 0 collected; FSDP: one per rank
-    assert tp2.dispatch_info("rollout") == [(0, True), (0, False)]
-    assert fsdp.dispatch_info("rollout") == [(0, True)]
+    assert tp2["rollout"].dispatch_info("rollout") == [(0, True), (0, False)]
+    assert fsdp["rollout"].dispatch_info("rollout") == [(0, True)]
 
     # the same PPO update on both trainers (sampled by the FSDP replica, scored by the FSDP trainer)
-    batch = fsdp.generate_sequences(prompt_batch(len(tok), tok.pad_token_id, 4, 0))
-    old = fsdp.compute_log_prob(batch).batch["old_log_probs"]
+    batch = fsdp["rollout"].generate_sequences(prompt_batch(len(tok), tok.pad_token_id, 4, 0))
+    old = fsdp["actor"].compute_log_prob(batch).batch["old_log_probs"]
     sign = torch.tensor([1.0, -1.0] * 4)[:, None]
     update = DataProto.from_dict(
         {**batch.batch, "old_log_probs": old, "advantages": sign * batch.batch["response_mask"]}
     )
-    metrics = {k: out.meta_info["metrics"] for k, out in call_all(groups, "update_actor", update).items()}
+    metrics = {
+        k: out.meta_info["metrics"] for k, out in call_all(groups, "actor", "update_actor", update).items()
+    }
     assert abs(metrics["tp2"]["actor/pg_loss"] - metrics["fsdp"]["actor/pg_loss"]) < 1e-5
 
     # a stale TP replica: its sampled log-probs no longer match the updated trainer
-    sampled = tp2.generate_sequences(prompt_batch(len(tok), tok.pad_token_id, PROMPTS, 1))
+    sampled = tp2["rollout"].generate_sequences(prompt_batch(len(tok), tok.pad_token_id, PROMPTS, 1))
     mask = sampled.batch["response_mask"]
     stale = masked_max_diff(
-        sampled.batch["rollout_log_probs"], tp2.compute_log_prob(sampled).batch["old_log_probs"], mask
+        sampled.batch["rollout_log_probs"],
+        tp2["actor"].compute_log_prob(sampled).batch["old_log_probs"],
+        mask,
     )
     assert stale > 1e-3
 
     sync = {
-        "tp2": WeightSync(tp2, tp2, "resharded").sync(),
-        "fsdp": WeightSync(fsdp, fsdp, "colocated").sync(),
+        "tp2": WeightSync(tp2["actor"], tp2["rollout"], "resharded").sync(),
+        "fsdp": WeightSync(fsdp["actor"], fsdp["rollout"], "colocated").sync(),
     }
     model_bytes = sync["fsdp"]["perf/weight_sync_bytes"]  # full tensors into one full replica
     s = sync["tp2"]
@@ -151,29 +157,31 @@ def test_rollout_tp_replica_after_update_and_sync(groups, model_dir):
     assert s["perf/weight_sync_bytes"] == s["weight_sync/gen_shard_bytes"] == s["weight_sync/held_bytes"]
     assert model_bytes / 2 < s["weight_sync/gen_shard_bytes"] < model_bytes
     assert s["weight_sync/tensors"] == sync["fsdp"]["weight_sync/tensors"] > 0
-    shards = tp2.rollout_named_weights()
+    shards = tp2["rollout"].rollout_named_weights()
     assert shards[0].keys() == shards[1].keys()
     w = "model.layers.0.mlp.gate_proj.weight"
-    assert shards[0][w].shape[0] * 2 == fsdp.rollout_named_weights([w])[0][w].shape[0]  # column-parallel half
+    assert (
+        shards[0][w].shape[0] * 2 == fsdp["rollout"].rollout_named_weights([w])[0][w].shape[0]
+    )  # column-parallel half
     assert not torch.equal(shards[0][w], shards[1][w])
 
     # sampled generation, n = 2: every prompt n times, interleaved, no duplicates from the 2 TP ranks
     prompts = prompt_batch(len(tok), tok.pad_token_id, PROMPTS, 2)
-    sampled = tp2.generate_sequences(prompts)
+    sampled = tp2["rollout"].generate_sequences(prompts)
     assert len(sampled) == PROMPTS * ROLLOUT.n
     assert torch.equal(sampled.batch["prompts"], prompts.batch["input_ids"].repeat_interleave(2, dim=0))
     mask = sampled.batch["response_mask"]
     assert mask.sum() > PROMPTS * ROLLOUT.n  # some real response tokens to compare
-    trainer = tp2.compute_log_prob(sampled).batch["old_log_probs"]
+    trainer = tp2["actor"].compute_log_prob(sampled).batch["old_log_probs"]
     assert masked_max_diff(sampled.batch["rollout_log_probs"], trainer, mask) < ATOL
 
     # greedy: the same responses as the FSDP group's full replica (both trainers took the same update)
     greedy = prompt_batch(len(tok), tok.pad_token_id, PROMPTS, 3, do_sample=False, n=1)
-    gen = call_all(groups, "generate_sequences", greedy)
+    gen = call_all(groups, "rollout", "generate_sequences", greedy)
     assert len(gen["tp2"]) == len(gen["fsdp"]) == PROMPTS
     assert torch.equal(gen["tp2"].batch["responses"], gen["fsdp"].batch["responses"])
     mask = gen["tp2"].batch["response_mask"]
-    trainer = tp2.compute_log_prob(gen["tp2"]).batch["old_log_probs"]
+    trainer = tp2["actor"].compute_log_prob(gen["tp2"]).batch["old_log_probs"]
     assert masked_max_diff(gen["tp2"].batch["rollout_log_probs"], trainer, mask) < ATOL
 
 

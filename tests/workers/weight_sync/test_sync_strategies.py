@@ -42,6 +42,10 @@ class Group:
         self.calls = []
         self.sync_weights = SyncMethod(self)
 
+    def shares_processes_with(self, other) -> bool:
+        """A colocated role pair runs on the same actors; here the same stand-in stands for that."""
+        return other is self
+
     def run_sync(self, version):
         self.calls.append("sync_weights")
         self.versions = [*getattr(self, "versions", []), version]

@@ -12,8 +12,8 @@ whose ``config_class`` holds the keys of the ``env`` section)::
 or use it like any environment::
 
     env = WordCountEnvConfig()                      # env.loop names WordCountLoop by module path
-    EnvWorker(model, rollout, env)                  # the rollout role on its own pool, or in a recipe:
-    Session(cfg, run, recipe, **env_role_classes(env))   # roles.generate(batch, meta) runs it
+    env_roles(model, rollout, env)                  # a pool's roles (rollout, env), or in a recipe:
+    Session(cfg, run, recipe, **env_generator(cfg, run, env))   # roles.generate(batch, meta) runs it
     reference_batch(rows, tokenizer, env)           # extra_info["reference_turns"] replayed for SFT
 """
 

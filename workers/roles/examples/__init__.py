@@ -1,0 +1,1 @@
+"""Example roles written only against the role contract (`docs/roles.md`)."""
