@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks import placement_cost_model as cm
+from benchmarks.common import print_table
 from recipes import ppo
 from recipes.config import ConfigError, load_config
 from recipes.trainer.run import resolve_device, start_run
@@ -296,18 +297,6 @@ def table_rows(report: dict) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    def fmt(v):
-        return f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))
-
-    cols = list(rows[0])
-    widths = {c: max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols}
-    print("  ".join(c.ljust(widths[c]) for c in cols))
-    print("  ".join("-" * widths[c] for c in cols))
-    for r in rows:
-        print("  ".join(fmt(r[c]).ljust(widths[c]) for c in cols))
-
-
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend, or None (with a note) when it is not installed."""
     try:
@@ -422,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
         **compare(runs, plans, args.devices, [*SMALL, *args.overrides], limit),
     }
     rows = table_rows(report)
-    print_table(rows)
+    print_table(rows, list(rows[0]))
     best = report["best"]["ranking"]
     if best:
         print(

@@ -45,7 +45,8 @@ import ray
 import torch
 
 from benchmarks import placement_cost_model as cm
-from benchmarks.bench_placement import plan_overrides, print_table, pyplot
+from benchmarks.bench_placement import plan_overrides, pyplot
+from benchmarks.common import print_table
 from recipes import grpo_async
 from recipes.config import ConfigError, load_config
 from recipes.trainer import demonstrations, start_run, warm_start
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"workload response length p50 {stats['p50']:.0f}, p90 {stats['p90']:.0f}, max {stats['max']:.0f} tokens"
     )
-    print_table(rows)
+    print_table(rows, list(rows[0]))
     report["table"] = rows
     report["png"] = plot(report, out / "bench_placement_async.png")
     json_path = out / "bench_placement_async.json"

@@ -74,7 +74,7 @@ def stream(rollout, *overrides):
     )
     # stands in for the weight sync: the scripted engine takes the new version at once
     weight_sync = SimpleNamespace(sync=lambda version, abort_running: rollout.script(version=version) and {})
-    roles = SimpleNamespace(rollout=rollout, weight_sync=weight_sync)
+    roles = SimpleNamespace(generator=rollout, weight_sync=weight_sync)  # the group that generates
     return RolloutStream(cfg, roles, prompt_batches(2), poll_s=0.005)
 
 
