@@ -30,7 +30,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -rs tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_dataproto

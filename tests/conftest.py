@@ -5,6 +5,8 @@ import subprocess
 
 import pytest
 
+from tests.skips import skip_or_fail
+
 # Logical CPUs given to the local Ray session. The CI machine has 2 physical cores; tests that place
 # 4 single-CPU bundles (4-process parity tests) need more logical slots than that, and Ray treats
 # num_cpus as a scheduling count, not a hard allocation. This is the test session's explicit choice to
@@ -35,9 +37,7 @@ def needs():
     it -- except in CI (``CI=true``), whose .ci/run installs every such component: there the test fails."""
 
     def missing(reason: str):
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run this test (.ci/run installs what it needs), but: {reason}")
-        pytest.skip(reason)
+        skip_or_fail(reason)
 
     return missing
 
@@ -55,7 +55,7 @@ def small_disk(tmp_path):
             ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True
         )
         if r.returncode:
-            pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
+            skip_or_fail(f"cannot mount a tmpfs here (needs root): {r.stderr.decode().strip()}")
         mounts.append(mnt)
         return mnt
 

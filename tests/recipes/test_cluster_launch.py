@@ -28,6 +28,7 @@ import pytest
 from ray.util import get_node_ip_address
 
 from recipes.launch import runtime_env
+from tests.skips import skip_or_fail
 
 pytestmark = pytest.mark.cluster
 
@@ -35,7 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RAY = shutil.which("ray", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 if RAY is None:
-    pytest.skip("the ray CLI is not installed (pip install 'ray[default]')", allow_module_level=True)
+    skip_or_fail("the ray CLI is not installed (pip install 'ray[default]')", allow_module_level=True)
 
 JOB = [  # one GRPO step of the nano model on 2 nodes x 1 CPU bundle
     "model.tiny_size=nano",

@@ -179,12 +179,6 @@ def test_end_of_epoch_state(tokenizer, arith):
 def test_to_dataproto(tokenizer, arith):
     ds = PromptDataset(arith["val"], tokenizer, max_prompt_length=64)
     batch = next(iter(PromptDataLoader(ds, batch_size=4, seed=0)))
-    try:
-        from dataproto import DataProto
-    except ImportError:
-        pytest.skip("dataproto.DataProto is not available yet")
-    if not hasattr(DataProto, "from_dict"):
-        pytest.skip("DataProto.from_dict is not available yet")
     data = to_dataproto(batch)
     assert torch.equal(data.batch["input_ids"], batch["tensors"]["input_ids"])
     assert list(data.non_tensor_batch["uid"]) == list(batch["non_tensors"]["uid"])

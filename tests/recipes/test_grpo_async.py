@@ -1,19 +1,30 @@
 """The asynchronous GRPO recipe (``recipes/grpo_async.py``) end to end on CPU: one-step off-policy and fully
-asynchronous generation on a rollout pool of its own, the staleness bound, abort-and-requeue at a weight
-update, and resuming with the prompts a checkpoint had not trained on."""
+asynchronous generation on a rollout pool of its own, the staleness bound and stale groups generated again,
+partial rollouts that go on with the new weights, abort-and-requeue at a weight update, and resuming with the
+prompts a checkpoint had not trained on."""
 
 import math
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
+from controller.worker_group import RayWorkerGroup
+from dataproto import DataProto
 from recipes import grpo_async
 from recipes.config import ConfigError, load_config
+from recipes.trainer import async_rl
 from recipes.trainer.run import start_run
 
 pytestmark = pytest.mark.e2e
 ASYNC_STEP = grpo_async.async_step
+COLLECT = async_rl.RolloutStream._collect
+CALL_RANK = RayWorkerGroup.call_rank
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _never_ready runs in a Ray worker
 
 BRIEF = [
     "model.tiny_size=nano",
@@ -37,13 +48,18 @@ BRIEF = [
 ]
 
 
-def run(tmp_path, *overrides, record=None, monkeypatch=None):
+def run(tmp_path, *overrides, record=None, monkeypatch=None, before_step=None):
+    """The recipe on ``BRIEF`` + ``overrides``. ``record``: a list that gets every batch the real step trains on,
+    step by step; ``before_step(session)``: called before each step (both need ``monkeypatch``)."""
     cfg = load_config("grpo_async", [*BRIEF, *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"])
-    if record is not None:  # the uids of every batch the real step trains on
+    if record is not None or before_step is not None:
 
         def recording(s, source, metrics, timings):
+            if before_step is not None:
+                before_step(s)
             batch = ASYNC_STEP(s, source, metrics, timings)
-            record.append(list(batch.non_tensor_batch["uid"]))
+            if record is not None:
+                record.append(batch)
             return batch
 
         monkeypatch.setattr(grpo_async, "async_step", recording)
@@ -52,6 +68,24 @@ def run(tmp_path, *overrides, record=None, monkeypatch=None):
 
 def steps_of(result) -> list[dict]:
     return [r for r in result["history"] if r["step"] >= 1]
+
+
+def uids(batch: DataProto) -> list[str]:
+    return [str(u) for u in batch.non_tensor_batch["uid"]]
+
+
+def token_versions(batch: DataProto, row: int) -> list[int]:
+    """The policy versions that sampled row ``row``'s response tokens, in order."""
+    mask = batch.batch["response_mask"][row] > 0
+    return batch.batch["rollout_versions"][row][mask].tolist()
+
+
+def digit_reward(tmp_path) -> str:
+    """``custom_reward_function.path=...`` of the digit reward: the random policy earns a little of it (a few
+    digits in a response), so GRPO's advantages are not all zero."""
+    reward_file = tmp_path / "digits.py"
+    reward_file.write_text(DIGIT_REWARD)
+    return f"custom_reward_function.path={reward_file}"
 
 
 @pytest.mark.parametrize("mode", ["one_step", "full"])
@@ -88,32 +122,179 @@ def test_max_staleness_zero_keeps_generation_from_running_ahead(ray_session, tmp
     assert set(versions.tolist()) == {3}  # all of it from the trainer's own weights
 
 
-def test_abort_on_weight_update_requeues_the_groups_in_flight(ray_session, tmp_path):
-    """on_weight_update=abort: no sample mixes versions; the requests the update cut off come back as whole
-    groups generated again (the response length keeps a generation in flight at every update)."""
+@ray.remote(num_cpus=0)
+def _never_ready():
+    time.sleep(3600)
+
+
+def test_a_group_older_than_max_staleness_is_dropped_and_its_prompt_generated_again(
+    ray_session, tmp_path, monkeypatch
+):
+    """Two rollout ranks, and rank 0 a straggler: the stream sees its second group (started on version 0 for the
+    second batch) only when the trainer begins step 3 (version 2), after rank 1's groups have filled the batches
+    in between. It is then more than max_staleness=1 versions behind: dropped, and its prompt generated again
+    with newer weights and trained on, once; every group trained is within the bound. (With one rollout rank,
+    or ranks of equal speed, the stream starts a group only when it will be trained within the bound
+    (``_fresh_enough``): groups go stale only when later ones overtake them.)"""
+    late: list = []  # rank 0's calls: (future, prompt uids)
+    held: list = []  # the straggler's future, its result's refs, and the ref the stream waits on meanwhile
+
+    def straggling(group, rank, method, *args, **kwargs):
+        future = CALL_RANK(group, rank, method, *args, **kwargs)
+        if method == "generate_sequences" and rank == 0:
+            late.append((future, uids(args[0])))
+            if len(late) == 2:  # until released, the stream waits on a ref that is never ready
+                held.append((future, future.refs, _never_ready.remote()))
+                future.refs = [held[0][2]]
+        return future
+
+    def release(s):
+        if s.state.step == 3:  # the straggler's result arrives
+            future, refs, _ = held[0]
+            future.refs = refs
+
+    monkeypatch.setattr(RayWorkerGroup, "call_rank", straggling)
+    trained: list[DataProto] = []
+    try:
+        result = run(
+            tmp_path,
+            "async_rl.mode=full",
+            "async_rl.max_staleness=1",
+            "async_rl.groups_per_call=1",
+            "trainer.n_gpus_per_node=3",
+            "trainer.rollout_gpus_per_node=2",
+            "trainer.total_training_steps=6",
+            record=trained,
+            monkeypatch=monkeypatch,
+            before_step=release,
+        )
+    finally:
+        for _, _, never in held:
+            ray.cancel(never, force=True)
+    rows = steps_of(result)
+    assert sum(r["async/dropped_stale_groups"] for r in rows) >= 1
+    for version, batch in enumerate(trained):  # step k trains with version k - 1: within the bound
+        assert max(version - min(token_versions(batch, i)) for i in range(len(batch))) <= 1
+    everyone = [u for batch in trained for u in uids(batch)[::2]]  # rows a,a,b,b: one uid per group
+    assert len(everyone) == len(set(everyone)) == 12  # 6 steps x 2 prompts, none twice
+    future, prompts = late[1]
+    stale = future.get()  # what the straggler generated, started on version 0
+    assert min(min(token_versions(stale, i)) for i in range(len(stale))) == 0
+    for uid in set(prompts):  # its prompt was trained on, from samples generated again on newer weights
+        again = [(b, i) for b in trained for i in range(len(b)) if uids(b)[i] == uid]
+        assert again and all(min(token_versions(b, i)) >= 2 for b, i in again)
+
+
+def test_abort_on_weight_update_requeues_the_groups_in_flight(ray_session, tmp_path, monkeypatch):
+    """on_weight_update=abort: the requests an update cut off come back as whole groups, generated again and
+    trained on once, after that update (the response length keeps a generation in flight at every update); no
+    trained sample mixes versions."""
+    aborted: dict[str, int] = {}  # uid -> version of the weights its cut-off rows were sampled with
+
+    def collect(stream, rank, call):  # what each finished call brought back, before the stream reads it
+        out = call.future.get()  # cached: the stream's own get() returns the same result
+        for i, flag in enumerate(out.batch["rollout_aborted"].tolist()):
+            if flag:
+                aborted[uids(out)[i]] = max(token_versions(out, i))
+        return COLLECT(stream, rank, call)
+
+    monkeypatch.setattr(async_rl.RolloutStream, "_collect", collect)
+    trained: list[DataProto] = []
     result = run(
         tmp_path,
         "async_rl.mode=full",
         "async_rl.on_weight_update=abort",
         "async_rl.max_staleness=2",
         "data.max_response_length=96",
+        record=trained,
+        monkeypatch=monkeypatch,
     )
     rows = steps_of(result)
-    assert all(r["async/partial_samples"] == 0 for r in rows)
+    assert len(trained) == 4 and all(r["async/partial_samples"] == 0 for r in rows)
     assert sum(r["weight_sync/aborted_requests"] for r in rows) > 0
-    assert sum(r["async/aborted_groups"] for r in rows) > 0
-    last = result["last_batch"]
-    assert not bool(last.batch["rollout_aborted"].any())  # aborted groups never reach the trainer
+    # rows sampled with version v were cut off by the update to v + 1, at the end of step v + 1; the last
+    # step's update cuts off groups no step is left to train
+    cut = {uid: v for uid, v in aborted.items() if v + 1 < len(trained)}
+    assert cut
+    for uid, v in cut.items():
+        steps = [k for k, batch in enumerate(trained) if uid in uids(batch)]  # batch k: version k
+        assert len(steps) == 1 and steps[0] >= v + 1, (uid, v, steps)
+    for batch in trained:  # a sample is one version's: aborted requests never reach the trainer
+        assert not bool(batch.batch["rollout_aborted"].any())
+        assert all(len(set(token_versions(batch, i))) == 1 for i in range(len(batch)))
 
 
-def test_partial_rollouts_continue_on_the_new_weights(ray_session, tmp_path):
-    """on_weight_update=partial (default): a long generation spans updates; its tokens carry both versions, and
-    the correction weights are computed against the trainer's recomputed log-probs."""
-    result = run(tmp_path, "async_rl.mode=full", "async_rl.max_staleness=2", "data.max_response_length=96")
+def behaviour_log_probs(
+    models: dict, prompt: list[int], response: list[int], versions: list[int]
+) -> torch.Tensor:
+    """The log-probs of ``response`` as an engine that swaps weights between two decode steps computes them:
+    the forward of input position j (which samples the token after it) runs on the weights of that token's
+    version, and attends to the keys/values earlier positions cached on the weights of their own time (the
+    prompt's prefill samples response token 0). ``models``: the policy of each version."""
+    seq = torch.tensor([prompt + response])
+    p = len(prompt)
+    weights_of = [versions[0]] * p + versions[1:]  # input position -> version of the token it samples
+    cache, out, start = DynamicCache(), [], 0  # filled in place by each forward
+    with torch.no_grad():
+        while start < len(weights_of):
+            end = start
+            while end < len(weights_of) and weights_of[end] == weights_of[start]:
+                end += 1
+            logits = models[weights_of[start]](seq[:, start:end], cache=cache, use_cache=True).logits
+            logp = torch.log_softmax(logits[0].float(), dim=-1)
+            out.append(logp.gather(-1, seq[0, start + 1 : end + 1, None])[:, 0])
+            start = end
+    return torch.cat(out)[p - 1 :]  # the response tokens
+
+
+def test_partial_rollouts_continue_on_the_new_weights(ray_session, tmp_path, monkeypatch):
+    """on_weight_update=partial (default): a long generation spans updates and goes on where it was, with the new
+    weights: its tokens carry both versions, and the engine's log-probs of each token are those of the weights
+    of its version attending to the cache the earlier tokens left (to float32 rounding), not those of either
+    version alone.
+    Trained on a reward the random policy earns (non-zero advantages, so every update changes the weights)."""
+    trained: list[DataProto] = []
+
+    def export(s):  # the trainer's weights before each step: the policy of version step - 1
+        s.roles.actor.export_hf(str(tmp_path / f"v{s.state.step - 1}"))
+
+    result = run(
+        tmp_path,
+        "async_rl.mode=full",
+        "async_rl.max_staleness=2",
+        "data.max_response_length=96",
+        digit_reward(tmp_path),
+        record=trained,
+        monkeypatch=monkeypatch,
+        before_step=export,
+    )
     rows = steps_of(result)
-    assert sum(r["async/partial_samples"] for r in rows) > 0
+    assert all(r["critic/advantages/max"] > 0 and r["actor/grad_norm"] > 0 for r in rows)
     assert sum(r["weight_sync/aborted_requests"] for r in rows) == 0
-    assert any(r["off_policy/log_ratio_abs_max"] > 0 for r in rows[1:])
+    spanning = [  # (batch, row) of the trained samples whose tokens two or more versions sampled
+        (batch, i) for batch in trained for i in range(len(batch)) if len(set(token_versions(batch, i))) > 1
+    ]
+    assert spanning and len(spanning) == sum(r["async/partial_samples"] for r in rows)
+    models = {
+        v: AutoModelForCausalLM.from_pretrained(tmp_path / f"v{v}", torch_dtype=torch.float32).eval()
+        for v in range(len(trained))
+    }
+    for batch, i in spanning:
+        versions = token_versions(batch, i)
+        assert versions == sorted(versions)  # the older weights' tokens first, then the newer ones
+        p_mask = batch.batch["attention_mask"][i, : batch.batch["prompts"].shape[1]] > 0
+        prompt = batch.batch["prompts"][i][p_mask].tolist()
+        response = batch.batch["responses"][i][: len(versions)].tolist()
+        engine = batch.batch["rollout_log_probs"][i][: len(versions)]
+        # the engine's log-probs are the continued generation's (float32 between two implementations: 1e-4)
+        continued = behaviour_log_probs(models, prompt, response, versions)
+        assert torch.allclose(engine, continued, atol=1e-4), (engine - continued).abs().max()
+        # and neither version alone gives them: the tokens after the switch differ from the old weights'
+        # and, through the old weights' cache, from the new weights' by far more than numerics
+        after = torch.tensor(versions) > versions[0]
+        for v in (versions[0], versions[-1]):
+            alone = behaviour_log_probs(models, prompt, response, [v] * len(versions))
+            assert (engine - alone)[after].abs().max() > 1e-2, v
 
 
 def test_resume_regenerates_the_prompts_the_checkpoint_had_not_trained_on(ray_session, tmp_path, monkeypatch):
@@ -121,18 +302,19 @@ def test_resume_regenerates_the_prompts_the_checkpoint_had_not_trained_on(ray_se
     trained on); resumed to step 5: those prompts are generated again first, and no prompt is trained twice or
     skipped."""
     common = ["async_rl.mode=full", "async_rl.buffer_batches=2", "trainer.save_freq=2"]
-    first: list[list[str]] = []
+    first: list[DataProto] = []
     run(tmp_path, *common, "trainer.total_training_steps=2", record=first, monkeypatch=monkeypatch)
     extra = torch.load(Path(tmp_path) / "run/checkpoints/actor/step_2/engine_state.pt", weights_only=False)[
         "extra"
     ]
     pending = [str(p.non_tensor_batch["uid"][0]) for p in extra["async_pending"]]
     assert len(pending) >= 2  # the stream had run ahead of the trainer
-    second: list[list[str]] = []
+    second: list[DataProto] = []
     result = run(tmp_path, *common, "trainer.total_training_steps=5", record=second, monkeypatch=monkeypatch)
     assert result["step"] == 5 and len(second) == 3  # steps 3, 4, 5
-    assert second[0][::2] == pending[:2]  # requeued first, in order (one rollout rank: calls finish in order)
-    trained = [u for batch in first + second for u in batch[::2]]  # rows a,a,b,b: one uid per group
+    # requeued first, in order (one rollout rank: calls finish in order)
+    assert uids(second[0])[::2] == pending[:2]
+    trained = [u for batch in first + second for u in uids(batch)[::2]]  # rows a,a,b,b: one uid per group
     assert len(trained) == len(set(trained)) == 10  # 5 steps x 2 prompts, none twice
     assert set(pending) <= set(trained)
 

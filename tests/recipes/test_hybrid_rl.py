@@ -6,18 +6,23 @@ judge -- so hints exist and the OPD term is exercised."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pandas as pd
 import pytest
 import torch
+import yaml
+from transformers import AutoModelForCausalLM
 
 from recipes import compare_hybrid, hybrid_rl
 from recipes.config import ConfigError, load_config, validate
+from workers.agents.replay import reference_trajectories, sft_batch
+from workers.models import load_tokenizer
 from workers.prm import parse_hint
-from workers.prm.hindsight import bridge_thought, step_votes
 
 pytestmark = pytest.mark.e2e
 
@@ -153,9 +158,40 @@ def test_hybrid_recipe_http_prm_hints_drive_opd(ray_session, tmp_path, placement
     assert torch.all(b.batch["advantages"][~mask] == 0)
 
 
-def test_hybrid_recipe_rule_judge_hints_failures_from_a_hinted_warm_start(ray_session, tmp_path):
+def _expression(question: str) -> str:
+    """ "Compute 8 + 9." -> "8 + 9" (the task's prompts)."""
+    assert question.startswith("Compute ") and question.endswith("."), question
+    return question[len("Compute ") : -1]
+
+
+def _hint_for_failed_attempt(question: str, failed: list[dict], truth: str) -> str:
+    """The hindsight judge's hint (workers/prm/hindsight.py's table), written out by hand for the four failed
+    attempts the tool_math task records in ``extra_info["failed_steps"]`` (recipes/tasks/tool_math.py)."""
+    call = f"<python>print({_expression(question)})</python>"
+    if len(failed) == 2:  # the right call, then a miscopied answer
+        assert failed[0]["observation"] == f"Output:\n{truth}" and failed[1]["kind"] == "answer", failed
+        return f"The tool printed {truth}. Answer exactly \\boxed{{{truth}}}"
+    (step,) = failed
+    if step["kind"] == "answer":  # a guess
+        return f"Do not guess the value. Run the tool first: {call}"
+    if step["observation"] == "Error: SyntaxError: invalid syntax":  # a call with a typo
+        return f"The call failed (SyntaxError: invalid syntax). Run exactly {call}"
+    assert step["observation"].startswith("Output:\n") and step["action"] != call, step  # a miscopied number
+    return f"The code changed the numbers. Copy them exactly: {call}"
+
+
+def test_hybrid_recipe_rule_judge_hints_failures_from_a_hinted_warm_start(ray_session, tmp_path, monkeypatch):
     """``prm.scorer=rule``: the hindsight judge votes on every step and writes, for each failed trajectory, the
     bridge thought of the failure it sees (the teacher's hint); the warm start includes hinted solutions."""
+    warm = {}
+    real = hybrid_rl.hinted_demonstrations
+
+    def recording(rows, tokenizer, env, **kw):  # what the warm start trains on
+        data = real(rows, tokenizer, env, **kw)
+        warm.update(rows=rows, tokenizer=tokenizer, data=data)
+        return data
+
+    monkeypatch.setattr(hybrid_rl, "hinted_demonstrations", recording)
     res = hybrid_rl.main(
         [
             *TINY,
@@ -166,53 +202,145 @@ def test_hybrid_recipe_rule_judge_hints_failures_from_a_hinted_warm_start(ray_se
             f"trainer.default_local_dir={tmp_path}",
         ]
     )
+    # the warm start: the 8 training rows' demonstrations, then hybrid.hinted_demos=0.5 of the rows (the first
+    # 4) again as [prompt + "Hint: <the judge's hint about the row's failed attempt>" + the correct tool call]
+    rows, tok, data = warm["rows"], warm["tokenizer"], warm["data"]
+    assert len(rows) == 8 and len(data) == 8 + 4
+    texts = [
+        tok.decode(ids[m.bool()].tolist())
+        for ids, m in zip(data.batch["input_ids"], data.batch["attention_mask"])
+    ]
+    assert not any("Hint:" in t for t in texts[:8])
+    for row, text in zip(rows[:4], texts[8:]):
+        extra, truth = row["extra_info"], row["reward_model"]["ground_truth"]
+        hint = _hint_for_failed_attempt(extra["question"], json.loads(extra["failed_steps"]), truth)
+        call = f"<python>print({_expression(extra['question'])})</python>"
+        assert f"{extra['question']}" in text and f"Hint: {hint}\n{call}" in text, text
+        assert text.count("Hint:") == 1 and f"\\boxed{{{truth}}}" in text, text
+
+    # the step: hand-written hints and votes. The nano model writes neither a tool call nor an answer (all its
+    # rows but a stray one): every step is malformed (-1), and the judge tells each failed trajectory how to
+    # write the call for its own problem; the two problems differ, so a hint on the wrong row shows
     b, final = res["last_batch"], res["final"]
     nt = b.non_tensor_batch
     outcome = b.batch["token_level_scores"].sum(-1).tolist()
+    width = b.batch["prm_step_scores"].shape[1]
+    malformed_rows = 0
     for i in range(len(b)):
         steps = json.loads(nt["steps"][i])
-        truth = nt["reward_model"][i]["ground_truth"]
-        want = (
-            bridge_thought(nt["extra_info"][i]["question"], steps, truth) if outcome[i] < 1 and steps else ""
-        )
-        assert nt["hint"][i] == want
-        assert nt["teacher_hint"][i] == (f"Hint: {want}\n" if want else "")
-        assert b.batch["prm_step_scores"][i, : len(steps)].tolist() == step_votes(steps, truth)
+        question = nt["extra_info"][i]["question"]
+        call = f"<python>print({_expression(question)})</python>"
+        assert b.batch["prm_step_mask"][i].tolist() == [1.0] * len(steps) + [0.0] * (width - len(steps))
+        votes = b.batch["prm_step_scores"][i, : len(steps)].tolist()
+        for step, vote in zip(steps, votes):
+            if step["kind"] == "malformed":
+                assert vote == -1.0, (i, step)
+        if steps and outcome[i] < 1 and all(s["kind"] == "malformed" for s in steps):
+            malformed_rows += 1
+            assert votes == [-1.0] * len(steps), i
+            assert nt["hint"][i] == f"Write the tool call as {call}", i
+        elif outcome[i] >= 1 or not steps:
+            assert nt["hint"][i] == "", i
+        else:  # a row with a call or an answer: its hint is about its own problem
+            truth = nt["reward_model"][i]["ground_truth"]
+            assert call in nt["hint"][i] or f"\\boxed{{{truth}}}" in nt["hint"][i], (i, nt["hint"][i])
+        assert nt["teacher_hint"][i] == (f"Hint: {nt['hint'][i]}\n" if nt["hint"][i] else ""), i
+    assert malformed_rows >= len(b) // 2, [json.loads(x) for x in nt["steps"]]
+    assert len({nt["hint"][i] for i in range(len(b))}) > 1  # two problems: two different hints
     assert final["prm/unparseable_frac"] == 0.0 and final["hybrid/hint_frac"] > 0
     assert final["hybrid/opd/abs_mean"] > 0
+
+
+def _hint_gap_by_hand(model_path: str, rows: list[dict], env, template: str) -> tuple[float, float, float]:
+    """The held-out hint gap's two arms recomputed here: each row's correct tool solution replayed, once as it is
+    and once with the hand-written hint about the row's failed attempt after the prompt; the mean log-prob per
+    trained token from a plain HF forward (log_softmax + gather). Returns (with hint, without, first-token gap)."""
+    tok = load_tokenizer(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    solutions = [
+        {**r, "extra_info": {**r["extra_info"], "reference_turns": list(r["extra_info"]["tool_turns"])}}
+        for r in rows
+    ]
+    plain = reference_trajectories(solutions, tok, env)
+    assert [t.query for t in plain] == [r["extra_info"]["question"] for r in rows]
+    hinted = copy.deepcopy(plain)
+    for t, r in zip(hinted, rows):
+        extra = r["extra_info"]
+        hint = _hint_for_failed_attempt(
+            extra["question"], json.loads(extra["failed_steps"]), str(r["reward_model"]["ground_truth"])
+        )
+        t.turns[0].prompt_token_ids = [
+            *t.turns[0].prompt_token_ids,
+            *tok.encode(template.format(hint=hint), add_special_tokens=False),
+        ]
+
+    def arm(trajs):
+        b = sft_batch(trajs, tok).batch
+        R = b["responses"].shape[1]
+        with torch.no_grad():
+            logits = model(
+                input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+            ).logits[:, -R - 1 : -1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, b["responses"][..., None]).squeeze(-1)
+        mask = b["response_mask"].float()
+        return (lp * mask).sum(-1) / mask.sum(-1), lp[:, 0]
+
+    (with_hint, first_with), (without, first_without) = arm(hinted), arm(plain)
+    return float(with_hint.mean()), float(without.mean()), float((first_with - first_without).mean())
 
 
 def test_compare_hybrid_seeds_from_one_warm_start(ray_session, tmp_path):
     """``python -m recipes.compare_hybrid``: one warm start and its held-out hint gap, then both recipes for two
     seeds each (1 step here), summarised per validation step over seeds."""
-    res = compare_hybrid.main(
-        [
-            "--out",
-            str(tmp_path),
-            "--seeds",
-            "0,1",
-            *TINY,
-            "trainer.total_training_steps=1",
-            "hybrid.hinted_demos=0.5",
-        ]
-    )
+    overrides = [*TINY, "trainer.total_training_steps=1", "hybrid.hinted_demos=0.5"]
+    res = compare_hybrid.main(["--out", str(tmp_path), "--seeds", "0,1", *overrides])
+    # the hint gap's arms, each recomputed here from the warm model: with the hint and without, not swapped and
+    # not one run twice (a hint changes the log-probs)
     gap = res["hint_gap"]
-    assert gap["rows"] == 2 and math.isfinite(gap["gap"])
-    assert gap["gap"] == pytest.approx(gap["log_prob_with_hint"] - gap["log_prob_without_hint"], abs=1e-5)
-    for name in ("hybrid", "grpo"):
+    assert res["warm_model"] == str(tmp_path / "warm" / "sft_model")
+    cfg = load_config(hybrid_rl.RECIPE, overrides)
+    val = pd.read_parquet(tmp_path / "warm" / "data" / "val.parquet").to_dict("records")
+    with_hint, without, first_gap = _hint_gap_by_hand(
+        res["warm_model"], val, cfg.env, cfg.hybrid.hint_template
+    )
+    assert gap["rows"] == len(val) == 2 and abs(with_hint - without) > 1e-4
+    assert gap["log_prob_with_hint"] == pytest.approx(with_hint, abs=1e-5)
+    assert gap["log_prob_without_hint"] == pytest.approx(without, abs=1e-5)
+    assert gap["gap"] == pytest.approx(with_hint - without, abs=1e-5)
+    assert gap["first_token_gap"] == pytest.approx(first_gap, abs=1e-5)
+    for name, estimator in (("hybrid", "hybrid"), ("grpo", "grpo")):
         rows = res["summary"][name]
         assert [r["step"] for r in rows] == [0, 1]
-        assert all(
-            r["pass@1"]["seeds"] == 2 and r["pass@1"]["min"] <= r["pass@1"]["mean"] <= r["pass@1"]["max"]
-            for r in rows
-        )
         assert sorted(res["per_seed"][name]) == [0, 1]
+        # each arm's runs: its own recipe from the warm start, and the summary is over their own logs
+        logged = {}
+        for seed in (0, 1):
+            run = tmp_path / name / f"seed{seed}"
+            run_cfg = yaml.safe_load((run / "config.yaml").read_text())
+            assert run_cfg["algorithm"]["adv_estimator"] == estimator
+            assert run_cfg["model"]["path"] == res["warm_model"] and run_cfg["data"]["seed"] == seed
+            lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            logged[seed] = {m["step"]: m for m in lines if "val/pass@1" in m}
+            assert [
+                {k: v for k, v in m.items() if k == "step" or k.startswith("val/")}
+                for m in logged[seed].values()
+            ] == res["per_seed"][name][seed]
+            assert any(k.startswith("hybrid/") for m in lines for k in m) == (name == "hybrid")
+        for r in rows:
+            for k in (1, 2):
+                vals = [logged[seed][r["step"]][f"val/pass@{k}"] for seed in (0, 1)]
+                assert r[f"pass@{k}"] == {
+                    "mean": pytest.approx(sum(vals) / 2),
+                    "std": pytest.approx(abs(vals[0] - vals[1]) / 2),
+                    "min": min(vals),
+                    "max": max(vals),
+                    "seeds": 2,
+                }
     for seed in (0, 1):  # the nano model fails everything: the rule judge hints every trajectory with steps
         assert 0 < res["hybrid_terms"][seed]["hybrid/hint_frac"] <= 1
         assert res["hybrid_terms"][seed]["hybrid/opd_term/abs_mean"] > 0
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["summary"] == res["summary"] and (tmp_path / "pass_at_k.png").stat().st_size > 0
-    assert (tmp_path / "hybrid" / "seed1").is_dir() and (tmp_path / "grpo" / "seed0").is_dir()
 
 
 def test_config_checks_name_keys(tmp_path):

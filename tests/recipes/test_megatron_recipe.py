@@ -11,6 +11,7 @@ from recipes import grpo
 from recipes.config import ConfigError, load_config
 from recipes.trainer.checkpoint import latest_step
 from recipes.trainer.run import start_run
+from tests.skips import skip_or_fail
 from workers.engine.checkpoint import verify_checkpoint
 
 TINY = [
@@ -86,10 +87,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(
-    importlib.util.find_spec("megatron.core") is None, reason="megatron-core is not installed"
-)
 def test_grpo_step_with_tensor_parallel_actor(ray_session, tmp_path):
+    if importlib.util.find_spec("megatron.core") is None:
+        skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])")
     reward_file = tmp_path / "length.py"
     reward_file.write_text(LENGTH_REWARD)
     overrides = [

@@ -192,23 +192,47 @@ def test_quickstart_flow(ray_session, tmp_path, capsys):
 
 def test_grpo_without_the_old_log_prob_pass_trains_the_same(ray_session, tmp_path):
     """algorithm.old_log_prob=auto (no compute_log_prob pass: the update's forward gives the old log-probs) and
-    recompute (the pass first) sample, score and update alike: the same metrics step by step; rollout takes
-    the rollout engine's log-probs instead."""
-    common = [*PLACEMENT["colocated"], *RECIPES["grpo"][1], "trainer.save_freq=-1", "actor.optim.lr=1e-2"]
+    recompute (the pass first) sample, score and update alike: the same losses and gradients step by step, and
+    the same updated policy (its step-2 samples and held-out answers); rollout takes the rollout engine's
+    log-probs instead. On the digit reward, which the random policy earns a little of: the advantages are not
+    all zero, so the updates change the policy and a wrong ratio or old log-prob would change the losses."""
+    reward = tmp_path / "digits.py"
+    reward.write_text(DIGIT_REWARD)
+    common = [
+        *PLACEMENT["colocated"],
+        *RECIPES["grpo"][1],
+        "trainer.save_freq=-1",
+        "actor.optim.lr=1e-2",
+        f"custom_reward_function.path={reward}",
+    ]
     runs = {
         mode: _run(grpo, "grpo", tmp_path / mode, [*common, f"algorithm.old_log_prob={mode}"])["history"]
         for mode in ("auto", "recompute", "rollout")
     }
-    assert "timing_s/old_log_prob" in runs["recompute"][1] and "timing_s/old_log_prob" not in runs["auto"][1]
-    for auto, recompute in zip(runs["auto"][1:], runs["recompute"][1:]):
-        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"):
-            assert auto[key] == pytest.approx(recompute[key], rel=1e-4, abs=1e-6), key
-    assert runs["auto"][2]["val/accuracy"] == runs["recompute"][2]["val/accuracy"]
-    assert runs["auto"][1]["actor/grad_norm"] != runs["auto"][2]["actor/grad_norm"]  # two different updates
-    # rollout: the engine's log-probs are the old ones (no pass); its first step sampled what the others did
-    rollout = runs["rollout"][1]
-    assert "timing_s/old_log_prob" not in rollout and rollout["training/rollout_logprob_diff_max"] == 0.0
-    assert rollout["critic/score/mean"] == runs["auto"][1]["critic/score/mean"]
+    auto, recompute, rollout = runs["auto"], runs["recompute"], runs["rollout"]
+    assert "timing_s/old_log_prob" in recompute[1] and "timing_s/old_log_prob" not in auto[1]
+    for row in auto[1:]:  # something to learn from, and an update that uses it
+        assert row["critic/advantages/max"] > 0 and row["actor/grad_norm"] > 0
+    # the updates changed the policy: its greedy held-out answers went from no digits to some
+    assert auto[0]["val/accuracy"] == 0 and auto[2]["val/accuracy"] > 0
+    # auto and recompute run the same forward on the same weights (in the update, or in a pass before it): the
+    # old log-probs agree to float32 rounding, the ratio is 1 in both. rel=1e-5 leaves room for a different
+    # summation order only; a wrong old log-prob or ratio moves these by 1e-2 and more
+    keys = ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"]
+    keys += ["critic/score/mean", "critic/advantages/max", "response_length/mean"]  # step 2: the new policy
+    for a, r in zip(auto[1:], recompute[1:]):
+        for key in keys:
+            assert a[key] == pytest.approx(r[key], rel=1e-5, abs=1e-7), key
+    assert auto[2]["val/accuracy"] == recompute[2]["val/accuracy"]
+    assert auto[1]["actor/grad_norm"] != auto[2]["actor/grad_norm"]  # two different updates
+    # rollout: the engine's log-probs are the old ones (no pass); its first step sampled what the others did,
+    # and the engine's and the trainer's log-probs differ by numerics only (training/rollout_logprob_diff_max
+    # of auto, ~1e-6): the ratio is within 1e-5 of 1, so the loss and gradient agree to rel 1e-4
     assert (
-        rollout["actor/ppo_kl"] != 0.0 and abs(rollout["actor/ppo_kl"]) < 1e-3
-    )  # trainer vs engine numerics
+        "timing_s/old_log_prob" not in rollout[1] and rollout[1]["training/rollout_logprob_diff_max"] == 0.0
+    )
+    assert auto[1]["training/rollout_logprob_diff_max"] < 1e-5
+    assert rollout[1]["critic/score/mean"] == auto[1]["critic/score/mean"]
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert rollout[1][key] == pytest.approx(auto[1][key], rel=1e-4), key
+    assert rollout[1]["actor/ppo_kl"] != 0.0 and abs(rollout[1]["actor/ppo_kl"]) < 1e-3  # trainer vs engine

@@ -1,5 +1,9 @@
 """Issue 14: bad values fail in the config pass, capacity is checked honestly, reward and call faults are loud."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from recipes.trainer.run import parse_args
@@ -334,3 +338,15 @@ def test_a_command_line_run_that_aborts_exits_1_with_the_message(capsys):
         with pytest.raises(SystemExit) as exc:
             cli(main)
         assert exc.value.code == f"{prefix}: {err}"  # sys.exit(message): status 1, the message on stderr
+    # the real command line: a bad key is refused while parsing, before Ray starts: status 2 (a usage error, as
+    # argparse's), the message on stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "recipes.grpo", "no_such_section.key=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("config error: "), done.stderr[-2000:]
+    assert "no_such_section" in done.stderr

@@ -130,14 +130,28 @@ def test_rlm_oolong_yaml_brief_run(ray_session, tmp_path):
         assert key in final and math.isfinite(final[key]), key
 
 
+# the share of the answer's characters that are digits: the nano model's random answers earn a little of it
+DIGIT_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
+
+
 def test_rlm_recipe_fully_async_step_wise(ray_session, tmp_path):
     """async_rl.mode=full: RLM trajectories stream from the env pool while the trainer trains. Step-wise rows
     vary in number per prompt; a group is still released whole (every root of a prompt, all its turns), and
-    every model token carries the version of the weights that sampled it, within max_staleness."""
+    every model token carries the version of the weights that sampled it, within max_staleness. The brief warm
+    start never teaches the S-NIAH program, so the reward is one the trajectories earn: when the turns run out,
+    one more turn asks for the answer (env.agent.final_answer_on_exhaustion) and the share of digits in it is
+    the score; the run earns it, and its advantages move the weights (three steps do not show it rising)."""
+    reward = tmp_path / "digits.py"
+    reward.write_text(DIGIT_REWARD)
     result = rlm.main(
         [
             *BRIEF_RLM,
             "env.step_wise=true",
+            "env.agent.final_answer_on_exhaustion=true",
+            f"custom_reward_function.path={reward}",
             "trainer.total_training_steps=3",
             "trainer.test_freq=-1",
             "trainer.placement=disaggregated",
@@ -153,6 +167,9 @@ def test_rlm_recipe_fully_async_step_wise(ray_session, tmp_path):
     for r in rows:
         assert r["async/staleness_max"] <= 1 and math.isfinite(r["env/turns/mean"])
         assert math.isfinite(r["off_policy/behaviour_kl"]) and math.isfinite(r["actor/pg_loss"])
+    # the reward is earned: some answers score, a group's samples differ, and the update has a gradient
+    earned = [r for r in rows if r["critic/advantages/max"] > 0]
+    assert earned and all(r["critic/score/max"] > 0 and r["actor/grad_norm"] > 0 for r in earned)
     batch = result["last_batch"]
     nt, mask = batch.non_tensor_batch, batch.batch["response_mask"] > 0
     roots: dict[str, set] = {}

@@ -18,6 +18,7 @@ trajectory of a step fails.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 
@@ -388,12 +389,28 @@ def test_rlm_recipe_step_wise(ray_session, tmp_path):
         # a row per turn, in order (a tail of turns whose prefix exceeds P is dropped)
         assert ts == list(range(len(ts))) and 1 <= len(ts) <= n, (tid, ts, n)
     assert any(len(ts) >= 2 for ts in turns.values()), "every trajectory ended after one turn"
-    # a turn row's response is that turn alone: all model tokens, no observation inside
+    # a turn row's response is that turn alone: all model tokens, no observation inside. Each row says which
+    # case it is in: a row whose prefix is longer than P (the one row kept for a trajectory none of whose turns
+    # fit) or whose environment failed trains nothing; any other row (a response cut at R keeps its first R
+    # tokens: env.mask_truncated is off) trains exactly the tokens it attends to
     R = b["responses"].shape[1]
-    real = torch.as_tensor(~fill)
-    assert torch.equal(b["response_mask"][real] > 0, b["attention_mask"][real][:, -R:] > 0) or bool(
-        nt["truncated"].astype(bool).any()
-    )
+    cases = defaultdict(list)
+    for i in np.flatnonzero(~fill):
+        trained, attended = b["response_mask"][i] > 0, b["attention_mask"][i, -R:] > 0
+        cut = str(nt["truncated"][i])
+        assert cut in ("", "response", "prompt"), (i, cut)
+        env_failed = nt["status"][i] == "error" and not json.loads(nt["trajectory"][i])["metadata"].get(
+            "policy_error"
+        )
+        if cut == "prompt" or env_failed:
+            cases["trains nothing"].append(i)
+            assert attended.any() and not trained.any(), (i, cut, nt["status"][i])
+        else:
+            cases["one turn"].append(i)
+            assert trained.any() and torch.equal(trained, attended), (i, cut)
+    # here every turn fits (turns of at most env.agent.max_new_tokens=24 tokens, first prefixes under 640) and
+    # no environment fails: the check above ran on every row
+    assert len(cases["one turn"]) == int((~fill).sum()), dict(cases)
     # the trajectory's GRPO advantage on every one of its turns
     src = is_source(batch)
     scores = b["token_level_scores"].sum(-1)

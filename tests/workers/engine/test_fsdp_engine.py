@@ -14,6 +14,7 @@ import engine_testlib as T
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -31,7 +32,7 @@ from workers.engine import (
     verify_checkpoint,
 )
 from workers.engine.distributed import run_in_processes
-from workers.engine.packing import padded_response_log_probs, restore_order
+from workers.engine.packing import restore_order
 
 R = 10  # response length of T.make_batch
 
@@ -55,14 +56,18 @@ def _engine(model_dir, **kw):
 
 
 def _padded_forward(model_dir, batch, temperature=1.0, attn="sdpa"):
+    """Log-probs and entropy of the responses from a plain HF forward of the padded batch, computed here
+    (not through the engine's packing helpers, so an error there cannot cancel out)."""
     ref = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn).eval()
     with torch.no_grad():
         logits = ref(
             batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
         ).logits
     rmask = batch["attention_mask"][:, -R:]
+    # the logits at position t predict token t + 1: those of the last prompt token .. second-to-last response token
     resp_logits = logits[:, -R - 1 : -1].float() / temperature
-    lp = padded_response_log_probs(logits, batch["responses"], temperature) * rmask
+    ids = batch["responses"]
+    lp = torch.log_softmax(resp_logits, -1).gather(-1, ids[..., None]).squeeze(-1) * rmask
     p = torch.softmax(resp_logits, -1)
     ent = (torch.logsumexp(resp_logits, -1) - (p * resp_logits).sum(-1)) * rmask
     return lp, ent
@@ -580,8 +585,9 @@ def test_dp2_log_probs_match_padded_forward(model_dir, dist_results):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-def test_dp2_checkpoint_resume_and_export(dist_results):
+def test_dp2_checkpoint_resume_and_export(model_dir, dist_results):
     out, res = dist_results
+    names = {k for k, _ in AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()}
     for r in range(2):
         assert res[r]["resume_extra"] == {"data_pos": 3} and res[r]["resume_step"] == 3
         assert (
@@ -589,16 +595,27 @@ def test_dp2_checkpoint_resume_and_export(dist_results):
             in (res[r]["damaged_error"])
         )
         np.testing.assert_allclose(res[r]["resume_losses"], res[r]["cont_losses"], rtol=1e-12, atol=0)
+        # the resumed engine has every parameter of the one that went on (and no other), each bit-identical
+        assert set(res[r]["resume_params"]) == set(res[r]["cont_params"]) == names, r
         for k, v in res[r]["cont_params"].items():
             torch.testing.assert_close(res[r]["resume_params"][k], v, atol=0, rtol=0)
     assert sorted(p.name for p in (out / "ckpt" / "step_3" / "model_optim").glob("*.distcp")) == [
         "__0_0.distcp",
         "__1_0.distcp",
     ]
-    loaded = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True)
-    for k, v in loaded.state_dict().items():
-        if k in res[0]["resume_params"]:
-            torch.testing.assert_close(v, res[0]["resume_params"][k], atol=0, rtol=0)
+    # the export holds exactly the resumed engine's tensors (the tied lm_head once, as its embedding) ...
+    exported = load_file(out / "hf" / "model.safetensors")
+    assert set(exported) == names
+    for k, v in exported.items():
+        torch.testing.assert_close(v, res[0]["resume_params"][k], atol=0, rtol=0)
+    # ... and HF loads every weight from it: nothing missing (which HF would fill with a fresh random init)
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        out / "hf", local_files_only=True, output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert set(dict(loaded.named_parameters())) == names
+    for k, v in loaded.named_parameters():
+        torch.testing.assert_close(v.detach(), res[0]["resume_params"][k], atol=0, rtol=0)
 
 
 def test_dp2_uneven_shards_run_dummy_micro_batches(model_dir, dist_results):

@@ -16,6 +16,7 @@ import engine_testlib as T
 import pytest
 import torch
 
+from tests.skips import skip_or_fail
 from workers.engine.distributed import run_in_processes
 from workers.engine.megatron.hf_conversion import (
     ModelShape,
@@ -27,7 +28,7 @@ from workers.engine.megatron.hf_conversion import (
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
 if importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
+    skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
 
 STEPS = 2
 MICRO = 2  # rows per micro-batch: 4 micro-batches of the 8-row batch (1F1B warm-up, steady state, cool-down)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from dataproto import DataProto
 from resource_pools import ResourcePool
+from tests.skips import skip_or_fail
 from workers.config import ActorConfig, CriticConfig, ModelConfig, RolloutConfig
 from workers.engine import EngineConfig, MegatronConfig, OptimConfig
 from workers.roles import ActorWorker, CriticWorker, hybrid_roles
@@ -24,7 +25,7 @@ from workers.roles.common import build_engine, data_parallel_size
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
 if importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
+    skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
 
 
 P, R = 6, 5

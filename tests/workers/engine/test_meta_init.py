@@ -10,6 +10,7 @@ import engine_testlib as T
 import meta_init_testlib as M
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from workers.config import ModelConfig, RolloutConfig
@@ -86,21 +87,57 @@ def test_building_a_sharded_engine_never_holds_the_whole_model(dist_results, key
         assert res[r][f"{key}/growth_kib"] < 0.8 * full_kib, (res[r][f"{key}/growth_kib"], full_kib)
 
 
+@pytest.fixture(scope="module")
+def one_process_step(dirs):
+    """The step the two ranks take, in one process: ``key -> (metrics, weights after the step)`` (each
+    directory's engine built and stepped once, when a test first asks for it)."""
+    done: dict = {}
+
+    def step(key: str):
+        if key not in done:
+            engine = FSDPEngine(T.engine_config(dirs[key], lr=1e-3))
+            metrics = engine.train_step(T.make_batch(8, seed=7), T.pg_loss, micro_batch_size=2)
+            done[key] = metrics, T.params(engine)
+        return done[key]
+
+    return step
+
+
 @pytest.mark.parametrize("key", ["random", "ckpt"])
-def test_two_rank_step_matches_one_process(dirs, dist_results, key):
+def test_two_rank_step_matches_one_process(dist_results, one_process_step, key):
     _, res = dist_results
-    engine = FSDPEngine(T.engine_config(dirs[key], lr=1e-3))
-    metrics = engine.train_step(T.make_batch(8, seed=7), T.pg_loss, micro_batch_size=2)
+    metrics, _ = one_process_step(key)
     for r in range(2):
         assert res[r][f"{key}/loss"] == pytest.approx(metrics["loss"], abs=1e-6)
         assert res[r][f"{key}/grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
 
 
-def test_export_is_written_by_rank_zero_and_loads_the_trained_weights(dist_results):
+def test_export_is_written_by_rank_zero_and_loads_the_trained_weights(dist_results, one_process_step):
+    """Rank 0 writes the random-init engine after its step: every tensor (names, shapes, values) is the weight
+    the same step gives in one process, not the initial one, and HF loads all of them."""
     out, res = dist_results
     assert res[0]["export"] == str(out / "hf") and res[1]["export"] is None
-    loaded = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True)
-    assert loaded.model.embed_tokens.weight.shape == (131072, 64)
+    _, trained = one_process_step("random")
+    initial = res[0]["random/params"]  # the two-rank engine's weights before its step
+    assert set(trained) == set(initial)
+    exported = load_file(out / "hf" / "model.safetensors")
+    assert set(exported) == set(trained)  # the tied lm_head once, as the embedding
+    moved = 0.0
+    for name, weight in trained.items():
+        assert exported[name].shape == weight.shape and exported[name].dtype == weight.dtype, name
+        torch.testing.assert_close(
+            exported[name], weight, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
+        moved = max(moved, float((exported[name] - initial[name]).abs().max()))
+    assert moved > 1e-4  # the step moved the weights (lr 5e-4 in the first warm-up step): the trained ones
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        out / "hf", local_files_only=True, output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert set(dict(loaded.named_parameters())) == set(trained)
+    for name, weight in loaded.named_parameters():
+        assert torch.equal(weight.detach(), exported[name]), name
 
 
 @pytest.mark.parametrize("key", ["random", "ckpt"])

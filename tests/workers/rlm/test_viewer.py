@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.skips import skip_or_fail
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.agents.trajectory import (
@@ -242,10 +243,9 @@ def test_cli_writes_html(jsonl, tmp_path, capsys):
     assert "<title>CLI page</title>" in out.read_text()
 
 
-@pytest.mark.skipif(
-    chromium() is None, reason="headless Chromium is not installed (apt-get install chromium)"
-)
 def test_headless_chromium_renders_tree_code_and_outputs(jsonl, tmp_path):
+    if chromium() is None:
+        skip_or_fail("headless Chromium is not installed (apt-get install chromium)")
     html_path = write_html(jsonl, tmp_path / "view.html", title="RLM run")
     base = chromium_args(tmp_path)
     url = "file://" + os.path.abspath(html_path)
@@ -296,10 +296,9 @@ def test_headless_chromium_renders_tree_code_and_outputs(jsonl, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-@pytest.mark.skipif(
-    chromium() is None, reason="headless Chromium is not installed (apt-get install chromium)"
-)
 def test_headless_chromium_shows_truncation_budget_tools_and_usage(budget_jsonl, tmp_path):
+    if chromium() is None:
+        skip_or_fail("headless Chromium is not installed (apt-get install chromium)")
     jsonl2 = dump_jsonl(hand_built(), tmp_path / "hand.jsonl")
     html_path = tmp_path / "view.html"
     assert main([str(budget_jsonl), jsonl2, "-o", str(html_path)]) == 0  # the CLI, several JSONL files

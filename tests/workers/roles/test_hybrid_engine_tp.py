@@ -23,6 +23,7 @@ import torch
 from controller import PAD_ROWS_KEY, make_nd_split_dataproto_dispatch_fn
 from dataproto import DataProto
 from resource_pools import ResourcePool
+from tests.skips import skip_or_fail
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import MegatronConfig, OptimConfig
 from workers.roles import hybrid_groups
@@ -31,7 +32,7 @@ from workers.weight_sync import WeightSync
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
 if importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
+    skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -29,6 +29,7 @@ from test_sglang_integration import (
     make_config,
 )
 
+from tests.skips import skip_or_fail
 from workers.rollout.sampling import SamplingParams
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
@@ -41,7 +42,7 @@ def sglang_tp_available(sglang_module):
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("SGLang tp_size=2 on CUDA needs two GPUs")
     if DEVICE == "cpu" and len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("SGLang tp_size=2 on CPU needs two cores")
+        skip_or_fail("SGLang tp_size=2 on CPU needs two cores")
 
 
 @pytest.fixture(scope="module")

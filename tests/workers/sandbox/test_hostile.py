@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from tests.skips import skip_or_fail
 from workers.sandbox import ReplSandbox, SandboxConfig, SandboxError, bwrap_path
 from workers.sandbox._seccomp import CLONE_NAMESPACES, syscall_numbers
 from workers.sandbox.sandbox import SANDBOX_ENV
@@ -29,11 +30,11 @@ LIMITS = dict(timeout_s=1.0, memory_mb=256, cpu_s=30, max_procs=16, max_file_mb=
 
 def _open(mode: str, **overrides) -> ReplSandbox:
     if mode == "bwrap" and bwrap_path() is None:
-        pytest.skip("bubblewrap (bwrap) is not installed")
+        skip_or_fail("bubblewrap (bwrap) is not installed")
     try:
         return ReplSandbox(SandboxConfig(isolation=mode, **{**LIMITS, **overrides}))
     except SandboxError as exc:
-        pytest.skip(f"{mode} isolation is not available here: {exc}")
+        skip_or_fail(f"{mode} isolation is not available here: {exc}")
 
 
 @pytest.fixture(scope="module", params=["bwrap", "rlimits"])
@@ -70,7 +71,7 @@ def require(sandbox, feature: str) -> None:
         brief = {k: report[k] for k in ("namespaces", "filesystem", "uid_separation", "seccomp")} | {
             "procs": report["limits"]["processes"]
         }
-        pytest.skip(f"{sandbox.mode} isolation here lacks {feature!r} containment: {brief}")
+        skip_or_fail(f"{sandbox.mode} isolation here lacks {feature!r} containment: {brief}")
 
 
 def assert_fresh_and_usable(repl):

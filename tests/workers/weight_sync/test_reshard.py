@@ -218,10 +218,60 @@ def test_bytes_and_peak_memory_regrouped_vs_naive(four_ranks, train, gen):
         assert reg["gen_shard_bytes"] == need
 
 
+def _bytes_by_stage(model, pp: int) -> tuple[list[int], list[int]]:
+    """Bytes of the TP-split and of the replicated parameters on each of ``pp`` stages, from ``model``'s shapes
+    alone: norms are replicated, every other weight is split; decoder layers in equal blocks of stages, the
+    embedding on the first stage, the final norm and ``lm_head`` on the last."""
+    n_layers = model.config.num_hidden_layers
+    split, replicated = [0] * pp, [0] * pp
+    for name, p in model.named_parameters():
+        if name.startswith("model.layers."):
+            stage = int(name.split(".")[2]) // (n_layers // pp)
+        else:
+            stage = 0 if name == "model.embed_tokens.weight" else pp - 1
+        nbytes = p.numel() * p.element_size()
+        if name.endswith("norm.weight"):
+            replicated[stage] += nbytes
+        else:
+            split[stage] += nbytes
+    return split, replicated
+
+
 def test_bytes_sent_equal_bytes_received_over_all_ranks(four_ranks):
-    for key in four_ranks[0]["layouts"]:
-        stats = [res["layouts"][key]["stats"] for res in four_ranks]
-        assert sum(s["bytes_sent"] for s in stats) == sum(s["bytes_received"] for s in stats), key
+    """Each rank's sent and received bytes are the volume the layout implies, worked out here from the shapes
+    (not from the plan): regrouped, a rank receives HybridFlow's ``M/tp_g - M/(tp*pp)`` of the split weights
+    (the rest of its generation chunk, from its micro-DP group of ``pp*tp/tp_g`` ranks) plus the replicated
+    ones it does not send itself; naive, the whole model but what it sends. A sender's buffer goes to every
+    other member of its group, so the totals over ranks agree."""
+    model = _model()
+    for (pp, tp, dp), (tp_g, dp_g) in LAYOUTS:
+        split, replicated = _bytes_by_stage(model, pp)
+        S, Rb = sum(split), sum(replicated)
+        assert all(s * pp == S for s in split)  # equal split bytes per stage: the paper's formula applies
+        mu = tp // tp_g
+        for mode in ("regrouped", "naive"):
+            stats = [res["layouts"][((pp, tp, dp), (tp_g, dp_g), mode)]["stats"] for res in four_ranks]
+            for rank, st in enumerate(stats):
+                pp_rank, tp_rank = rank // (tp * dp), rank % tp
+                if mode == "regrouped":
+                    # a stage's replicated weights come from its group member with tp_rank % mu == 0
+                    own_replicated = replicated[pp_rank] if tp_rank % mu == 0 else 0
+                    group = pp * mu
+                    received = (S // tp_g - S // (tp * pp)) + (Rb - own_replicated)
+                else:  # gather over the model-parallel group: the replicated weights from tp_rank 0
+                    own_replicated = replicated[pp_rank] if tp_rank == 0 else 0
+                    group = pp * tp
+                    received = (S - S // (tp * pp)) + (Rb - own_replicated)
+                own = S // (tp * pp) + own_replicated  # what this rank broadcasts to its group
+                where = ((pp, tp, dp), (tp_g, dp_g), mode, rank)
+                assert st["group_size"] == group, where
+                assert st["bytes_received"] == received, where
+                assert st["bytes_sent"] == own * (group - 1), where
+            total = sum(s["bytes_sent"] for s in stats)
+            assert total == sum(s["bytes_received"] for s in stats)
+            # every group passes its model share (regrouped: a generation chunk) to each member but its sender
+            share = S // tp_g + Rb if mode == "regrouped" else S + Rb
+            assert total == (pp * tp * dp // group) * (group - 1) * share, ((pp, tp, dp), (tp_g, dp_g), mode)
 
 
 def test_tp_g1_weights_stream_into_the_native_engine(four_ranks):
