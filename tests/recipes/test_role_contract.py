@@ -91,7 +91,10 @@ def _worker_classes() -> list[type]:
     while todo:
         for sub in todo.pop().__subclasses__():
             todo.append(sub)
-            if sub.__module__.startswith(("workers.", "recipes.")):
+            # ray.remote(cls) makes a subclass of its own (ray.actor._modify_class) in the driver: Ray's, not ours
+            if sub.__module__.startswith(("workers.", "recipes.")) and not sub.__qualname__.startswith(
+                "_modify_class"
+            ):
                 found.append(sub)
     return found
 
