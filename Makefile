@@ -30,7 +30,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs --durations=40 tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_dataproto

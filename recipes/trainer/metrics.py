@@ -2,7 +2,8 @@
 
 * ``compute_data_metrics``: ``critic/score/*`` (sequence score), ``critic/rewards/*`` (after any in-reward KL;
   both, with ``train/accuracy`` and ``reward/answered_frac``, over the advantage source rows only: one per
-  trajectory tree when step-wise turns or children are rows),
+  trajectory tree when step-wise turns or children are rows), ``reward/zero_variance_groups`` (share of prompt
+  groups whose samples all scored the same: a group-relative estimator learns nothing from them),
   ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*`` (PPO), ``response_length/*``
   (incl. ``clip_ratio``: share of responses cut at max length), ``prompt_length/*``, and
   ``training/rollout_logprob_diff_{max,mean}``: |log p_rollout - log p_trainer| of the sampled tokens, the rollout
@@ -67,6 +68,10 @@ def compute_data_metrics(batch: DataProto) -> dict[str, float]:
         scores = b["token_level_scores"].sum(-1)[samples]
         out.update(_stats("critic/score", scores))
         out["train/accuracy"] = float((scores >= 1.0).float().mean())  # sampled responses with full score
+        if "uid" in batch.non_tensor_batch:
+            flat = zero_variance_groups(batch.non_tensor_batch["uid"][samples.numpy()], scores)
+            if flat is not None:
+                out["reward/zero_variance_groups"] = flat
     if "answer" in batch.non_tensor_batch:  # RLM trajectories: how many reached FINAL / FINAL_VAR
         out["reward/answered_frac"] = float(
             np.mean([a is not None and a != "" for a in batch.non_tensor_batch["answer"][samples.numpy()]])
@@ -91,6 +96,18 @@ def compute_data_metrics(batch: DataProto) -> dict[str, float]:
             out["training/rollout_logprob_diff_max"] = float(diff.max())
             out["training/rollout_logprob_diff_mean"] = float(diff.mean())
     return out
+
+
+def zero_variance_groups(uids: np.ndarray, scores: torch.Tensor) -> float | None:
+    """Share of the prompt groups (samples sharing a ``uid``; groups of two or more) whose samples all got the
+    same score; None when no group has two samples (``rollout.n=1``)."""
+    groups: dict[object, list[float]] = defaultdict(list)
+    for uid, score in zip(uids, scores.tolist(), strict=True):
+        groups[uid].append(score)
+    sized = [g for g in groups.values() if len(g) > 1]
+    if not sized:
+        return None
+    return sum(max(g) - min(g) <= 1e-6 for g in sized) / len(sized)
 
 
 def compute_throughput(batch: DataProto, step_seconds: float, n_devices: int) -> dict[str, float]:

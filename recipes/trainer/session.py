@@ -38,7 +38,7 @@ from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_
 from recipes.trainer.metrics import compute_data_metrics, compute_throughput, timer, timing_metrics
 from recipes.trainer.roles import build_roles, metrics_of
 from recipes.trainer.run import Run
-from recipes.trainer.steps import check_reward_errors, due, resume, save_checkpoint
+from recipes.trainer.steps import LearningSignalWatch, check_reward_errors, due, resume, save_checkpoint
 from recipes.trainer.tracking import Tracker
 from recipes.trainer.validation import Validator, greedy_accuracy
 
@@ -84,6 +84,7 @@ class Session:
             raise
         self.hf_model: str | None = None
         self.plot: str | None = None
+        self.signal_watch = LearningSignalWatch()
 
     # -- life cycle ---------------------------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class Session:
         metrics |= compute_throughput(batch, timings.get("step", 0.0), self.roles.n_devices)
         check_reward_errors(batch, step, self.cfg.reward.max_error_frac, self.tracker)
         self.state.check_skipped(metrics, self.tracker, t.max_consecutive_skipped_updates)
+        self.signal_watch.check(metrics, step, self.tracker)
         if self.should_validate(step):
             with timer("testing", timings):
                 metrics |= self.validate()

@@ -240,6 +240,46 @@ def check_reward_errors(batch: DataProto, step: int, max_error_frac: float | Non
     tracker.write(f"WARNING {what}")
 
 
+@dataclass
+class LearningSignalWatch:
+    """Says once, loudly, when ``steps`` steps in a row gave every prompt group equal rewards
+    (``reward/zero_variance_groups`` = 1): a group-relative advantage is then 0 everywhere and the policy does
+    not move, which a console of ``reward 0 | pg_loss 0`` lines would otherwise leave unexplained."""
+
+    steps: int = 3
+    flat_in_a_row: int = 0
+    warned: bool = False
+
+    def check(self, metrics: dict, step: int, tracker) -> None:
+        if metrics.get("reward/zero_variance_groups", 0.0) < 1.0:
+            self.flat_in_a_row = 0
+            return
+        self.flat_in_a_row += 1
+        if self.warned or self.flat_in_a_row < self.steps:
+            return
+        self.warned = True
+        mean = metrics.get("critic/score/mean", float("nan"))
+        if metrics.get("train/accuracy", 0.0) >= 1.0:
+            cause = "the task is saturated: every sample already earns the full score"
+            fix = "a harder task (task.name / task.knobs) or fewer steps"
+        else:
+            entropy = metrics.get("actor/entropy")
+            seen = f" (entropy {entropy:.2f})" if entropy is not None else ""
+            cause = (
+                f"the model cannot earn the reward yet{seen}: a randomly initialised model (model.path=null builds "
+                "one) samples near-uniform tokens, whose entropy is about ln(vocabulary size)"
+            )
+            fix = (
+                "start from a model that sometimes succeeds: model.path=runs/quickstart/hf_model after `make demo` "
+                "(python -m recipes.quickstart warm-starts the tiny model), or your own SFT checkpoint"
+            )
+        tracker.write(
+            f"WARNING steps {step - self.flat_in_a_row + 1}-{step}: every prompt group's samples got the same "
+            f"score (mean {mean:.3g}), so every advantage is 0 and the policy is not learning. Likely cause: "
+            f"{cause}. Fix: {fix}. (Said once; reward/zero_variance_groups tracks it per step.)"
+        )
+
+
 def save_checkpoint(
     run, roles: Roles, state: TrainerState, loader, kl_ctrl, cfg: RecipeConfig, data_state: dict | None = None
 ) -> str:

@@ -323,6 +323,29 @@ def test_consecutive_skipped_updates_abort_naming_step_and_metric(ray_session, t
     assert "WARNING step 1: actor update skipped" in capsys.readouterr().out
 
 
+ZERO_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return 0.0  # what a randomly initialised model earns on every sample
+"""
+
+
+def test_a_run_without_learning_signal_says_so_once_with_cause_and_fix(ray_session, tmp_path, capsys):
+    """Every group's samples scoring the same for 3 steps in a row (a random model, a constant reward) is said on
+    the console once, with the likely cause and the fix, instead of training on zero advantages in silence."""
+    result = _grpo(tmp_path, "trainer.total_training_steps=4", reward=ZERO_REWARD)
+    out = capsys.readouterr().out
+    assert out.count("the policy is not learning") == 1
+    assert (
+        "WARNING steps 1-3: every prompt group's samples got the same score (mean 0), so every advantage is 0"
+        in out
+    )
+    assert (
+        "the model cannot earn the reward yet (entropy " in out
+        and "model.path=runs/quickstart/hf_model" in out
+    )
+    assert [row["reward/zero_variance_groups"] for row in result["history"]] == [1.0, 1.0, 1.0, 1.0]
+
+
 def test_a_command_line_run_that_aborts_exits_1_with_the_message(capsys):
     from recipes.config import ConfigError
     from recipes.trainer.run import RunAborted, cli

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +72,21 @@ def test_from_pretrained_and_forward(tiny_dir, tok):
     assert logits.shape == (1, ids.shape[1], VOCAB_SIZE) and torch.isfinite(logits).all()
     gc = model.generation_config
     assert tok.convert_tokens_to_ids("<|im_end|>") in gc.eos_token_id and gc.pad_token_id == tok.pad_token_id
+    # sampling defaults a serving engine accepts: SGLang's server answered every request with a 400 for top_k=0
+    saved = json.loads((Path(tiny_dir) / "generation_config.json").read_text())
+    assert "top_k" not in saved and saved["do_sample"] is True and saved["temperature"] == 1.0
+
+
+def test_exported_generation_config_drops_top_k_zero_and_keeps_a_real_top_k(tmp_path):
+    from transformers import GenerationConfig
+
+    from workers.engine.checkpoint import servable_generation_config
+
+    for top_k, expect in ((0, None), (20, 20)):
+        original = GenerationConfig(do_sample=True, top_k=top_k)
+        servable_generation_config(original).save_pretrained(tmp_path / str(top_k))
+        saved = json.loads((tmp_path / str(top_k) / "generation_config.json").read_text())
+        assert saved.get("top_k") == expect and original.top_k == top_k  # the engine's own copy is untouched
 
 
 def test_sizes():

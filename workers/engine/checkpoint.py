@@ -25,6 +25,7 @@ step is the newest complete one is the caller's business (recipes/trainer/checkp
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import io
 import json
@@ -413,6 +414,16 @@ def load_checkpoint(engine: TrainEngine, path: str | os.PathLike) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def servable_generation_config(config):
+    """A copy of a Hugging Face ``GenerationConfig`` that serving engines accept as sampling defaults: HF reads
+    ``top_k=0`` as "no top-k", SGLang's server refuses it (``top_k must be -1 (disable) or at least 1``) on every
+    request, so 0 is written as absent, which both read as off."""
+    config = copy.deepcopy(config)
+    if getattr(config, "top_k", None) == 0:
+        config.top_k = None
+    return config
+
+
 def export_hf(
     engine: TrainEngine,
     out_dir: str | os.PathLike,
@@ -469,7 +480,7 @@ def export_hf(
     cfg_json.pop("attn_implementation", None)
     (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
     if engine.generation_config is not None:
-        engine.generation_config.save_pretrained(tmp)
+        servable_generation_config(engine.generation_config).save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if out.exists():

@@ -39,7 +39,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: no top_k=0 in generation_config.json (SGLang refuses it)
 MARKER_FILE = "hyflow_tiny.json"
 VOCAB_SIZE = 1024
 
@@ -324,8 +324,7 @@ def build_tiny_model(
                 bos_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
                 do_sample=True,
                 temperature=1.0,
-                top_p=1.0,
-                top_k=0,
+                top_p=1.0,  # no top_k: serving engines (SGLang) refuse HF's 0-means-off
             )
             model.save_pretrained(tmp, safe_serialization=True)
             n_params = sum(p.numel() for p in model.parameters())
