@@ -27,7 +27,7 @@ group's staleness at training time is ``version - (its oldest token's version)``
     ``abort``: the running requests are aborted and their prompts requeued, to be generated afresh.
   - ``max_staleness``: generation runs ahead of the trainer only as far as its groups will be trained on
     within this many versions (``_fresh_enough``; groups are taken in order); a group still older when a batch
-    is taken (one overtaken by later ones, or left from before a resume) is dropped and its prompt requeued
+    is taken (one overtaken by later ones) is dropped and its prompt requeued
     (generated again with newer weights): nothing is lost.
   - Checkpoints: the prompts not yet trained on (queued, in flight, buffered) are saved with the data loader's
     position (``checkpoint_state``); their generated samples are not: a resumed run generates them afresh with
