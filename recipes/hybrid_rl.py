@@ -106,7 +106,12 @@ def warm_start_data(cfg: HybridConfig) -> SFTData:
 
 def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:
     validator = PassAtK(cfg.eval.pass_k, cfg.eval.temperature)
-    session = Session(cfg, run, recipe, validator=validator, **role_options(cfg, run))  # tool env generates
+    # the hybrid estimator's PRM and OPD terms still teach where every group's outcome rewards are equal; the GRPO
+    # baseline (hybrid_rl_grpo.yaml) has only the outcome reward
+    outcome_only = cfg.algorithm.adv_estimator != "hybrid"
+    session = Session(
+        cfg, run, recipe, validator=validator, outcome_only=outcome_only, **role_options(cfg, run)
+    )  # fmt: skip
     try:
         prm = PRMRole(cfg, run, session.roles) if cfg.prm.enable else None  # own pool, or the rollout group
     except BaseException:

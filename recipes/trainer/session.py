@@ -58,10 +58,13 @@ class Session:
         critic: bool = False,
         validator: Validator = greedy_accuracy,
         fixed_prompt_width: bool = False,
+        outcome_only: bool = True,
         **role_options,
     ):
         """``role_options``: ``build_roles``' options (``extra_roles``, ``generator``, ``async_rollout``);
-        ``fixed_prompt_width``: prompt batches ``data.max_prompt_length`` wide."""
+        ``fixed_prompt_width``: prompt batches ``data.max_prompt_length`` wide; ``outcome_only``: the outcome
+        reward is the recipe's only learning signal, so flat rewards in every group are worth a warning
+        (``LearningSignalWatch``)."""
         self.cfg, self.run, self.recipe, self.validator = cfg, run, recipe, validator
         self.val_history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics)
         self.last_batch: DataProto | None = None
@@ -84,7 +87,7 @@ class Session:
             raise
         self.hf_model: str | None = None
         self.plot: str | None = None
-        self.signal_watch = LearningSignalWatch()
+        self.signal_watch = LearningSignalWatch() if outcome_only else None
 
     # -- life cycle ---------------------------------------------------------------------------------------------
 
@@ -167,7 +170,8 @@ class Session:
         metrics |= compute_throughput(batch, timings.get("step", 0.0), self.roles.n_devices)
         check_reward_errors(batch, step, self.cfg.reward.max_error_frac, self.tracker)
         self.state.check_skipped(metrics, self.tracker, t.max_consecutive_skipped_updates)
-        self.signal_watch.check(metrics, step, self.tracker)
+        if self.signal_watch is not None:
+            self.signal_watch.check(metrics, step, self.tracker)
         if self.should_validate(step):
             with timer("testing", timings):
                 metrics |= self.validate()
