@@ -19,7 +19,7 @@ from controller.dispatch import DispatchMode, Execute, get_dispatch_mode, normal
 from controller.errors import DispatchError
 from controller.future import DataProtoFuture
 from controller.ray_class import RayClassWithInitArgs
-from controller.wait import wait_for_results
+from controller.wait import RankCall, wait_for_calls, wait_for_results
 from controller.worker import DISPATCH_INFO_METHOD, READY_METHOD, master_probe
 from dataproto import DataProto
 from resource_pools import ResourcePool
@@ -99,12 +99,17 @@ class RayWorkerGroup:
         actor_options: dict | None = None,
         call_timeout_per_row_s: float = 0.0,
         chunks_by_value: bool = True,
+        wait: bool = True,
     ):
         """``call_timeout_s`` (None: no limit) + ``call_timeout_per_row_s`` per row of a call's DataProto
         arguments bounds every call whose method sets no ``timeout_s`` of its own. With ``chunks_by_value``
         (default) the DataProto chunks of the chunking modes travel inside the calls instead of one ``ray.put``
         per chunk (``controller.dispatch.ship_chunk``: Ray inlines small ones and puts big ones itself, so it is
-        never slower, and 1.6-2.2x faster on small batches: benchmarks/bench_dispatch.py)."""
+        never slower, and 1.6-2.2x faster on small batches: benchmarks/bench_dispatch.py).
+
+        ``wait=False`` returns once the actors are created, before their constructors finish: start several
+        groups so, then ``RayWorkerGroup.wait_ready(groups)``, and their processes start (import torch, build
+        what their constructors build) at the same time instead of one group after the other."""
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"expected RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}")
         name = name_prefix or ray_cls_with_init.cls.__name__
@@ -118,6 +123,29 @@ class RayWorkerGroup:
         )
         timeouts = (call_timeout_s, call_timeout_per_row_s)
         self._setup(name, actors, ray_cls_with_init.cls, "", resource_pool, master, timeouts, chunks_by_value)
+        self._start_timeout_s = start_timeout_s
+        self._ready = [getattr(a, READY_METHOD).remote() for a in actors]
+        if wait:
+            RayWorkerGroup.wait_ready([self])
+
+    @staticmethod
+    def wait_ready(groups: list[RayWorkerGroup]) -> None:
+        """Wait until every rank of ``groups`` (started with ``wait=False``) has run its constructor, within the
+        longest of their start timeouts. A rank that fails or is late raises the error naming its group and
+        rank, after every actor of the groups still starting is killed."""
+        pending = [g for g in groups if getattr(g, "_ready", None)]
+        if not pending:
+            return
+        refs = [ref for g in pending for ref in g._ready]
+        calls = [RankCall(g.name, "__init__", rank) for g in pending for rank in range(len(g._ready))]
+        try:
+            wait_for_calls(refs, calls, max(g._start_timeout_s for g in pending))
+        except BaseException:
+            for g in pending:
+                g.shutdown()
+            raise
+        for g in pending:
+            g._ready = []
 
     @classmethod
     def _from_actors(
@@ -162,8 +190,6 @@ class RayWorkerGroup:
         actors = []
         try:
             actors += [start(slot, master[0], str(master[1])) for slot in slots]
-            ready = [getattr(a, READY_METHOD).remote() for a in actors]
-            wait_for_results(ready, list(range(world_size)), name, "__init__", start_timeout_s)
         except BaseException:
             for actor in actors:
                 ray.kill(actor)

@@ -230,9 +230,11 @@ def build_roles(
                 call_timeout_per_row_s=t.call_timeout_per_row_s,
                 # a generation, a weight receive and an abort at once
                 actor_options={"max_concurrency": 3} if concurrent else None,
+                wait=False,  # every pool's processes start at once
             )
             groups.append(wg)
             wgs |= wg.spawn(list(roles))
+        RayWorkerGroup.wait_ready(groups)
         for roles in pools.values():
             for name in roles:  # actor first: it joins the process group the others then reuse
                 wgs[name].init_model()

@@ -59,6 +59,19 @@ class BrokenInitWorker(Worker):
             raise RuntimeError("cannot load weights (marker-c0de)")
 
 
+class SlowInitWorker(Worker):
+    """Its constructor takes a second and records when it ran (wall clock: the ranks are processes)."""
+
+    def __init__(self):
+        self.started = time.time()
+        time.sleep(1.0)
+        self.finished = time.time()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def span(self):
+        return self.started, self.finished
+
+
 @pytest.fixture(scope="module")
 def pool(ray_session):
     # Three groups share the same two bundles (a third of a CPU each).
@@ -137,3 +150,28 @@ def test_constructor_error_names_rank_and_init(pool):
     err = info.value
     assert (err.role, err.rank, err.method) == ("broken", 1, "__init__")
     assert err.reason == "the worker's constructor raised" and "marker-c0de" in err.remote_traceback
+
+
+@pytest.mark.timeout(90)
+def test_groups_started_without_waiting_construct_at_once_and_a_failure_names_its_group(pool):
+    one = ResourcePool([1], max_colocate_count=2, name="test_failures_start_together")
+    try:
+        first, second = (
+            RayWorkerGroup(one, RayClassWithInitArgs(SlowInitWorker), name_prefix=n, wait=False)
+            for n in ("first", "second")
+        )
+        RayWorkerGroup.wait_ready([first, second])
+        (first_span,), (second_span,) = first.span(), second.span()
+        # each constructor began before the other ended: the two groups' processes started together
+        assert max(first_span[0], second_span[0]) < min(first_span[1], second_span[1])
+        second.shutdown()
+
+        broken = RayWorkerGroup(
+            pool, RayClassWithInitArgs(BrokenInitWorker), name_prefix="broken", wait=False
+        )
+        with pytest.raises(WorkerGroupError) as info:
+            RayWorkerGroup.wait_ready([first, broken])  # first is ready already: broken's failure decides
+        assert (info.value.role, info.value.rank, info.value.method) == ("broken", 1, "__init__")
+        assert "marker-c0de" in info.value.remote_traceback
+    finally:
+        one.remove()
