@@ -4,7 +4,6 @@ README's RLM inference snippet run against the run's exported model."""
 
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from recipe_testlib import BRIEF_RLM
 
 from recipes import rlm
 from recipes.config import load_config
+from tests.readme import readme_rlm_snippet
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -59,14 +59,6 @@ def test_rlm_recipe_colocated(colocated):
         assert key in final, key
     bad = [k for k, v in final.items() if isinstance(v, float) and not math.isfinite(v)]
     assert not bad, bad
-
-
-def readme_rlm_snippet() -> str:
-    """The README's Python block that loads the RLM recipe's exported model."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
-    found = [b for b in blocks if "hf_model" in b and "RLM(" in b]
-    assert len(found) == 1, "README.md: expected one python block loading the RLM recipe's hf_model"
-    return found[0]
 
 
 def test_readme_snippet_answers_with_the_exported_model(colocated, monkeypatch):
