@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -36,13 +37,11 @@ def main(argv: list[str] | None = None) -> dict:
     result = grpo.train(cfg, run, recipe="quickstart")
     print()
     before, after = print_accuracy_change(result["val_history"], "validation accuracy")
-    return {
-        **result,
-        "val_before": before,
-        "val_after": after,
-        "wall_s": print_summary(result, t0),
-        "sft_model": str(Path(run.model_path)),
-    }
+    wall = print_summary(result, t0)
+    # the printed result as data (README's quickstart figures are checked against a committed copy of it)
+    summary = {"val_before": before, "val_after": after, "wall_s": round(wall, 1), "steps": result["step"]}
+    (run.dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return {**result, **summary, "wall_s": wall, "sft_model": str(Path(run.model_path))}
 
 
 if __name__ == "__main__":

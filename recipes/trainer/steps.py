@@ -275,7 +275,9 @@ class LearningSignalWatch:
             )
         tracker.write(
             f"WARNING steps {step - self.flat_in_a_row + 1}-{step}: every prompt group's samples got the same "
-            f"score (mean {mean:.3g}), so every advantage is 0 and the policy is not learning. Likely cause: "
+            f"score (mean {mean:.3g}), so the reward tells no sample from another (a group-relative advantage is 0 "
+            f"everywhere; a critic has nothing to learn but its own errors) and the policy is not learning from "
+            f"it. Likely cause: "
             f"{cause}. Fix: {fix}. (Said once; reward/zero_variance_groups tracks it per step.)"
         )
 

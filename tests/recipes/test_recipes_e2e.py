@@ -181,6 +181,15 @@ def test_quickstart_flow(ray_session, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "[sft] step 4/4 | loss" in text
     assert f"validation accuracy {out['val_before']:.2f} -> {out['val_after']:.2f}" in text
+    # the printed result as data: what benchmarks/results/quickstart.json copies from a full run
+    recorded = json.loads((run_dir / "result.json").read_text())
+    assert recorded == {
+        "val_before": out["val_before"],
+        "val_after": out["val_after"],
+        "wall_s": round(out["wall_s"], 1),
+        "steps": 1,
+    }
+    assert f"wall time:       {out['wall_s']:.0f}s" in text
     # GRPO started from the exported SFT model, and the final policy was exported again
     assert out["sft_model"] == str(run_dir / "sft_model")
     for d in (out["sft_model"], out["hf_model"]):
