@@ -124,7 +124,7 @@ class RayWorkerGroup:
         timeouts = (call_timeout_s, call_timeout_per_row_s)
         self._setup(name, actors, ray_cls_with_init.cls, "", resource_pool, master, timeouts, chunks_by_value)
         self._start_timeout_s = start_timeout_s
-        self._ready = [getattr(a, READY_METHOD).remote() for a in actors]
+        self._ready = [getattr(a, READY_METHOD).remote() for a in actors]  # emptied once the ranks answered
         if wait:
             RayWorkerGroup.wait_ready([self])
 
@@ -133,7 +133,7 @@ class RayWorkerGroup:
         """Wait until every rank of ``groups`` (started with ``wait=False``) has run its constructor, within the
         longest of their start timeouts. A rank that fails or is late raises the error naming its group and
         rank, after every actor of the groups still starting is killed."""
-        pending = [g for g in groups if getattr(g, "_ready", None)]
+        pending = [g for g in groups if g._ready]
         if not pending:
             return
         refs = [ref for g in pending for ref in g._ready]
@@ -208,6 +208,7 @@ class RayWorkerGroup:
         self.call_timeout_s, self.call_timeout_per_row_s = timeouts
         self.chunks_by_value = chunks_by_value
         self._mesh_info: dict[str, list[tuple[int, bool]]] = {}
+        self._ready = []  # constructor calls not yet waited for (a group started with wait=False)
         self._bind_methods()
 
     def _bind_methods(self) -> None:

@@ -243,8 +243,8 @@ def check_reward_errors(batch: DataProto, step: int, max_error_frac: float | Non
 @dataclass
 class LearningSignalWatch:
     """Says once, loudly, when ``steps`` steps in a row gave every prompt group equal rewards
-    (``reward/zero_variance_groups`` = 1): a group-relative advantage is then 0 everywhere and the policy does
-    not move, which a console of ``reward 0 | pg_loss 0`` lines would otherwise leave unexplained."""
+    (``reward/zero_variance_groups`` = 1): the reward then separates no sample from another and the policy does
+    not learn from it, which a console of ``reward 0 | pg_loss 0`` lines would otherwise leave unexplained."""
 
     steps: int = 3
     flat_in_a_row: int = 0
@@ -277,8 +277,7 @@ class LearningSignalWatch:
             f"WARNING steps {step - self.flat_in_a_row + 1}-{step}: every prompt group's samples got the same "
             f"score (mean {mean:.3g}), so the reward tells no sample from another (a group-relative advantage is 0 "
             f"everywhere; a critic has nothing to learn but its own errors) and the policy is not learning from "
-            f"it. Likely cause: "
-            f"{cause}. Fix: {fix}. (Said once; reward/zero_variance_groups tracks it per step.)"
+            f"it. Likely cause: {cause}. Fix: {fix}. (Said once; reward/zero_variance_groups tracks it per step.)"
         )
 
 
