@@ -23,6 +23,7 @@ from recipes.trainer import (
     check_env_errors,
     cli,
     compute_advantage,
+    demonstrations,
     fill_mini_batches,
     log_probs,
     metrics_of,
@@ -32,6 +33,7 @@ from recipes.trainer import (
     start_run,
     timer,
     update_actor,
+    warm_start,
 )
 
 
@@ -78,7 +80,9 @@ def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo", **role_options) -> 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args("grpo", argv)  # recipes/grpo.yaml + key.sub=value overrides, validated before Ray starts
-    return train(cfg, start_run(cfg, "grpo"))
+    run = start_run(cfg, "grpo")
+    run.model_path = warm_start(cfg, run, demonstrations)  # the tiny model's SFT (sft.enable), else as it is
+    return train(cfg, run)
 
 
 if __name__ == "__main__":

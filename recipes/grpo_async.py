@@ -24,6 +24,7 @@ from recipes.trainer import (
     check_env_errors,
     cli,
     compute_advantage,
+    demonstrations,
     fill_mini_batches,
     log_probs,
     parse_args,
@@ -31,6 +32,7 @@ from recipes.trainer import (
     start_run,
     timer,
     update_actor,
+    warm_start,
 )
 from recipes.trainer.async_rl import RolloutStream, SyncRollout, rollout_source
 
@@ -79,7 +81,9 @@ def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo_async", **role_option
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args("grpo_async", argv)  # recipes/grpo_async.yaml + key.sub=value overrides
-    return train(cfg, start_run(cfg, "grpo_async"))
+    run = start_run(cfg, "grpo_async")
+    run.model_path = warm_start(cfg, run, demonstrations)  # the tiny model's SFT (sft.enable), else as it is
+    return train(cfg, run)
 
 
 if __name__ == "__main__":

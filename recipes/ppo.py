@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from recipes.grpo import rl_step
 from recipes.schemas import RecipeConfig
-from recipes.trainer import Run, Session, cli, parse_args, start_run
+from recipes.trainer import Run, Session, cli, demonstrations, parse_args, start_run, warm_start
 
 
 def train(cfg: RecipeConfig, run: Run, recipe: str = "ppo") -> dict:
@@ -25,7 +25,9 @@ def train(cfg: RecipeConfig, run: Run, recipe: str = "ppo") -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args("ppo", argv)  # recipes/ppo.yaml + key.sub=value overrides, validated before Ray starts
-    return train(cfg, start_run(cfg, "ppo"))
+    run = start_run(cfg, "ppo")
+    run.model_path = warm_start(cfg, run, demonstrations)  # policy, reference and critic start from it
+    return train(cfg, run)
 
 
 if __name__ == "__main__":

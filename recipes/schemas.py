@@ -5,12 +5,12 @@
 * ``GRPOAsyncConfig`` (``grpo_async``): GRPO plus ``async_rl`` (``recipes.sections.AsyncRLConfig``: one-step
   off-policy or fully asynchronous generation, staleness bound, buffer, what happens to in-flight requests at a
   weight update).
-* ``QuickstartConfig`` (``quickstart``): GRPO plus ``sft``, the supervised warm start.
-* ``RLMConfig`` (``rlm``): the quickstart's sections plus ``env`` and ``async_rl``. ``env`` is any agent
+* ``quickstart``: GRPO's schema; its YAML always warm-starts (``sft.enable: true``).
+* ``RLMConfig`` (``rlm``): GRPO's sections plus ``env`` and ``async_rl``. ``env`` is any agent
   environment: the dataclass of the loop ``env.loop`` names (``AgentLoop.config_class``; read by
   ``recipes.config.load_config``), by default the RLM REPL's (``workers.rlm.env_loop.RLMEnvConfig``: agent
   limits, sandbox).
-* ``HybridConfig`` (``hybrid_rl``; the GRPO baseline is ``hybrid_rl_grpo.yaml``): the quickstart's sections plus
+* ``HybridConfig`` (``hybrid_rl``; the GRPO baseline is ``hybrid_rl_grpo.yaml``): GRPO's sections plus
   ``env`` (``workers.math_env.env_loop.MathToolEnvConfig``: turns, tokens per turn, observation size, the
   Python tool's sandbox; an ``env.loop`` whose config does not derive from it is refused), ``prm``
   (``workers.prm.worker.PRMConfig``: the judge -- ``reference`` / ``checkpoint`` / ``http`` --, votes per step,
@@ -47,7 +47,8 @@ from workers.rlm.env_loop import RLMEnvConfig
 
 @dataclass
 class RecipeConfig:
-    """The sections every recipe has. A section with a ``check(errors, cfg)`` method (or an entry in
+    """The sections every recipe has (``sft``: the supervised warm start before RL, by default exactly when
+    the model is the locally built tiny one, whose weights are random). A section with a ``check(errors, cfg)`` method (or an entry in
     ``WORKER_SECTION_CHECKS`` for the workers' own dataclasses) checks itself in ``validate``; the recipe's
     schema adds its rules in ``check_recipe``."""
 
@@ -61,6 +62,7 @@ class RecipeConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def check_recipe(self, errors: list[str]) -> None:
         """Rules of one recipe across sections (subclasses); none for the base."""
@@ -95,14 +97,7 @@ class PPOConfig(RecipeConfig):
 
 
 @dataclass
-class QuickstartConfig(GRPOConfig):
-    """``recipes/quickstart.py``: GRPO after a supervised warm start (``sft``)."""
-
-    sft: SFTConfig = field(default_factory=SFTConfig)
-
-
-@dataclass
-class RLMConfig(QuickstartConfig):
+class RLMConfig(GRPOConfig):
     """``recipes/rlm.py``: GRPO on agent trajectories (RLM unless ``env.loop`` names another environment) after a
     warm start on replayed reference solutions; ``async_rl`` as ``recipes/grpo_async.py`` (trajectories generated
     while the trainer trains)."""
@@ -155,7 +150,7 @@ class HybridEvalConfig:
 
 
 @dataclass
-class HybridConfig(QuickstartConfig):
+class HybridConfig(GRPOConfig):
     """``recipes/hybrid_rl.py``: math-tool trajectories, PRM step rewards and hints, the hybrid advantage."""
 
     env: MathToolEnvConfig = field(default_factory=MathToolEnvConfig)
@@ -184,7 +179,7 @@ SCHEMAS: dict[str, type[RecipeConfig]] = {
     "grpo": GRPOConfig,
     "grpo_async": GRPOAsyncConfig,
     "ppo": PPOConfig,
-    "quickstart": QuickstartConfig,
+    "quickstart": GRPOConfig,
     "rlm": RLMConfig,
     "hybrid_rl": HybridConfig,
 }

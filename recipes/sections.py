@@ -406,7 +406,9 @@ class SFTConfig:
     """Supervised warm start on the task's demonstration solutions (``extra_info.solution``), run through an
     ActorWorker group (``sft_step``) before RL; the result is exported and RL starts from it."""
 
-    enable: bool = True
+    # None: warm-start exactly when model.path is None -- the tiny model is built with random weights, and a
+    # random policy earns no reward, so RL from it learns nothing -- and train a given model as it is
+    enable: bool | None = None
     total_steps: int = 200  # optimizer steps (a cosine schedule needs sft.optim.total_steps, e.g. the same)
     batch_size: int = 32  # examples per step
     max_length: int = 256  # prompt + solution tokens; longer examples are dropped
@@ -416,8 +418,12 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     log_every: int = 25
 
+    def runs(self, cfg: RecipeConfig) -> bool:
+        """Whether this run warm-starts (``enable``, or when it is None: whether model.path is None)."""
+        return cfg.model.path is None if self.enable is None else self.enable
+
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
-        if not self.enable:
+        if not self.runs(cfg):
             return
         dp = data_parallel_sizes(cfg).train
         if self.batch_size < 1 or self.total_steps < 1:

@@ -1,4 +1,4 @@
-"""The supervised warm start a recipe runs before RL when ``sft.enable``: ``cfg.sft.total_steps``
+"""The supervised warm start a recipe runs before RL (``sft.enable``; by default when ``model.path`` is null): ``cfg.sft.total_steps``
 ``ActorWorker.sft_step`` calls (loss on ``response_mask`` tokens only) with an actor WorkerGroup of its own,
 then the model exported as the HF directory ``<run dir>/sft_model`` that the RL phase starts from::
 
@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from dataproto import DataProto
-from recipes.schemas import QuickstartConfig
+from recipes.schemas import RecipeConfig
 from recipes.trainer.data import sft_batches, sft_loader
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import build_actor_group, metrics_of
@@ -32,14 +32,14 @@ from recipes.trainer.run import Run
 # rows, tokenizer, env config -> trajectories in the rollout layout
 Replay = Callable[[Sequence[Mapping], object, object], DataProto]
 # cfg, run -> endless SFT batches
-SFTData = Callable[[QuickstartConfig, Run], Iterator[DataProto]]
+SFTData = Callable[[RecipeConfig, Run], Iterator[DataProto]]
 
 
-def warm_start(cfg: QuickstartConfig, run: Run, data: SFTData) -> str:
+def warm_start(cfg: RecipeConfig, run: Run, data: SFTData) -> str:
     """Train on ``data(cfg, run)`` (``cfg.sft``: steps, optimiser, logging) with an ActorWorker group;
     TensorBoard under ``<run dir>/tensorboard/sft`` when ``trainer.logger`` has it. Returns the exported HF
-    directory, or ``run.model_path`` as it is without ``sft.enable``."""
-    if not cfg.sft.enable:
+    directory, or ``run.model_path`` as it is when the run does not warm-start (``SFTConfig.runs``)."""
+    if not cfg.sft.runs(cfg):
         return run.model_path
     batches = data(cfg, run)
     writer = None
@@ -70,7 +70,7 @@ def warm_start(cfg: QuickstartConfig, run: Run, data: SFTData) -> str:
         manager.remove()
 
 
-def demonstrations(cfg: QuickstartConfig, run: Run) -> Iterator[DataProto]:
+def demonstrations(cfg: RecipeConfig, run: Run) -> Iterator[DataProto]:
     """Shuffled batches of the training split's demonstrations, endlessly."""
     loader = sft_loader(cfg, run)
     print(

@@ -208,7 +208,7 @@ def test_readme_rlm_snippet_answers_in_a_minimal_install(minimal, tmp_path):
 def test_grpo_recipe_trains_in_a_minimal_install(minimal, tmp_path):
     run, marks, _ = minimal
     before = set(os.listdir(marks))
-    argv = [sys.executable, "-m", "recipes.grpo", "model.tiny_size=nano", "task.n_train=8", "task.n_val=2",
+    argv = [sys.executable, "-m", "recipes.grpo", "model.tiny_size=nano", "sft.enable=false", "task.n_train=8", "task.n_val=2",
             "data.train_batch_size=2", "data.val_max_samples=2", "data.max_prompt_length=32",
             "data.max_response_length=8", "rollout.n=2", "actor.ppo_mini_batch_size=2",
             "trainer.total_training_steps=1", "trainer.logger=[console]", "trainer.progress_bar=false",

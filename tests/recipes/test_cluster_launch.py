@@ -38,8 +38,9 @@ RAY = shutil.which("ray", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 if RAY is None:
     skip_or_fail("the ray CLI is not installed (pip install 'ray[default]')", allow_module_level=True)
 
-JOB = [  # one GRPO step of the nano model on 2 nodes x 1 CPU bundle
+JOB = [  # one GRPO step of the nano model on 2 nodes x 1 CPU bundle (no warm start: launching is tested)
     "model.tiny_size=nano",
+    "sft.enable=false",
     "task.n_train=16",
     "task.n_val=4",
     "data.train_batch_size=2",

@@ -7,26 +7,32 @@ import importlib.util
 import pytest
 
 from recipes.config import ConfigError, load_config, parse_overrides, save_config
-from recipes.schemas import SCHEMAS, GRPOConfig, PPOConfig, QuickstartConfig, RecipeConfig
+from recipes.schemas import SCHEMAS, GRPOConfig, PPOConfig
 from recipes.sections import AlgorithmConfig, check_actor, data_parallel_sizes, device_counts
 from recipes.trainer.run import parse_args, start_run
 from workers.config import ActorConfig, RolloutConfig
 from workers.engine.base import OptimConfig
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "ppo", "quickstart"])
+@pytest.mark.parametrize("recipe", ["grpo", "ppo", "grpo_async", "quickstart"])
 def test_recipe_yaml_loads_into_the_dataclasses(recipe):
     cfg = load_config(recipe)
-    assert isinstance(cfg, QuickstartConfig if recipe == "quickstart" else RecipeConfig)
+    assert isinstance(cfg, PPOConfig if recipe == "ppo" else GRPOConfig)
     assert isinstance(cfg.actor, ActorConfig) and isinstance(cfg.rollout, RolloutConfig)
     assert isinstance(cfg.actor.optim, OptimConfig)
     # interpolations are resolved: the rollout lengths follow data.*
     assert cfg.rollout.response_length == cfg.data.max_response_length
     assert cfg.rollout.prompt_length == cfg.data.max_prompt_length
     assert cfg.algorithm.adv_estimator == ("gae" if recipe == "ppo" else "grpo")
-    if recipe == "quickstart":
-        assert cfg.sft.optim.total_steps == cfg.sft.total_steps  # ${sft.total_steps}
-        assert cfg.sft.optim.betas == (0.9, 0.95)
+    assert cfg.sft.optim.total_steps == cfg.sft.total_steps  # ${sft.total_steps}
+    assert cfg.sft.optim.betas == (0.9, 0.95)
+    # every recipe warm-starts the tiny model, whose weights are random; the quickstart always does; a model
+    # given by path is trained as it is unless sft.enable=true says otherwise
+    assert cfg.sft.runs(cfg)
+    given = load_config(recipe, ["model.path=/"])
+    assert given.sft.runs(given) == (recipe == "quickstart")
+    forced = load_config(recipe, ["model.path=/", "sft.enable=true"])
+    assert forced.sft.runs(forced)
 
 
 def test_overrides_parse_with_types():
@@ -64,10 +70,8 @@ def test_unknown_key_names_the_key_and_the_close_match():
     assert "command-line override" in msg and "ppo_mini_batch_size" in msg
     with pytest.raises(ConfigError, match="unknown config key 'nosuchsection'"):
         load_config("grpo", ["nosuchsection.x=1"])
-    with pytest.raises(
-        ConfigError, match="unknown config key 'sft'"
-    ):  # only the quickstart has an sft section
-        load_config("grpo", ["sft.total_steps=3"])
+    with pytest.raises(ConfigError, match="unknown config key 'async_rl'"):  # grpo_async's and rlm's section
+        load_config("grpo", ["async_rl.mode=one_step"])
 
 
 def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
