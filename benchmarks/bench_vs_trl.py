@@ -38,7 +38,6 @@ from benchmarks.common import print_table, write_json
 from benchmarks.trl_grpo_baseline import N_RENDERED, render_ids
 from recipes import grpo
 from recipes.data import PromptDataset
-from recipes.schemas import QuickstartConfig
 from recipes.tasks import generate_splits, write_parquet
 from recipes.trainer import demonstrations, parse_args, start_run, warm_start
 from workers.models.loading import load_tokenizer
@@ -155,7 +154,6 @@ def warm_started_model(
             "sft.log_every=100",
         ],
     )
-    assert isinstance(cfg, QuickstartConfig)  # the quickstart schema: the one with an SFT section
 
     def sft() -> str:
         run = start_run(cfg, "quickstart")

@@ -29,3 +29,24 @@ def test_readme_quickstart_figures_are_the_recorded_run():
     assert int(wall[1]) == round(result["wall_s"])
     assert re.fullmatch(r"[0-9a-f]{7,40}", recorded["commit"]) and recorded["commit"][:7] in text
     assert recorded["command"] in text
+
+
+DEFAULTS = RESULT.with_name("recipe_defaults.json")
+
+
+def test_readme_recipe_table_is_the_recorded_run_of_each_documented_command():
+    """README's table of what `python -m recipes.grpo` / `ppo` / `grpo_async` do as they are equals
+    benchmarks/results/recipe_defaults.json (`python -m benchmarks.bench_recipe_defaults`), names its commit,
+    and every recorded command learned: held-out accuracy and reward up, no learning-signal warning."""
+    recorded = json.loads(DEFAULTS.read_text())
+    text = README.read_text(encoding="utf-8")
+    assert re.fullmatch(r"[0-9a-f]{7,40}", recorded["commit"]) and recorded["commit"][:7] in text
+    assert {r["recipe"] for r in recorded["results"]} == {"grpo", "ppo", "grpo_async"}
+    for r in recorded["results"]:
+        row = (
+            f"| `{r['command']}` | {r['val_before']:.2f} -> {r['val_after']:.2f} | "
+            f"{r['reward_first5']:.2f} -> {r['reward_last5']:.2f} | {r['steps']} | {r['wall_s']:.0f} s |"
+        )
+        assert row in text, f"README.md lacks the recorded row {row}"
+        assert r["val_after"] > r["val_before"] and r["reward_last5"] > r["reward_first5"], r
+        assert not r["no_signal_warning"], r

@@ -270,8 +270,9 @@ class LearningSignalWatch:
                 "one) samples near-uniform tokens, whose entropy is about ln(vocabulary size)"
             )
             fix = (
-                "start from a model that sometimes succeeds: model.path=runs/quickstart/hf_model after `make demo` "
-                "(python -m recipes.quickstart warm-starts the tiny model), or your own SFT checkpoint"
+                "start from a model that sometimes succeeds: keep the tiny model's warm start on (sft.enable, on "
+                "by default when model.path is null) or give it more sft.total_steps, or set model.path to an SFT "
+                "checkpoint (runs/quickstart/hf_model after `make demo`)"
             )
         tracker.write(
             f"WARNING steps {step - self.flat_in_a_row + 1}-{step}: every prompt group's samples got the same "

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipes import grpo, ppo, quickstart
 from recipes.config import load_config
@@ -197,6 +198,44 @@ def test_quickstart_flow(ray_session, tmp_path, capsys):
         assert (Path(d) / "tokenizer.json").is_file()
     assert Path(out["plot"]).is_file() and str(run_dir / "tensorboard") in text
     assert list((run_dir / "tensorboard" / "sft").glob("events.out.tfevents.*"))
+
+
+def test_the_ppo_command_warm_starts_the_tiny_model_and_rl_starts_from_it(ray_session, tmp_path, capsys):
+    """``python -m recipes.ppo`` as README shows it: no model.path, so the random tiny model is warm-started first
+    (sft.enable null: on for the tiny model) and policy, reference and critic start from that export. With the
+    critic warming up for the one step, the policy is not updated: the exported final model is the warm start,
+    weight for weight, and the warm start moved every weight matrix away from the random model."""
+    from safetensors.torch import load_file
+
+    from workers.models.tiny import ensure_tiny_model
+
+    run_dir = tmp_path / "ppo"
+    out = ppo.main(
+        [
+            *TINY,
+            *RECIPES["ppo"][1],
+            *PLACEMENT["colocated"],
+            f"trainer.default_local_dir={run_dir}",
+            "sft.total_steps=2",
+            "sft.batch_size=8",
+            "sft.log_every=1",
+            "sft.optim.total_steps=2",
+            "trainer.total_training_steps=1",
+            "trainer.critic_warmup=1",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.export_hf=true",
+        ]
+    )
+    assert "[sft] step 2/2 | loss" in capsys.readouterr().out
+    assert out["step"] == 1 and "critic/vf_loss" in out["final"]
+    random = load_file(str(Path(ensure_tiny_model("nano")) / "model.safetensors"))
+    warm = load_file(str(run_dir / "sft_model" / "model.safetensors"))
+    final = load_file(str(Path(out["hf_model"]) / "model.safetensors"))
+    assert warm.keys() == final.keys() == random.keys()
+    assert all(torch.equal(final[k], warm[k]) for k in warm)
+    assert all(not torch.equal(warm[k], random[k]) for k in warm if k.endswith("proj.weight"))
 
 
 def test_grpo_without_the_old_log_prob_pass_trains_the_same(ray_session, tmp_path):
