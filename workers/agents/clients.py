@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import weakref
 from typing import Any
 from urllib.parse import urlsplit
 
-from workers.agents.llm import ChatLLM, Completion, EngineLLM
+from workers.agents.llm import ChatLLM, Completion, ContextFull, EngineLLM
 from workers.models import load_tokenizer
 from workers.rollout.base import RolloutEngine
 from workers.rollout.registry import ROLLOUT_ENGINES, rollout_engine_class
@@ -248,9 +249,32 @@ def _root_message(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+# A server's refusal of a request longer than the model's window, with its own token counts. SGLang: "maximum
+# context length of 2048 tokens ... 1897 tokens from the input messages", or when the messages alone are too long
+# "The input (2160 tokens) is longer than the model's context length (2048 tokens)"; vLLM: "maximum context length
+# is 2048 tokens ... (1897 in the messages, 512 in the completion)" or "... your request has 2160 input tokens"
+_WINDOW = re.compile(r"maximum context length (?:of |is )(\d+)|context length \((\d+) tokens\)")
+_INPUT_TOKENS = re.compile(
+    r"(\d+) tokens from the input messages|\((\d+) in the messages|input \((\d+) tokens\)|has (\d+) input tokens"
+)
+
+
+def _room_left(message: str) -> tuple[int, int] | None:
+    """(the model's window, tokens the messages take) from a context-length refusal; None for other errors."""
+    window, used = _WINDOW.search(message), _INPUT_TOKENS.search(message)
+    if not (window and used):
+        return None
+    return int(next(g for g in window.groups() if g)), int(next(g for g in used.groups() if g))
+
+
 class OpenAIChat(_HTTPChat):
     """A `ChatFn` over ``POST {base_url}/chat/completions`` with ``openai.AsyncOpenAI`` (``base_url`` ends in
-    ``/v1`` for vLLM/SGLang servers, e.g. ``http://host:8000/v1``); ``choices`` draws n answers in one request."""
+    ``/v1`` for vLLM/SGLang servers, e.g. ``http://host:8000/v1``); ``choices`` draws n answers in one request.
+
+    A request whose ``max_tokens`` would pass the model's context window is asked again with what is left (the
+    server's own count of the messages' tokens, from its refusal), so a conversation uses its window to the end;
+    when the messages alone fill it, ``ContextFull`` says so (an agent ends that trajectory with status
+    ``"budget"``, a sub-call returns it as an error string) instead of the server's 400."""
 
     backend = "openai"
     default_url = "https://api.openai.com/v1"
@@ -295,6 +319,27 @@ class OpenAIChat(_HTTPChat):
             no_key = None if self.api_key else {"Authorization": openai.Omit()}  # a keyless server: send none
             resp = await self.client().chat.completions.create(
                 **body, extra_body=self.extra_body or None, extra_headers=no_key
+            )
+        except openai.BadRequestError as exc:
+            fit = _room_left(str(exc))
+            if fit is None:
+                raise self.error(exc, openai) from exc
+            window, used = fit
+            if window - used < 1:
+                raise ContextFull(
+                    f"{self.where()}: the model's context window of {window} tokens is full (the messages take "
+                    f"{used})"
+                ) from None
+            if window - used >= int(max_tokens):  # refused for another reason than this request's length
+                raise self.error(exc, openai) from exc
+            return await self._create(
+                messages,
+                n=n,
+                max_tokens=window - used,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop=stop,
             )
         except openai.OpenAIError as exc:
             raise self.error(exc, openai) from exc
