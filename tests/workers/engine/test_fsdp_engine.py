@@ -532,6 +532,27 @@ def test_export_hf_loads_with_equal_logits(model_dir, tmp_path):
     assert AutoTokenizer.from_pretrained(out).pad_token == "w0"
 
 
+def test_export_writes_a_generation_config_that_serving_engines_accept(model_dir, tmp_path):
+    """A checkpoint whose generation_config.json says ``top_k: 0`` (HF reads it as "no top-k"; hyflow's tiny model
+    wrote it before FORMAT_VERSION 2) is exported without it: SGLang's server takes the exported file as its
+    sampling defaults and refuses every request while it says 0 ("top_k must be -1 (disable) or at least 1").
+    Every other field is kept."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    source = tmp_path / "source"
+    shutil.copytree(model_dir, source)
+    given = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=0, eos_token_id=1)
+    given.save_pretrained(source)
+    assert json.loads((source / "generation_config.json").read_text())["top_k"] == 0
+    out = export_hf(_engine(source), str(tmp_path / "hf"))
+    written = json.loads((Path(out) / "generation_config.json").read_text())
+    assert written.get("top_k") in (None, -1) or written["top_k"] >= 1, written
+    kept = GenerationConfig.from_pretrained(out)
+    assert (kept.do_sample, kept.temperature, kept.top_p, kept.eos_token_id) == (True, 0.7, 0.9, 1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # two gloo FSDP2 ranks vs one process
 # ----------------------------------------------------------------------------------------------------------------
