@@ -29,8 +29,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two pytest-xdist workers, a test module each at a time (tests/conftest.py: SGLang modules share one, slowest first).
 test: lint typecheck
-	$(BIN)/python -m pytest -q -rs --durations=40 tests
+	$(BIN)/python -m pytest -q -rs --durations=40 -n 2 --dist loadgroup --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_dataproto

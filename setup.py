@@ -41,6 +41,14 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17"],
         "wandb": ["wandb"],
         # megatron-core in dev: installs in seconds without touching torch, so CI runs the Megatron tests.
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff==0.17.6", "mypy==2.4.1", "megatron-core==0.16.0"],
+        "dev": [
+            # pytest 9.1 keeps a node's id where pytest-xdist 3.8's --dist loadgroup cannot rename it (groups ignored)
+            "pytest>=8,<9.1",
+            "pytest-timeout>=2.3",
+            "pytest-xdist==3.8.0",
+            "ruff==0.17.6",
+            "mypy==2.4.1",
+            "megatron-core==0.16.0",
+        ],
     },
 )

@@ -14,6 +14,56 @@ from tests.skips import skip_or_fail
 RAY_TEST_CPUS = 8
 
 
+# The slowest units of work, slowest first (seconds of `pytest --durations=0` on a 2-core AMD EPYC, 2026-11-28):
+# sglang 522, cluster_launch 283, hybrid_rl 211, grpo_async 193, recipes_e2e 175, resume 121, rlm_recipe 104,
+# reliability 96. Under xdist they start first, so none of them starts last and leaves the other worker idle;
+# every other module follows in collection order. Reorder when `make test`'s durations summary says so.
+SLOWEST_FIRST = (
+    "sglang",
+    "tests/recipes/test_cluster_launch.py",
+    "tests/recipes/test_hybrid_rl.py",
+    "tests/recipes/test_grpo_async.py",
+    "tests/recipes/test_recipes_e2e.py",
+    "tests/recipes/test_resume.py",
+    "tests/recipes/test_rlm_recipe.py",
+    "tests/recipes/test_reliability.py",
+    "tests/benchmarks/test_bench_vs_trl.py",
+    "tests/benchmarks/test_bench_placement_async.py",
+    "tests/workers/engine/test_megatron_roles.py",
+    "tests/workers/engine/test_megatron.py",
+    "tests/install/test_minimal_install.py",
+)
+
+
+def _unit(item) -> str:
+    """The xdist unit of work a test belongs to: its module, or "sglang" for a test marked ``sglang``."""
+    return "sglang" if item.get_closest_marker("sglang") else item.nodeid.split("::")[0]
+
+
+def pytest_itemcollected(item):
+    """Under ``pytest -n 2 --dist loadgroup`` (``make test``) each test module is one unit of work, so its
+    module-scoped fixtures (a model, a worker group, an SGLang engine) are set up once, on one worker. The tests
+    marked ``sglang`` form one unit: tests/recipes/test_sglang_recipes.py asserts that no SGLang process outlives its
+    test, which an engine of another module running beside it would break. (Marked here, during collection: xdist
+    reads the marks in its own pytest_collection_modifyitems, which may run before ours.)"""
+    if getattr(item.config.option, "loadgroup", False):  # what an xdist worker is told of `--dist loadgroup`
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist's loadgroup the units go out in the order of their first test: slowest first."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    if stale := [name for name in SLOWEST_FIRST[1:] if not (config.rootpath / name).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py SLOWEST_FIRST names no such test module: {stale}")
+
+    def rank(item) -> int:
+        unit = _unit(item)
+        return SLOWEST_FIRST.index(unit) if unit in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+    items.sort(key=rank)  # stable: collection order within a rank
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
@@ -62,3 +112,5 @@ def small_disk(tmp_path):
     yield mount
     for mnt in mounts:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+

@@ -4,6 +4,7 @@ whose constructor raises: the controller raises WorkerGroupError naming role, ra
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -60,11 +61,16 @@ class BrokenInitWorker(Worker):
 
 
 class SlowInitWorker(Worker):
-    """Its constructor takes a second and records when it ran (wall clock: the ranks are processes)."""
+    """Its constructor leaves a file in ``meeting`` and returns once ``expected`` constructors have (or after 30 s),
+    recording when it ran (wall clock: the ranks are processes). Constructors that run one after another never
+    meet, however loaded the machine: the first gives up before the second begins."""
 
-    def __init__(self):
+    def __init__(self, meeting: str, expected: int):
         self.started = time.time()
-        time.sleep(1.0)
+        Path(meeting, str(os.getpid())).touch()
+        deadline = time.monotonic() + 30
+        while len(os.listdir(meeting)) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.finished = time.time()
 
     @register(Dispatch.ONE_TO_ALL)
@@ -153,11 +159,13 @@ def test_constructor_error_names_rank_and_init(pool):
 
 
 @pytest.mark.timeout(90)
-def test_groups_started_without_waiting_construct_at_once_and_a_failure_names_its_group(pool):
+def test_groups_started_without_waiting_construct_at_once_and_a_failure_names_its_group(pool, tmp_path):
     one = ResourcePool([1], max_colocate_count=2, name="test_failures_start_together")
     try:
         first, second = (
-            RayWorkerGroup(one, RayClassWithInitArgs(SlowInitWorker), name_prefix=n, wait=False)
+            RayWorkerGroup(
+                one, RayClassWithInitArgs(SlowInitWorker, str(tmp_path), 2), name_prefix=n, wait=False
+            )
             for n in ("first", "second")
         )
         RayWorkerGroup.wait_ready([first, second])

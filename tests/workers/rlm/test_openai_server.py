@@ -27,6 +27,8 @@ from workers.rlm.agent import AgentConfig
 from workers.rlm.inference import RLM
 from workers.rlm.prompts import PromptConfig
 
+pytestmark = pytest.mark.sglang
+
 WINDOW = 600  # the server's --context-length: the compact system prompt and two or three long turns
 
 
