@@ -112,5 +112,3 @@ def small_disk(tmp_path):
     yield mount
     for mnt in mounts:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
