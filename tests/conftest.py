@@ -45,7 +45,7 @@ def pytest_itemcollected(item):
     module-scoped fixtures (a model, a worker group, an SGLang engine) are set up once, on one worker. The tests
     marked ``sglang`` form one unit: tests/recipes/test_sglang_recipes.py asserts that no SGLang process outlives its
     test, which an engine of another module running beside it would break. (Marked here, during collection: xdist
-    reads the marks in its own pytest_collection_modifyitems, which may run before ours.)"""
+    reads the marks in its own pytest_collection_modifyitems, which runs before ours.)"""
     if getattr(item.config.option, "loadgroup", False):  # what an xdist worker is told of `--dist loadgroup`
         item.add_marker(pytest.mark.xdist_group(_unit(item)))
 
@@ -62,6 +62,16 @@ def pytest_collection_modifyitems(config, items):
         return SLOWEST_FIRST.index(unit) if unit in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
     items.sort(key=rank)  # stable: collection order within a rank
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist names a test's group by appending ``@<group>`` to its id; where it cannot (pytest >= 9.1 with xdist 3.8),
+    every test would be scheduled alone and the SGLang tests run side by side. Stop instead of running that."""
+    if node.config.getoption("dist") == "loadgroup" and ids and "@" not in ids[0]:
+        raise pytest.UsageError(
+            f"--dist loadgroup: pytest-xdist did not group {ids[0]} (pytest {pytest.__version__}); "
+            "install the dev extra's pytest (setup.py) or run without -n"
+        )
 
 
 @pytest.fixture(scope="session")
