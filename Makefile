@@ -30,8 +30,9 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # Two pytest-xdist workers, a test module each at a time (tests/conftest.py: SGLang modules share one, slowest first).
+# Short tracebacks: a long one (Ray's frames print their whole source) pushed a CI failure's message out of view.
 test: lint typecheck
-	$(BIN)/python -m pytest -q -rs --durations=40 -n 2 --dist loadgroup --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -q -rs --tb=short --durations=40 -n 2 --dist loadgroup --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_dataproto
