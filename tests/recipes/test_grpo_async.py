@@ -178,7 +178,7 @@ def test_a_group_older_than_max_staleness_is_dropped_and_its_prompt_generated_ag
         for _, _, never in held:
             ray.cancel(never, force=True)
     rows = steps_of(result)
-    (step, oldest), = released
+    [(step, oldest)] = released
     assert step <= 5  # so its prompt, generated again, is trained on by step 6
     assert sum(r["async/dropped_stale_groups"] for r in rows[step - 1 :]) >= 1
     for version, batch in enumerate(trained):  # step k trains with version k - 1: within the bound
