@@ -48,7 +48,7 @@ def sglang_server(tmp_path_factory):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu", "--port",
            str(port), "--host", "127.0.0.1", "--attention-backend", "torch_native", "--disable-cuda-graph",
            "--context-length", str(WINDOW), "--mem-fraction-static", "0.3", "--random-seed", "0",
-           "--log-level", "warning"]  # fmt: skip
+           "--log-level", "warning", "--sleep-on-idle"]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/v1"

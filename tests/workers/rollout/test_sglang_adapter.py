@@ -218,10 +218,12 @@ def test_config_validation_and_server_kwargs():
         cpu["attention_backend"],
         cpu["enable_memory_saver"],
         cpu["disable_cuda_graph"],
+        cpu["sleep_on_idle"],  # else the idle scheduler spins a core
     ) == (
         "cpu",
         "torch_native",
         False,
+        True,
         True,
     )
     with pytest.raises(ValueError, match="enable_memory_saver=True needs CUDA"):

@@ -223,6 +223,8 @@ class SGLangRolloutConfig:
         kwargs.update(self.engine_kwargs)
         if self.device == "cpu":
             kwargs.setdefault("disable_cuda_graph", True)
+            # an idle CPU scheduler otherwise busy-polls its sockets: a whole core for as long as the engine lives
+            kwargs.setdefault("sleep_on_idle", True)
         return kwargs
 
 
@@ -251,7 +253,7 @@ class SGLangRollout(RolloutEngine):
     def from_config(cls, model, rollout, tokenizer, *, rank: int = 0, tp_group=None) -> SGLangRollout:
         """The engine of one rank (`RolloutEngine.from_config`) on this process's device: CUDA, or SGLang's CPU
         engine (tests, CI), whose KV cache is sized for ``max_num_seqs`` whole sequences (no GPU memory to size
-        it from) and whose idle scheduler sleeps instead of busy-polling a core."""
+        it from)."""
         # the training package and the model loaders: imported only where a worker builds an engine
         from workers.engine.distributed import default_device
         from workers.models import pad_token_id_of
@@ -261,7 +263,6 @@ class SGLangRollout(RolloutEngine):
         if device == "cpu":
             max_tokens = rollout.max_num_seqs * (rollout.prompt_length + rollout.response_length)
             engine_kwargs |= {"max_total_tokens": max_tokens, "chunked_prefill_size": min(max_tokens, 2048)}
-            engine_kwargs["sleep_on_idle"] = True
         return cls(
             SGLangRolloutConfig(
                 model_path=model.path,
