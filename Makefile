@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean-venv sglang-cpu
+.PHONY: demo test lint typecheck docs bench clean-venv sglang-cpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ typecheck: $(STAMP)
 # Short tracebacks: a long one (Ray's frames print their whole source) pushed a CI failure's message out of view.
 test: lint typecheck
 	$(BIN)/python -m pytest -q -rs --tb=short --durations=40 -n 2 --dist loadgroup --no-loadscope-reorder tests
+
+# The documentation site into site/ (mkdocs.yml): the README as its home, the guides in docs/, the API reference.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_dataproto

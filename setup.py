@@ -40,6 +40,8 @@ setup(
         # through workers/engine/megatron/cpu_compat.py and is tested against 0.16.0.
         "megatron": ["megatron-core>=0.16,<0.17"],
         "wandb": ["wandb"],
+        # the documentation site (mkdocs.yml; `make docs`)
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings-python==2.0.11"],
         # megatron-core in dev: installs in seconds without touching torch, so CI runs the Megatron tests.
         "dev": [
             # pytest 9.1 keeps a node's id where pytest-xdist 3.8's --dist loadgroup cannot rename it (groups ignored)
@@ -49,6 +51,10 @@ setup(
             "ruff==0.17.6",
             "mypy==2.4.1",
             "megatron-core==0.16.0",
+            # tests/test_docs_site.py builds the site
+            "mkdocs==1.6.1",
+            "mkdocs-material==9.8.2",
+            "mkdocstrings-python==2.0.11",
         ],
     },
 )

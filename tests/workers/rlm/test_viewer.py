@@ -8,13 +8,13 @@ import asyncio
 import html
 import os
 import re
-import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
+from tests.browser import chromium, chromium_args
 from tests.skips import skip_or_fail
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
@@ -46,14 +46,6 @@ SCRIPT = {
     "left half": [f"{F}repl\nFINAL(context.strip())\n{F}"],
     "right half": [f"{F}repl\nraise ValueError('no luck')\n{F}", f"{F}repl\nFINAL(context.strip())\n{F}"],
 }
-
-
-def chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -164,18 +156,6 @@ def hand_built() -> list[Trajectory]:
             final_answer="ok",
             metadata={"usage": {"total": priced, "by_depth": {"0": priced}, "by_model": {"gpt-x": priced}}},
         ),
-    ]
-
-
-def chromium_args(tmp_path) -> list[str]:
-    return [
-        chromium(),
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--no-first-run",
-        f"--user-data-dir={tmp_path / 'profile'}",
     ]
 
 
