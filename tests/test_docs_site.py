@@ -103,12 +103,14 @@ def test_paths_in_code_blocks_stay_text():
     assert nested == "[`docs/rlm.md`](../rlm.md)"
 
 
-def test_headless_chromium_renders_home_and_api(site, tmp_path):
+def test_headless_chromium_renders_the_quickstart_config_api_and_concepts(site, tmp_path):
     if chromium() is None:
         skip_or_fail("headless Chromium is not installed (apt-get install chromium)")
     for name, expected in (
-        ("index.md", ["make demo", "Recursive Language Models"]),
-        ("api.md", ["completion"]),
+        ("index.md", ["make demo", "validation accuracy", "Recursive Language Models"]),  # the quickstart
+        ("config.md", ["ppo_mini_batch_size", "trainer.placement"]),  # the generated config reference
+        ("api.md", ["completion", "DataProto"]),
+        ("concepts.md", ["DP_COMPUTE_PROTO", "ResourcePool"]),
     ):
         target = site / "index.html" if name == "index.md" else site / name.removesuffix(".md") / "index.html"
         dom = subprocess.run(
