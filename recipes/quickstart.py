@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from recipes.trainer import (
     parse_args,
     print_accuracy_change,
     print_summary,
+    save_result,
     start_run,
     warm_start,
 )
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     before, after = print_accuracy_change(result["val_history"], "validation accuracy")
     wall = print_summary(result, t0)
-    # the printed result as data (README's quickstart figures are checked against a committed copy of it)
-    summary = {"val_before": before, "val_after": after, "wall_s": round(wall, 1), "steps": result["step"]}
-    (run.dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary = save_result(
+        run.dir, before, after, wall, result["step"]
+    )  # README's figures are checked against it
     return {**result, **summary, "wall_s": wall, "sft_model": str(Path(run.model_path))}
 
 

@@ -37,6 +37,7 @@ from recipes.trainer import (
     print_accuracy_change,
     print_summary,
     replayed,
+    save_result,
     start_run,
     warm_start,
 )
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = train(cfg, run)
     print()
     before, after = print_accuracy_change(result["val_history"], "RLM success rate")
-    return {**result, "val_before": before, "val_after": after, "wall_s": print_summary(result, t0)}
+    wall = print_summary(result, t0)
+    save_result(run.dir, before, after, wall, result["step"])  # README's figures are checked against it
+    return {**result, "val_before": before, "val_after": after, "wall_s": wall}
 
 
 if __name__ == "__main__":

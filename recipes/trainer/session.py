@@ -25,10 +25,12 @@ kept in ``result()["val_history"]``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from algorithms import get_kl_controller
 from dataproto import DataProto
@@ -219,3 +221,12 @@ def print_summary(result: dict, t0: float) -> float:
         if where:
             print(f"{what + ':':<16} {where}")
     return wall
+
+
+def save_result(run_dir: Path, before: float, after: float, wall: float, steps: int) -> dict:
+    """``<run_dir>/result.json``: a finished run's printed result as data (held-out score before and after RL,
+    wall time, steps), which the README's figures are checked against through a committed copy
+    (``benchmarks/results/``, ``tests/test_readme_figures.py``); returned."""
+    summary = {"val_before": before, "val_after": after, "wall_s": round(wall, 1), "steps": steps}
+    (Path(run_dir) / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -29,7 +29,7 @@ def colocated(ray_session, tmp_path_factory):
 
 
 def test_rlm_recipe_colocated(colocated):
-    result, _ = colocated
+    result, root = colocated
     assert result["step"] == 1
     assert [s for s, _ in result["val_history"]] == [0, 1]  # success rate before and after
     # the session validated (rlm.yaml: trainer.val_before_train, trainer.test_freq) through the env role
@@ -37,6 +37,14 @@ def test_rlm_recipe_colocated(colocated):
     for _, val in result["val_history"]:
         assert val["val/num_samples"] == 2 and "val-env/turns/mean" in val and "val-env/finished_frac" in val
     assert 0.0 <= result["val_before"] <= 1.0 and 0.0 <= result["val_after"] <= 1.0
+    # the printed result as data, what README's figures are checked against (tests/test_readme_figures.py)
+    recorded = json.loads((root / "runs" / "rlm" / "result.json").read_text())
+    assert recorded == {
+        "val_before": result["val_before"],
+        "val_after": result["val_after"],
+        "wall_s": round(result["wall_s"], 1),
+        "steps": 1,
+    }
 
     batch = result["last_batch"]
     assert len(batch) == 4  # 2 prompts x rollout.n=2 root trajectories
