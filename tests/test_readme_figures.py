@@ -50,3 +50,29 @@ def test_readme_recipe_table_is_the_recorded_run_of_each_documented_command():
         assert row in text, f"README.md lacks the recorded row {row}"
         assert r["val_after"] > r["val_before"] and r["reward_last5"] > r["reward_first5"], r
         assert not r["no_signal_warning"], r
+
+
+RLM = RESULT.with_name("rlm.json")
+
+
+def test_readme_rlm_figures_are_the_recorded_run():
+    """README's RLM result block equals benchmarks/results/rlm.json (`python -m recipes.rlm`'s own
+    ``runs/rlm/result.json``, with its command and commit), and the recorded run learned."""
+    recorded = json.loads(RLM.read_text())
+    result = recorded["result"]
+    text = README.read_text(encoding="utf-8")
+    shown = re.search(
+        r"RLM success rate (\d\.\d\d) -> (\d\.\d\d)\s+\(greedy, (\d+) held-out problems, step 0 -> step (\d+)\)",
+        text,
+    )
+    wall = re.search(r"The default run \((\d+) s", text)
+    assert shown and wall, "README.md: the RLM recipe's printed result block is missing"
+    assert (float(shown[1]), float(shown[2])) == (
+        round(result["val_before"], 2),
+        round(result["val_after"], 2),
+    )
+    assert (int(shown[3]), int(shown[4])) == (recorded["val_samples"], result["steps"])
+    assert int(wall[1]) == round(result["wall_s"])
+    assert re.fullmatch(r"[0-9a-f]{7,40}", recorded["commit"]) and recorded["commit"][:7] in text
+    assert recorded["command"] in text
+    assert result["val_after"] > result["val_before"]
