@@ -7,6 +7,7 @@ learning-signal warning.
 
     python -m benchmarks.bench_recipe_defaults                          # all three, about 12 minutes on 2 cores
     python -m benchmarks.bench_recipe_defaults --recipes ppo --out runs/recipe_defaults
+    python -m benchmarks.bench_recipe_defaults --recipes grpo --override trainer.total_training_steps=3   # briefer
 
 Prints a table and writes ``outputs/bench_recipe_defaults.json``; ``benchmarks/results/recipe_defaults.json`` is a
 copy of the last full run, which README's figures are held to (``tests/test_readme_figures.py``).
@@ -28,10 +29,11 @@ RECIPES = ("grpo", "ppo", "grpo_async")
 NO_SIGNAL = "the reward tells no sample from another"  # recipes/trainer/steps.py's learning-signal warning
 
 
-def run_recipe(recipe: str, out: Path) -> dict:
+def run_recipe(recipe: str, out: Path, overrides: list[str] = ()) -> dict:
+    """The command as README shows it (plus ``overrides``, which then count as part of it), in a subprocess."""
     run_dir = out / recipe
     cmd = [sys.executable, "-m", f"recipes.{recipe}", f"trainer.default_local_dir={run_dir}"]
-    cmd.append("trainer.resume_mode=disable")
+    cmd += ["trainer.resume_mode=disable", *overrides]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -44,7 +46,7 @@ def run_recipe(recipe: str, out: Path) -> dict:
     reward = [r["critic/score/mean"] for r in rows if "critic/score/mean" in r]
     return {
         "recipe": recipe,
-        "command": f"python -m recipes.{recipe}",
+        "command": " ".join([f"python -m recipes.{recipe}", *overrides]),
         "steps": len(reward),
         "val_before": val[0],
         "val_after": val[-1],
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, of " + ", ".join(RECIPES))
     p.add_argument("--out", default="runs/recipe_defaults", help="run directories and logs")
+    p.add_argument("--override", action="append", default=[], help="key=value for every recipe (repeatable)")
     args = p.parse_args(argv)
     names = [r for r in args.recipes.split(",") if r]
     if unknown := sorted(set(names) - set(RECIPES)):
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in names:
-        results.append(run_recipe(name, out))
+        results.append(run_recipe(name, out, args.override))
         print_table(results[-1:], list(results[-1]))
     print()
     print_table(results, list(results[0]))
