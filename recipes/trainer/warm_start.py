@@ -24,6 +24,7 @@ import torch
 
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
+from recipes.trainer.checkpoint import resolve_resume
 from recipes.trainer.data import sft_batches, sft_loader
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import build_actor_group, metrics_of
@@ -38,9 +39,17 @@ SFTData = Callable[[RecipeConfig, Run], Iterator[DataProto]]
 def warm_start(cfg: RecipeConfig, run: Run, data: SFTData) -> str:
     """Train on ``data(cfg, run)`` (``cfg.sft``: steps, optimiser, logging) with an ActorWorker group;
     TensorBoard under ``<run dir>/tensorboard/sft`` when ``trainer.logger`` has it. Returns the exported HF
-    directory, or ``run.model_path`` as it is when the run does not warm-start (``SFTConfig.runs``)."""
+    directory, or ``run.model_path`` as it is when the run does not warm-start (``SFTConfig.runs``). A run that
+    resumes from a checkpoint reuses its own export (``<run dir>/sft_model``, written whole or not at all): its RL
+    checkpoint and its reference model were made from that model, and training it again costs minutes."""
     if not cfg.sft.runs(cfg):
         return run.model_path
+    exported = run.dir / "sft_model"
+    if (exported / "config.json").is_file() and resolve_resume(
+        cfg.trainer.resume_mode, run.checkpoint_dir, ["actor"]
+    ):
+        print(f"[sft] the run resumes: its warm start {exported} is reused, not trained again", flush=True)
+        return str(exported)
     batches = data(cfg, run)
     writer = None
     if "tensorboard" in cfg.trainer.logger:

@@ -128,6 +128,28 @@ class _SlowSaver:
         return str(path)
 
 
+def test_a_resumed_run_reuses_its_warm_start_instead_of_training_it_again(ray_session, tmp_path, capsys):
+    """``python -m recipes.grpo`` on the tiny model warm-starts it (sft); run again with more steps and
+    ``trainer.resume_mode=auto``, it resumes from its checkpoint on the exported warm start as it is."""
+    run_dir = tmp_path / "run"
+    args = [
+        *SETTINGS,
+        "sft.total_steps=2",
+        "sft.batch_size=4",
+        "sft.log_every=1",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+    first = grpo.main([*args, "trainer.total_training_steps=2"])
+    assert "[sft] step 2/2" in capsys.readouterr().out and first["step"] == 2
+    weights = run_dir / "sft_model" / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    resumed = grpo.main([*args, "trainer.total_training_steps=4", "trainer.resume_mode=auto"])
+    out = capsys.readouterr().out
+    assert "[sft] step" not in out and f"its warm start {run_dir / 'sft_model'} is reused" in out
+    assert weights.stat().st_mtime_ns == written
+    assert resumed["step"] == 4 and "[grpo] step 3/4" in out and "[grpo] step 2/4" not in out  # resumed at 2
+
+
 def test_ctrl_c_during_a_save_completes_it_first(tmp_path):
     group = _SlowSaver()
     before = signal.getsignal(signal.SIGINT)  # a background or xdist process may start with SIGINT ignored
