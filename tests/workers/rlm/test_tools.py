@@ -140,6 +140,19 @@ def test_setup_code_defines_variables_listed_in_the_prompt(tok, sandbox):
     assert "setup_code failed" in broken.root.error and "ZeroDivisionError" in broken.root.error
 
 
+def test_setup_code_gets_no_sub_calls(tok, sandbox):
+    """Setup runs before the trajectory's first turn, when no sub-call can be charged to a turn: ``llm_query``
+    there answers with an error string (as any failed sub-call does), and nothing is called or recorded."""
+    script = {"Q-early": [block("FINAL(EARLY)")]}
+    with rlm(tok, sandbox, script, setup_code="EARLY = llm_query('too early')") as r:
+        res = r.completion("Q-early", context="abcd")
+    assert (res.status, res.answer) == (
+        "finished",
+        "Error: sub-calls are only available while a code block is running",
+    )
+    assert "subcalls" not in res.root.metadata and res.usage.total.calls == 1  # the root's one turn
+
+
 def test_search_context_tool_over_the_host_copy_of_the_context(tok, sandbox):
     text = "\n".join(
         ["intro line", "the magic number for quiet-harbor is 4821", "noise", "quiet days", "harbor lights"]
