@@ -259,8 +259,9 @@ _INPUT_TOKENS = re.compile(
 )
 
 
-def _room_left(message: str) -> tuple[int, int] | None:
-    """(the model's window, tokens the messages take) from a context-length refusal; None for other errors."""
+def context_overflow(message: str) -> tuple[int, int] | None:
+    """(the model's window, tokens the messages take) read from a server's context-length refusal (SGLang's and
+    vLLM's wordings); None for any other error."""
     window, used = _WINDOW.search(message), _INPUT_TOKENS.search(message)
     if not (window and used):
         return None
@@ -321,7 +322,7 @@ class OpenAIChat(_HTTPChat):
                 **body, extra_body=self.extra_body or None, extra_headers=no_key
             )
         except openai.BadRequestError as exc:
-            fit = _room_left(str(exc))
+            fit = context_overflow(str(exc))
             if fit is None:
                 raise self.error(exc, openai) from exc
             window, used = fit

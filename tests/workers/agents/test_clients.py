@@ -18,6 +18,7 @@ from workers.agents.clients import (
     LLMClientError,
     OpenAIChat,
     VercelChat,
+    context_overflow,
     make_llm,
 )
 from workers.agents.llm import ChatLLM
@@ -160,3 +161,23 @@ def test_gemini_vercel_and_azure_presets(chat_server, monkeypatch):
     path, headers, _, _ = azure.requests[0]
     assert path == "/openai/deployments/dep/chat/completions?api-version=2024-10-21"
     assert headers.get("api-key") == "k"
+
+
+def test_context_refusals_of_sglang_and_vllm_are_read_for_the_window_and_the_input():
+    sglang = (
+        "Requested token count exceeds the model's maximum context length of 2048 tokens. You requested a total "
+        "of 2409 tokens: 1897 tokens from the input messages and 512 tokens for the completion."
+    )
+    assert context_overflow(sglang) == (2048, 1897)
+    assert context_overflow(
+        "The input (2160 tokens) is longer than the model's context length (2048 tokens)."
+    ) == (
+        2048,
+        2160,
+    )
+    vllm = (
+        "This model's maximum context length is 4096 tokens. However, you requested 4600 tokens (4100 in the "
+        "messages, 500 in the completion). Please reduce the length of the messages or completion."
+    )
+    assert context_overflow(vllm) == (4096, 4100)
+    assert context_overflow("top_k must be -1 (disable) or at least 1, got 0") is None

@@ -19,7 +19,6 @@ import pytest
 from rlm_testlib import block
 
 from tests.skips import skip_or_fail
-from workers.agents.clients import _room_left
 from workers.agents.scripted import scripted_generate
 from workers.models import load_tokenizer
 from workers.models.tiny import ensure_tiny_model
@@ -121,21 +120,3 @@ def test_llm_query_from_the_repl_is_answered_by_the_real_server(sglang_server):
     assert "error" not in call and call["response"] == res.answer and res.answer
     assert call["usage"]["completion_tokens"] == 24 and call["usage"]["prompt_tokens"] > 0
     assert res.usage.by_model[model].calls == 1
-
-
-def test_context_refusals_of_sglang_and_vllm_are_read_for_the_window_and_the_input():
-    sglang = (
-        "Requested token count exceeds the model's maximum context length of 2048 tokens. You requested a total "
-        "of 2409 tokens: 1897 tokens from the input messages and 512 tokens for the completion."
-    )
-    assert _room_left(sglang) == (2048, 1897)
-    assert _room_left("The input (2160 tokens) is longer than the model's context length (2048 tokens).") == (
-        2048,
-        2160,
-    )
-    vllm = (
-        "This model's maximum context length is 4096 tokens. However, you requested 4600 tokens (4100 in the "
-        "messages, 500 in the completion). Please reduce the length of the messages or completion."
-    )
-    assert _room_left(vllm) == (4096, 4100)
-    assert _room_left("top_k must be -1 (disable) or at least 1, got 0") is None
