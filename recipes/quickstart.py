@@ -20,9 +20,7 @@ from recipes.trainer import (
     cli,
     demonstrations,
     parse_args,
-    print_accuracy_change,
-    print_summary,
-    save_result,
+    report_result,
     start_run,
     warm_start,
 )
@@ -35,13 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[quickstart] run dir {run.dir}; model {run.model_path}; data {run.train_files[0]}")
     run.model_path = warm_start(cfg, run, demonstrations)  # GRPO (policy and reference) starts from it
     result = grpo.train(cfg, run, recipe="quickstart")
-    print()
-    before, after = print_accuracy_change(result["val_history"], "validation accuracy")
-    wall = print_summary(result, t0)
-    summary = save_result(
-        run.dir, before, after, wall, result["step"]
-    )  # README's figures are checked against it
-    return {**result, **summary, "wall_s": wall, "sft_model": str(Path(run.model_path))}
+    summary = report_result(result, t0, "validation accuracy", run.dir)  # README's figures: its result.json
+    return {**result, **summary, "sft_model": str(Path(run.model_path))}
 
 
 if __name__ == "__main__":

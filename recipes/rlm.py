@@ -34,10 +34,8 @@ from recipes.trainer import (
     Run,
     cli,
     parse_args,
-    print_accuracy_change,
-    print_summary,
     replayed,
-    save_result,
+    report_result,
     start_run,
     warm_start,
 )
@@ -58,11 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[rlm] run dir {run.dir}; model {run.model_path}; data {run.train_files[0]}")
     run.model_path = warm_start(cfg, run, replayed(reference_batch, "reference trajectories"))
     result = train(cfg, run)
-    print()
-    before, after = print_accuracy_change(result["val_history"], "RLM success rate")
-    wall = print_summary(result, t0)
-    save_result(run.dir, before, after, wall, result["step"])  # README's figures are checked against it
-    return {**result, "val_before": before, "val_after": after, "wall_s": wall}
+    summary = report_result(result, t0, "RLM success rate", run.dir)  # README's figures: its result.json
+    return {**result, **summary}
 
 
 if __name__ == "__main__":

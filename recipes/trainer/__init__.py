@@ -5,7 +5,7 @@
   prepared, Ray started (``parse_args``, ``start_run``, ``cli``)
 * ``session``: ``Session`` -- data, roles, KL controller, resume, tracker; ``Session.train(step)`` runs a
   recipe's step function with validation (``should_validate``, the recipe's validator), checkpoints, export;
-  ``print_summary`` of a finished run and ``save_result`` (its result.json)
+  ``print_summary`` of a finished run, ``report_result`` (with the score before and after, and result.json)
 * ``roles``: resource pools and WorkerGroups for ``trainer.placement`` colocated / disaggregated
   (``build_roles``; ``Roles.generate``, ``Roles.sync_weights``), ``metrics_of`` a worker call
 * ``steps``: sampling settings with per-step seeds, reward + log-probs, advantages on the controller (rows
@@ -42,7 +42,7 @@ from recipes.trainer.metrics import (
 )
 from recipes.trainer.roles import Roles, build_actor_group, build_roles, metrics_of
 from recipes.trainer.run import Run, cli, init_ray, model_config, parse_args, start_run
-from recipes.trainer.session import Session, print_summary, save_result
+from recipes.trainer.session import Session, print_summary, report_result
 from recipes.trainer.steps import (
     TrainerState,
     apply_rollout_correction,
@@ -91,7 +91,7 @@ __all__ = [
     "plot_curves",
     "print_accuracy_change",
     "print_summary",
-    "save_result",
+    "report_result",
     "prompt_batches",
     "replayed",
     "resume",

@@ -42,7 +42,7 @@ from recipes.trainer.roles import build_roles, metrics_of
 from recipes.trainer.run import Run
 from recipes.trainer.steps import LearningSignalWatch, check_reward_errors, due, resume, save_checkpoint
 from recipes.trainer.tracking import Tracker
-from recipes.trainer.validation import Validator, greedy_accuracy
+from recipes.trainer.validation import Validator, greedy_accuracy, print_accuracy_change
 
 logger = logging.getLogger("recipes")
 
@@ -223,10 +223,14 @@ def print_summary(result: dict, t0: float) -> float:
     return wall
 
 
-def save_result(run_dir: Path, before: float, after: float, wall: float, steps: int) -> dict:
-    """``<run_dir>/result.json``: a finished run's printed result as data (held-out score before and after RL,
-    wall time, steps), which the README's figures are checked against through a committed copy
-    (``benchmarks/results/``, ``tests/test_readme_figures.py``); returned."""
-    summary = {"val_before": before, "val_after": after, "wall_s": round(wall, 1), "steps": steps}
-    (Path(run_dir) / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+def report_result(result: dict, t0: float, what: str, run_dir: Path) -> dict:
+    """The end of a recipe's command that validates: ``what`` before and after RL, then ``print_summary``, and
+    the same as data in ``<run_dir>/result.json`` (held-out score before and after, wall time, steps), which the
+    README's figures are checked against through a committed copy (``benchmarks/results/``,
+    ``tests/test_readme_figures.py``). Returns ``val_before``, ``val_after`` and ``wall_s`` (unrounded)."""
+    print()
+    before, after = print_accuracy_change(result["val_history"], what)
+    wall = print_summary(result, t0)
+    saved = {"val_before": before, "val_after": after, "wall_s": round(wall, 1), "steps": result["step"]}
+    (Path(run_dir) / "result.json").write_text(json.dumps(saved, indent=2) + "\n")
+    return {"val_before": before, "val_after": after, "wall_s": wall}
