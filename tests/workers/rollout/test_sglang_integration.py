@@ -212,6 +212,21 @@ def test_generate_release_resume_cycles_keep_the_engine_alive(rollout, tiny):
     assert _responses(rollout.generate_sequences(greedy)) == _responses(rollout.generate_sequences(greedy))
 
 
+def test_an_idle_engine_leaves_the_cpu_alone(rollout, tiny):
+    """SGLang's CPU scheduler busy-polls its sockets unless ``sleep_on_idle`` is set (the default for every CPU
+    engine, ``SGLangRolloutConfig.server_kwargs``): a whole core for as long as an engine lived, which halved what
+    two CI workers on 2 cores could do. Between calls it now sleeps."""
+    _, tokenizer, _ = tiny
+    rollout.generate_sequences(_batch(tokenizer))  # it has worked, and is idle now
+    scheduler = psutil.Process(
+        next(pid for pid in rollout.life.pids if "scheduler" in psutil.Process(pid).name())
+    )
+    before = sum(scheduler.cpu_times()[:2])
+    time.sleep(3.0)
+    idle_cpu_s = sum(scheduler.cpu_times()[:2]) - before
+    assert idle_cpu_s < 0.5, f"the idle scheduler used {idle_cpu_s:.2f} CPU-s in 3 s (spinning: about 3)"
+
+
 def test_async_generate_from_many_concurrent_callers(rollout, tiny):
     _, tokenizer, _ = tiny
     data = _batch(tokenizer)
