@@ -359,7 +359,7 @@ def test_async_grpo_raises_an_easy_reward(ray_session, tmp_path, mode):
         tmp_path,
         f"async_rl.mode={mode}",
         f"custom_reward_function.path={reward_file}",
-        "trainer.total_training_steps=10",
+        "trainer.total_training_steps=12",  # the rise starts at steps 4-7, depending on timing: room for it
         "data.train_batch_size=8",
         "actor.ppo_mini_batch_size=8",
         "rollout.n=4",
