@@ -14,17 +14,52 @@ import datetime
 import functools
 import operator
 import os
-import socket
 
 # Hidden methods the worker group calls on every actor (colocated actors expose them per role).
 DISPATCH_INFO_METHOD = "_hyflow_dispatch_info"
 READY_METHOD = "_hyflow_ready"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _port_picker():
+    """Build ``pick() -> int``: a port nothing listens on, for a TCPStore to bind a moment later.
+
+    It is drawn outside the kernel's ephemeral range (``ip_local_port_range``), where the OS hands out
+    ports to every outgoing connection and to gloo's own listeners (``bind(0)``): a port from that range
+    can be taken by any of them between this check and the bind (CI saw EADDRINUSE so). Below it, only
+    processes that choose a fixed port compete; Ray's worker ports (10002-19999) and SGLang's (30000 and
+    up) are avoided too. Falls back to ``bind(0)`` where that window is too narrow. A nested function,
+    so Ray ships it by value with the probe."""
+
+    def pick() -> int:
+        import random
+        import socket
+
+        def bindable(port: int) -> bool:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("", port))
+                except OSError:
+                    return False
+                return True
+
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                ephemeral_low = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            ephemeral_low = 0
+        low, high = 20000, min(ephemeral_low, 30000)
+        if high - low >= 1000:
+            for port in random.sample(range(low, high), 64):
+                if bindable(port):
+                    return port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    return pick
+
+
+free_port = _port_picker()
 
 
 def master_probe():
@@ -32,14 +67,12 @@ def master_probe():
     rank 0's bundle. It is built as a closure with its imports inside so Ray ships it by value and the
     task's process does not import this package (and torch) just to open a socket."""
 
-    def probe() -> tuple[str, int]:
-        import socket
+    pick = _port_picker()
 
+    def probe() -> tuple[str, int]:
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return ray.util.get_node_ip_address(), pick()
 
     return probe
 
@@ -70,7 +103,7 @@ class Worker:
         if self._rank == 0 and not env.get("MASTER_PORT"):
             # Exported so other Workers in this process (colocated roles) and torch see the same values.
             env["MASTER_ADDR"] = _node_ip()
-            env["MASTER_PORT"] = str(_free_port())
+            env["MASTER_PORT"] = str(free_port())
         self._master_addr = env.get("MASTER_ADDR", "127.0.0.1")
         self._master_port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
         self._dispatch_info: dict[str, tuple[int, bool]] = {}
@@ -126,13 +159,23 @@ class Worker:
         if backend == "nccl":
             # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU(s); pick ours among what is visible.
             torch.cuda.set_device(self._local_rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{self._master_addr}:{self._master_port}",
-            rank=self._rank,
-            world_size=self._world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        for attempt in range(3):
+            try:
+                dist.init_process_group(
+                    backend=backend,
+                    init_method=f"tcp://{self._master_addr}:{self._master_port}",
+                    rank=self._rank,
+                    world_size=self._world_size,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                )
+                return
+            except dist.DistNetworkError as err:
+                # Someone bound the port after it was picked. A group of one has no peer that knows
+                # the port, so it takes another; with peers the error stands (they would wait on it).
+                if self._world_size != 1 or "EADDRINUSE" not in str(err) or attempt == 2:
+                    raise
+                self._master_port = free_port()
+                os.environ["MASTER_PORT"] = str(self._master_port)
 
     # ------------------------------------------------------------------ n-D dispatch
     def register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:

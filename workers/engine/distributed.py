@@ -4,11 +4,12 @@ identity when there is no process group."""
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from controller.worker import free_port  # noqa: F401  (re-exported: the spawn helpers' and benchmarks' port)
 
 
 def is_dist() -> bool:
@@ -44,12 +45,6 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> No
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn_entry(local_rank: int, fn: Callable, world: int, port: int, args: tuple, num_threads: int) -> None:
