@@ -10,7 +10,14 @@
   engines run (``hyflow_varlen``) lives beside the models, in `workers.models.attention`.
 """
 
-from workers.engine.base import EngineConfig, LossContext, MegatronConfig, OptimConfig, TrainEngine
+from workers.engine.base import (
+    EngineConfig,
+    LoRAConfig,
+    LossContext,
+    MegatronConfig,
+    OptimConfig,
+    TrainEngine,
+)
 from workers.engine.checkpoint import (
     CheckpointError,
     export_hf,
@@ -25,6 +32,7 @@ __all__ = [
     "CheckpointError",
     "EngineConfig",
     "FSDPEngine",
+    "LoRAConfig",
     "LossContext",
     "MegatronConfig",
     "OptimConfig",

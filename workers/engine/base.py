@@ -61,6 +61,38 @@ class EngineConfig:
     trust_remote_code: bool = False
     config_overrides: dict = field(default_factory=dict)
     optim: OptimConfig | None = field(default_factory=OptimConfig)  # None: forward-only (reference model)
+    lora: LoRAConfig | None = None  # adapters only train (workers/engine/lora.py); None or rank 0: full model
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (peft's LoRA) on the training model: with ``rank > 0`` only the adapters train, the
+    base weights stay frozen (and serve as the reference model, adapters disabled). ``rank = 0``: full
+    fine-tuning."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0
+    # module names (or their last parts: q_proj, v_proj, ...) the adapters wrap; ["all-linear"]: every linear
+    # layer except the output projection (peft's meaning)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"rank must be an int >= 0 (0: no LoRA, full fine-tuning), got {self.rank!r}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"alpha must be a finite number > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        self.target_modules = [str(m) for m in self.target_modules]
+        if not self.target_modules:
+            raise ValueError("target_modules must name at least one module (or be ['all-linear'])")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ValueError(f"target_modules: 'all-linear' stands alone, got {self.target_modules}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @dataclass

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.engine import distributed as du
 from workers.engine.base import EngineConfig, LossFn
+from workers.engine.lora import adapter_named_tensors, add_adapters, merged_named_tensors
 from workers.engine.optim import build_optimizer
 from workers.engine.packing import (
     entropy_from_logits,
@@ -112,13 +113,25 @@ class FSDPEngine(EngineSteps):
         )
         # Sharded: built on the meta device, then each rank fills only its own shards (no rank ever holds the
         # whole model). Otherwise (one replica, or weights that cannot be read piece by piece) loaded whole.
-        meta_init = use_fsdp and can_build_on_meta(config.model_path, value_head=config.value_head)
+        self.lora = config.lora if config.lora is not None and config.lora.enabled else None
+        # peft renames the parameters, which the meta-device fill reads by their checkpoint names: with LoRA
+        # each rank loads the whole base once, then shards it.
+        meta_init = (
+            use_fsdp
+            and self.lora is None
+            and can_build_on_meta(config.model_path, value_head=config.value_head)
+        )
         with torch.random.fork_rng(devices=[]):  # seeded init of any new weights; caller's RNG untouched
             torch.manual_seed(config.seed)
             if meta_init:
                 model, source = build_on_meta(config.model_path, **build)
             else:
                 model = load_model(config.model_path, device="cpu", **build)
+            architecture = type(model).__name__  # what an HF export loads it as (not peft's wrapper)
+            if self.lora is not None:
+                if config.value_head:
+                    raise ValueError("LoRA is for the policy; a value model (critic) trains in full")
+                model = add_adapters(model, self.lora)
         self.is_value_model = is_value_model(model)
         if hasattr(model, "config"):
             model.config.use_cache = False
@@ -139,7 +152,7 @@ class FSDPEngine(EngineSteps):
             model.to(self.device)
         self.model = model
         self.hf_config = model.config
-        self.hf_config.architectures = [type(model).__name__]  # what an HF export loads it as
+        self.hf_config.architectures = [architecture]
         self.generation_config = getattr(model, "generation_config", None)
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
@@ -318,6 +331,9 @@ class FSDPEngine(EngineSteps):
         """Yield (HF name, full tensor) parameter by parameter, then persistent buffers. Under FSDP each
         parameter is all-gathered on its own (peak extra memory = one full parameter), so every rank must
         consume the iterator to the end. Tied weights appear once (under their first name)."""
+        if self.lora is not None:  # the adapters folded into the base weights, under the base's names
+            yield from merged_named_tensors(self.model, device=device, dtype=dtype)
+            return
         for name, p in self.model.named_parameters():
             t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             t = t.to(device=device, dtype=dtype or t.dtype)
@@ -329,6 +345,24 @@ class FSDPEngine(EngineSteps):
                 name = f"{mod_name}.{bname}" if mod_name else bname
                 b = buf.full_tensor() if isinstance(buf, DTensor) else buf
                 yield name, b.to(device=device, dtype=dtype or b.dtype)
+
+    def adapter_state_iter(
+        self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT file name, full tensor) of the LoRA adapter weights alone; collective like
+        `full_state_dict_iter`. Raises without ``lora``."""
+        if self.lora is None:
+            raise RuntimeError("adapter_state_iter: this engine trains the full model (no lora)")
+        return adapter_named_tensors(self.model, device=device, dtype=dtype)
+
+    def base_model_mode(self):
+        """A context in which the model computes the frozen base's outputs (LoRA adapters disabled): the
+        reference model, without a copy of it. Raises without ``lora``."""
+        if self.lora is None:
+            raise RuntimeError(
+                "base_model_mode: this engine trains the full model (no lora): no base is kept"
+            )
+        return self.model.disable_adapter()
 
     # -- offload (time-sharing the device with rollout) -----------------------------------------------------
 
@@ -365,13 +399,15 @@ class FSDPEngine(EngineSteps):
         return self.dp_group
 
     def checkpoint_layout(self) -> dict:
-        return {"value_head": self.is_value_model}  # DCP reshards FSDP shards to any DP size
+        # DCP reshards FSDP shards to any DP size; a LoRA checkpoint holds the adapters only
+        lora = None if self.lora is None else {"rank": self.lora.rank, "targets": self.lora.target_modules}
+        return {"value_head": self.is_value_model, "lora": lora}
 
     def _model_state(self) -> dict:
-        return module_state(self.model, self.optimizer)
+        return module_state(self.model, self.optimizer, trainable_only=self.lora is not None)
 
     def _load_model_state(self, state: dict) -> None:
-        load_module_state(self.model, self.optimizer, state)
+        load_module_state(self.model, self.optimizer, state, trainable_only=self.lora is not None)
 
     @property
     def num_params(self) -> int:

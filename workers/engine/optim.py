@@ -38,7 +38,7 @@ def build_optimizer(
     if cfg is None:
         model.requires_grad_(False)
         return None, None
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters; no state for the base
     optimizer = torch.optim.AdamW(
         params,
         lr=cfg.lr,

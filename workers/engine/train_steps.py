@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from workers.engine.base import FORWARD_KEYS, EngineConfig, LossContext, LossFn, as_tensor_dict, require_keys
 
@@ -109,19 +109,38 @@ def step_metrics(
     return metrics
 
 
-def module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """{"model": ..., "optim": ...} of a (possibly FSDP-sharded) module, in DCP form."""
-    if optimizer is None:
-        return {"model": get_state_dict(model, [])[0]}
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd}
+def module_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, trainable_only: bool = False
+) -> dict:
+    """{"model": ..., "optim": ...} of a (possibly FSDP-sharded) module, in DCP form; ``trainable_only``: the
+    parameters that train (LoRA adapters), not the frozen ones, which the model path restores."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
+    if trainable_only:  # a frozen weight tied to another (the output head) escapes ignore_frozen_params
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        msd = {k: v for k, v in msd.items() if k in trainable}
+    return {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
 
 
-def load_module_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+def load_module_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: dict,
+    *,
+    trainable_only: bool = False,
+) -> None:
+    # strict off with trainable_only: the frozen parameters are absent from the state by design
+    options = StateDictOptions(strict=not trainable_only)
     if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=options)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
 
 
 class EngineSteps:

@@ -233,3 +233,31 @@ def uneven_batch() -> dict:
     b["position_ids"] = (b["attention_mask"].cumsum(1) - 1).clamp(min=0)
     b["response_mask"] = b["attention_mask"][:, -r:].float()
     return b
+
+
+def lora_config():
+    from workers.engine import LoRAConfig
+
+    return LoRAConfig(rank=4, alpha=8.0, target_modules=["all-linear"])
+
+
+def lora_dist_body(rank: int, world: int, model_dir: str, out_dir: str) -> None:
+    """LoRA under FSDP2 on ``world`` ranks: one mini-batch's adapter gradients, then two optimizer steps, a
+    checkpoint and a resumed engine repeating the second step. Results to ``out_dir/rank<r>.pt``."""
+    from workers.engine import FSDPEngine, load_checkpoint, save_checkpoint
+
+    out = Path(out_dir)
+    batches = [make_batch(8, seed=300 + s) for s in range(2)]
+    eng = FSDPEngine(engine_config(model_dir, lora=lora_config()))
+    res: dict = {"use_fsdp": eng.use_fsdp}
+    res["loss_g"], res["grads_g"] = accumulate_grads(eng, shard_rows(batches[0], rank, world), pg_loss)
+    res["losses"] = [eng.train_step(shard_rows(batches[0], rank, world), pg_loss)["loss"]]
+    ckpt = save_checkpoint(eng, str(out / "ckpt"))
+    res["losses"].append(eng.train_step(shard_rows(batches[1], rank, world), pg_loss)["loss"])
+    res["adapter"] = dict(eng.adapter_state_iter())
+    eng2 = FSDPEngine(engine_config(model_dir, lora=lora_config()))
+    load_checkpoint(eng2, ckpt)
+    res["resumed_loss"] = eng2.train_step(shard_rows(batches[1], rank, world), pg_loss)["loss"]
+    res["resumed_adapter"] = dict(eng2.adapter_state_iter())
+    res["ckpt"] = ckpt
+    torch.save(res, out / f"rank{rank}.pt")
