@@ -32,6 +32,8 @@ setup(
         "openai>=1.40",
         "anthropic>=0.40",
         "rich>=13",  # RLM(verbose=True) console output
+        # LoRA (actor.lora): the adapters users load elsewhere; small (with accelerate) and pure Python
+        "peft>=0.17",
     ],
     extras_require={
         # GPU cluster only: SGLang's kernels are CUDA wheels.

@@ -18,6 +18,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from algorithms import list_adv_estimators, list_rollout_corrections
@@ -471,6 +472,11 @@ def needs_reference(cfg: RecipeConfig) -> bool:
     )
 
 
+def reference_is_actor(cfg: RecipeConfig) -> bool:
+    """With LoRA the reference is the actor's own frozen base (adapters disabled): no reference model loads."""
+    return needs_reference(cfg) and cfg.actor.lora.enabled
+
+
 def uses_critic(cfg: RecipeConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 
@@ -624,10 +630,11 @@ def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
 
 
 def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
-    """``actor``: its strategy and Megatron sizes against its devices, and its PPO batches."""
+    """``actor``: its strategy and Megatron sizes against its devices, its PPO batches, and LoRA."""
     _, error = _megatron_replicas("actor", cfg.actor, _device_worlds(cfg)["train"])
     if error:
         errors.append(error)
+    _check_lora(errors, cfg)
     if cfg.data.train_batch_size >= 1:
         _check_ppo_batches(
             errors,
@@ -636,6 +643,25 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
             cfg.data.train_batch_size,
             samples_per_prompt(cfg),
             data_parallel_sizes(cfg).train,
+        )
+
+
+def _check_lora(errors: list[str], cfg: RecipeConfig) -> None:
+    """``actor.lora``: on the FSDP engine, and target modules the model has (read from its config on the meta
+    device when the model directory exists already; a model a recipe builds later is checked when it loads)."""
+    lora = cfg.actor.lora
+    if not lora.enabled:
+        return
+    if cfg.actor.strategy != "fsdp":
+        errors.append(
+            f"actor.lora.rank={lora.rank} needs actor.strategy=fsdp (LoRA on the Megatron engine is not "
+            f"supported), got actor.strategy={cfg.actor.strategy!r}"
+        )
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        from workers.engine.lora import target_module_errors
+
+        errors.extend(
+            target_module_errors(cfg.model.path, lora, trust_remote_code=cfg.model.trust_remote_code)
         )
 
 

@@ -4,7 +4,7 @@ so a verl user finds ``actor.ppo_mini_batch_size`` where they expect it); worker
 import math
 from dataclasses import dataclass, field
 
-from workers.engine.base import MegatronConfig, OptimConfig
+from workers.engine.base import LoRAConfig, MegatronConfig, OptimConfig
 
 
 @dataclass
@@ -37,6 +37,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    # rank > 0: train LoRA adapters only; the frozen base is the reference (no reference model is loaded)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     seed: int = 0
 
     def __post_init__(self):

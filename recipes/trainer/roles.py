@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
-from recipes.sections import device_counts, needs_reference
+from recipes.sections import device_counts, needs_reference, reference_is_actor
 from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
 from resource_pools import (
@@ -166,7 +166,7 @@ def pool_roles(
         )
         rollout = RayClassWithInitArgs(RolloutWorker, model=mc, rollout=cfg.rollout, **rollout_kw)
         roles["rollout"] = (plan.pool_of("rollout"), rollout)
-    if needs_reference(cfg):
+    if needs_reference(cfg) and not reference_is_actor(cfg):
         roles["ref"] = (plan.pool_of("ref"), RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout))
     if critic:
         critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
@@ -252,7 +252,7 @@ def build_roles(
         weight_sync=WeightSync.for_groups(
             wgs["actor"], wgs["rollout"], rollout_tp=cfg.rollout.tensor_model_parallel_size
         ),
-        ref=wgs.get("ref"),
+        ref=wgs["actor"] if reference_is_actor(cfg) else wgs.get("ref"),
         critic=wgs.get("critic"),
         extra={name: wgs[name] for name in extra_roles or {}},
         n_devices=counts["total"],

@@ -29,6 +29,7 @@ from recipes.trainer.data import sft_batches, sft_loader
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import build_actor_group, metrics_of
 from recipes.trainer.run import Run
+from workers.engine import LoRAConfig
 
 # rows, tokenizer, env config -> trajectories in the rollout layout
 Replay = Callable[[Sequence[Mapping], object, object], DataProto]
@@ -56,7 +57,9 @@ def warm_start(cfg: RecipeConfig, run: Run, data: SFTData) -> str:
         from torch.utils.tensorboard import SummaryWriter  # heavy (pulls in TensorBoard); only when logging
 
         writer = SummaryWriter(log_dir=str(run.dir / "tensorboard" / "sft"))
-    actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim))
+    # the warm start makes the model RL starts from, in full: with actor.lora it becomes the frozen base (and
+    # the reference) that the RL adapters train on
+    actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim, lora=LoRAConfig()))
     try:
         timings: dict[str, float] = {}
         for step in range(1, cfg.sft.total_steps + 1):

@@ -38,17 +38,18 @@ from algorithms import KL_PENALTY_NAMES, agg_loss, compute_kl_loss, get_policy_l
 from controller import Dispatch, Inputs, register
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
-from workers.engine import LossContext
+from workers.engine import FSDPEngine, LossContext
 from workers.roles.common import (
     ACTOR_MESH,
     FORWARD_KEYS,
-    EngineRoleWorker,
+    MicroBatchKwargs,
     StepMetrics,
     engine_config,
     log_prob_settings,
     ppo_micro_batch_kwargs,
     token_share,
 )
+from workers.roles.reference import ReferenceScoring
 from workers.roles.sync_member import WeightSyncMember
 from workers.weight_sync import DEFAULT_GROUP_NAME, bucket_mb_to_bytes, hf_named_tensors, stream_metrics
 
@@ -62,7 +63,7 @@ UPDATE_INPUTS = Inputs(
 ROW_INDEX = "_row"  # the row of each micro-batch row in the call's batch (on-policy old log-probs go there)
 
 
-class ActorWorker(EngineRoleWorker, WeightSyncMember):
+class ActorWorker(ReferenceScoring, WeightSyncMember):
     def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig):
         self.model_config = model
         self.actor_config = actor
@@ -77,6 +78,8 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
                 f"{self.tag}: actor.kl_loss_type={a.kl_loss_type!r} is not one of {list(KL_PENALTY_NAMES)}"
             )
         self._check_ppo_section("actor", a, self.rollout_config.n)
+        if a.lora.enabled and a.strategy != "fsdp":
+            raise ValueError(f"{self.tag}: actor.lora needs actor.strategy=fsdp, got {a.strategy!r}")
 
     # -- setup ------------------------------------------------------------------------------------------------
 
@@ -84,7 +87,23 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
     def init_model(self) -> None:
         """Join the process group, build the engine (model + AdamW + LR schedule) and load the tokenizer."""
         a = self.actor_config
-        self._init_engine(engine_config(self.model_config, optim=a.optim, seed=a.seed), a, "actor")
+        lora = a.lora if a.lora.enabled else None
+        self._init_engine(engine_config(self.model_config, optim=a.optim, seed=a.seed, lora=lora), a, "actor")
+
+    # -- the reference, with LoRA: the frozen base (ReferenceScoring's methods) -------------------------------
+
+    def _reference_log_probs(
+        self, method: str, inputs: dict, temperature: float, micro: MicroBatchKwargs
+    ) -> torch.Tensor:
+        engine = self._require_engine(method)
+        if not self.actor_config.lora.enabled:
+            raise RuntimeError(
+                f"{self.tag}: {method}: the actor scores as the reference only with actor.lora (its frozen base "
+                "model); without LoRA the reference is a RefWorker of its own"
+            )
+        assert isinstance(engine, FSDPEngine)  # LoRA is FSDP-only (_check_config)
+        with engine.base_model_mode():
+            return engine.compute_log_prob(inputs, temperature=temperature, **micro)["log_probs"]
 
     # -- forward ----------------------------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from workers.device_memory import PeakDeviceMemory
 from workers.engine import (
     EngineConfig,
     FSDPEngine,
+    LoRAConfig,
     LossContext,
     MegatronConfig,
     OptimConfig,
@@ -61,10 +62,17 @@ CRITIC_MESH = make_nd_compute_dataproto_dispatch_fn("critic")
 
 
 def engine_config(
-    model: ModelConfig, *, optim: OptimConfig | None, seed: int = 0, value_head: bool = False
+    model: ModelConfig,
+    *,
+    optim: OptimConfig | None,
+    seed: int = 0,
+    value_head: bool = False,
+    lora: LoRAConfig | None = None,
 ) -> EngineConfig:
-    """The training-engine config of one role: the model's settings plus its optimizer (None: forward only)."""
+    """The training-engine config of one role: the model's settings plus its optimizer (None: forward only)
+    and LoRA adapters (the actor's ``lora``)."""
     return EngineConfig(
+        lora=lora,
         model_path=model.path,
         value_head=value_head,
         param_dtype=model.dtype,

@@ -10,7 +10,8 @@ and use it only through this interface; what differs between engines is declared
   so a concurrent receiver waits for the running generation to finish;
 * ``accepts_tp_group``: it can be one tensor-parallel replica over a torch.distributed group of the trainer's
   ranks (the 3D-HybridEngine, ``rollout.tensor_model_parallel_size > 1``);
-* ``loads_adapters``: it can load LoRA adapters on top of its base weights;
+* ``loads_adapters``: it can load LoRA adapters on top of its base weights (``load_adapter``); the trainer then
+  sends the adapter alone, else the weights with the adapter merged in;
 * ``event_loop``: the asyncio loop concurrent ``generate`` calls must run on (None: any loop);
 * ``release_memory`` / ``resume_memory`` / ``flush_cache``: how it frees memory and drops state that is stale
   after a weight change.
@@ -117,6 +118,21 @@ class RolloutEngine(ABC):
         flushes once). ``abort_running`` (only where ``swaps_weights_mid_generation``): the requests that
         started on the old weights finish at the swap with ``finish_reason == "abort"``; the call then returns
         how many. Otherwise engine-defined statistics (or None)."""
+
+    def load_adapter(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        scaling: float,
+        version: int | None = None,
+        abort_running: bool = False,
+    ) -> Any:
+        """(Only where ``loads_adapters``.) Put a LoRA adapter on the base weights the engine loaded, in place of
+        the previous adapter: ``named_tensors`` are PEFT's adapter tensors (``...q_proj.lora_A.weight`` [r, in],
+        ``...lora_B.weight`` [out, r]); each wrapped weight computes ``W + scaling * B @ A``. ``version`` and
+        ``abort_running`` as in ``update_weights``, whose return value this shares. A later ``update_weights``
+        sets a new base."""
+        raise NotImplementedError(f"{type(self).__name__} does not load adapters (loads_adapters is False)")
 
     def flush_cache(self) -> None:  # noqa: B027 (optional: most engines keep nothing across weights)
         """Drop what is stale after a weight change (a prefix cache); nothing by default."""

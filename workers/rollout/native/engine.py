@@ -144,6 +144,9 @@ class NativeEngine(RolloutEngine):
 
     swaps_weights_mid_generation = True  # update_weights lands between two scheduler steps
     accepts_tp_group = True
+    # LoRA: merged into the weights from a kept copy of each wrapped base weight (an exact unmerge: the next
+    # adapter starts from the copy, not from subtracting the last one); decode runs at the base model's speed
+    loads_adapters = True
 
     def __init__(
         self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, tp_group=None
@@ -189,6 +192,9 @@ class NativeEngine(RolloutEngine):
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: set[Request] = set()  # async requests whose callers still wait
         self._missing_weights: set[str] = set()  # HF names still to be loaded after resume_memory
+        self._adapter_base: dict[
+            str, torch.Tensor
+        ] = {}  # LoRA: the base of every adapted weight (load_adapter)
         # The policy version of the weights (the trainer's update count, set by update_weights): every sampled
         # token records it, so a weight update between two decode steps shows in the output token by token.
         self.weight_version = 0
@@ -672,6 +678,10 @@ class NativeEngine(RolloutEngine):
         a shape mismatch raises a ValueError. With tensor parallelism a tensor may be the full HF tensor
         (this rank slices its part) or this rank's generation shard as the resharder delivers it
         (``reshard_plan.expected_gen_shard``); see ``NativeCausalLM.local_shard``."""
+        self._adapter_base = {}  # new base weights: the next adapter goes on these
+        return self._swap_in(named_tensors, version, abort_running, "update_weights")
+
+    def _swap_in(self, named_tensors, version: int | None, abort_running: bool, method: str) -> int:
         unknown: list[str] = []
         with self._queue_lock:
             self._updates_waiting += 1
@@ -681,8 +691,46 @@ class NativeEngine(RolloutEngine):
             with self._queue_lock:
                 self._updates_waiting -= 1
         if unknown:
-            raise KeyError(f"update_weights: unknown parameter names {unknown}")
+            raise KeyError(f"{method}: unknown parameter names {unknown}")
         return aborted
+
+    def load_adapter(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        scaling: float,
+        version: int | None = None,
+        abort_running: bool = False,
+    ) -> int:
+        """The adapter merged into the weights: ``W = W_base + scaling * B @ A`` for each wrapped weight, from
+        the base copy taken the first time a weight is adapted (the weights then hold the base: what the engine
+        loaded, or the last ``update_weights``). Swapped in like ``update_weights``; returns how many requests
+        were aborted."""
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in named_tensors:
+            module, sep, part = name.rpartition(".lora_")
+            if not sep or part not in ("A.weight", "B.weight"):
+                raise KeyError(f"load_adapter: {name!r} is not a LoRA A/B weight (PEFT's names)")
+            pairs.setdefault(module.removeprefix("base_model.model.") + ".weight", {})[part[0]] = tensor
+        store = self.model.store
+        unknown = [n for n in pairs if n not in store.names]
+        halves = [n for n, ab in pairs.items() if len(ab) != 2]
+        if unknown or halves:
+            raise KeyError(f"load_adapter: unknown weights {unknown}, or A/B missing for {halves}")
+        merged = []
+        with torch.no_grad():
+            for name, ab in pairs.items():
+                if name not in self._adapter_base:
+                    with self._model_lock:
+                        self._adapter_base[name] = store.target(name).clone()
+                base = self._adapter_base[name]
+                delta = scaling * (
+                    ab["B"].to(base.device, torch.float32) @ ab["A"].to(base.device, torch.float32)
+                )
+                merged.append((name, (base.float() + self.model.local_shard(name, delta)).to(base.dtype)))
+            # what the previous adapter wrapped and this one does not goes back to its base
+            merged += [(name, base) for name, base in self._adapter_base.items() if name not in pairs]
+        return self._swap_in(merged, version, abort_running, "load_adapter")
 
     def _apply_weights(
         self, named_tensors, version: int | None, abort_running: bool, unknown: list[str]
