@@ -477,6 +477,11 @@ def reference_is_actor(cfg: RecipeConfig) -> bool:
     return needs_reference(cfg) and cfg.actor.lora.enabled
 
 
+def syncs_adapters(cfg: RecipeConfig) -> bool:
+    """Whether weight syncs carry the LoRA adapter alone (the rollout engine loads adapters), not merged weights."""
+    return cfg.actor.lora.enabled and _engine_can(cfg, "loads_adapters")
+
+
 def uses_critic(cfg: RecipeConfig) -> bool:
     return cfg.algorithm.adv_estimator == "gae"
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
-from recipes.sections import device_counts, needs_reference, reference_is_actor
+from recipes.sections import device_counts, needs_reference, reference_is_actor, syncs_adapters
 from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
 from resource_pools import (
@@ -164,7 +164,9 @@ def pool_roles(
             plan.pool_of("actor"),
             RayClassWithInitArgs(ActorWorker, mc, cfg.actor, cfg.rollout),
         )
-        rollout = RayClassWithInitArgs(RolloutWorker, model=mc, rollout=cfg.rollout, **rollout_kw)
+        rollout = RayClassWithInitArgs(
+            RolloutWorker, model=mc, rollout=cfg.rollout, lora=cfg.actor.lora, **rollout_kw
+        )
         roles["rollout"] = (plan.pool_of("rollout"), rollout)
     if needs_reference(cfg) and not reference_is_actor(cfg):
         roles["ref"] = (plan.pool_of("ref"), RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout))
@@ -250,7 +252,10 @@ def build_roles(
         generator=wgs[generator],
         reward=wgs["reward"],
         weight_sync=WeightSync.for_groups(
-            wgs["actor"], wgs["rollout"], rollout_tp=cfg.rollout.tensor_model_parallel_size
+            wgs["actor"],
+            wgs["rollout"],
+            rollout_tp=cfg.rollout.tensor_model_parallel_size,
+            adapter_only=syncs_adapters(cfg),
         ),
         ref=wgs["actor"] if reference_is_actor(cfg) else wgs.get("ref"),
         critic=wgs.get("critic"),

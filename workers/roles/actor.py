@@ -240,11 +240,16 @@ class ActorWorker(ReferenceScoring, WeightSyncMember):
     # -- weights out ------------------------------------------------------------------------------------------
 
     def hf_weight_stream(
-        self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+        self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, adapter_only: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(HF name, full tensor)`` for every parameter (and persistent buffer) of the training model, one
-        all-gather at a time. Collective: every rank of the trainer group must consume it to the end."""
+        """``(HF name, full tensor)`` for every parameter (and persistent buffer) of the training model (with
+        LoRA: the adapters merged in), one all-gather at a time; ``adapter_only`` (LoRA): the adapter's tensors
+        alone, under PEFT's names. Collective: every rank of the trainer group must consume it to the end."""
         engine = self._require_engine("hf_weight_stream")
+        if adapter_only:
+            if not isinstance(engine, FSDPEngine) or engine.lora is None:
+                raise RuntimeError(f"{self.tag}: hf_weight_stream(adapter_only=True) without actor.lora")
+            return engine.adapter_state_iter(device=device, dtype=dtype)
         tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
         return hf_named_tensors(
             engine.full_state_dict_iter(device=device, dtype=dtype), tie_word_embeddings=tied
@@ -260,24 +265,31 @@ class ActorWorker(ReferenceScoring, WeightSyncMember):
         return self.weight_sync_groups.host_store(group_name, world_size, timeout_s)
 
     @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
-    def send_weights(self, bucket_bytes: int | None = None, group_name: str = DEFAULT_GROUP_NAME) -> dict:
-        """Broadcast the full weights to the weight-sync group; every trainer rank must run it (each takes
-        part in gathering every parameter), rank 0 sends. Buckets hold at most ``bucket_bytes`` (default
-        ``rollout.weight_bucket_mb`` MiB); a larger tensor travels alone. Returns rank 0's metrics."""
+    def send_weights(
+        self,
+        bucket_bytes: int | None = None,
+        group_name: str = DEFAULT_GROUP_NAME,
+        adapter_only: bool = False,
+    ) -> dict:
+        """Broadcast the full weights (``adapter_only``: the LoRA adapter alone) to the weight-sync group; every
+        trainer rank must run it (each takes part in gathering every parameter), rank 0 sends. Buckets hold at
+        most ``bucket_bytes`` (default ``rollout.weight_bucket_mb`` MiB); a larger tensor travels alone.
+        Returns rank 0's metrics."""
         t0 = time.perf_counter()
         if bucket_bytes is None:
             bucket_bytes = bucket_mb_to_bytes(self.rollout_config.weight_bucket_mb)
         group = self.weight_sync_groups.get(group_name) if self.rank == 0 else None
         if self.rank == 0 and group is None:
             # Still consume the stream so the other ranks' gathers do not hang, then fail.
-            for _ in self.hf_weight_stream():
+            for _ in self.hf_weight_stream(adapter_only=adapter_only):
                 pass
             self.weight_sync_groups.require(group_name, f"{self.tag}: send_weights")
         if group is None:  # ranks > 0: take part in the gathers only (full tensors stay where they are made)
-            for _ in self.hf_weight_stream(device=self._require_engine("send_weights").device):
+            device = self._require_engine("send_weights").device
+            for _ in self.hf_weight_stream(device=device, adapter_only=adapter_only):
                 pass
             return {}
-        stream = self.hf_weight_stream(device=group.device)
+        stream = self.hf_weight_stream(device=group.device, adapter_only=adapter_only)
         try:
             stats = group.send(stream, bucket_bytes)
         finally:

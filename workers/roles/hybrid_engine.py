@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from controller import make_nd_split_dataproto_dispatch_fn
 from workers.config import ActorConfig, RolloutConfig
+from workers.engine.base import LoRAConfig
 from workers.rollout.base import RolloutEngine
 from workers.rollout.registry import rollout_engine_class
 from workers.weight_sync import tensor_nbytes
@@ -110,16 +112,30 @@ def generation_tp_group(trainer_engine, tp_g: int, tag: str):
     return mine, replica, gen_tp_rank
 
 
-def load_from_trainer(trainer, engine: RolloutEngine, stream, version: int | None) -> dict:
+def load_weights(
+    engine: RolloutEngine, named_tensors, *, adapter: LoRAConfig | None, version: int | None, **kwargs
+) -> Any:
+    """Load a weight stream into ``engine``: LoRA adapter tensors with ``load_adapter`` when ``adapter`` (the
+    actor's LoRA settings) is given, else full weights with ``update_weights``; returns what that returns."""
+    if adapter is not None:
+        return engine.load_adapter(
+            named_tensors, scaling=adapter.alpha / adapter.rank, version=version, **kwargs
+        )
+    return engine.update_weights(named_tensors, version=version, **kwargs)
+
+
+def load_from_trainer(
+    trainer, engine: RolloutEngine, stream, version: int | None, adapter: LoRAConfig | None = None
+) -> dict:
     """Load ``stream`` (collective over the trainer group: drained to the end whatever happens, so no rank
-    waits in a gather) into this rank's replica as policy ``version``, then offload the trainer for
-    generation; the sync's metrics."""
+    waits in a gather) into this rank's replica as policy ``version`` (``adapter``: the stream is a LoRA
+    adapter, `load_weights`), then offload the trainer for generation; the sync's metrics."""
     t0 = time.perf_counter()
     engine.resume_memory(kv_cache=False)  # weights only; the KV cache waits for generation
     stats = {"tensors": 0, "bytes": 0}
     counted = _counted(stream, stats)
     try:
-        engine.update_weights(counted, version=version)
+        load_weights(engine, counted, adapter=adapter, version=version)
     finally:
         for _ in counted:
             pass

@@ -30,11 +30,13 @@ from controller import PAD_ROWS_KEY, Dispatch, Worker, register
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.device_memory import PeakDeviceMemory
+from workers.engine.base import LoRAConfig
 from workers.models import load_tokenizer
 from workers.roles.hybrid_engine import (
     ROLLOUT_MESH,
     generation_tp_group,
     load_from_trainer,
+    load_weights,
     rollout_tp_size,
 )
 from workers.roles.sync_member import WeightSyncMember
@@ -163,11 +165,23 @@ class RolloutWorker(WeightSyncMember, Worker):
     weights are aborted at the swap); for any other (SGLang) weights change only between calls, so its receive
     waits for the running generation to finish."""
 
-    def __init__(self, model: ModelConfig, rollout: RolloutConfig, concurrent: bool = False, trainer=None):
+    def __init__(
+        self,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        concurrent: bool = False,
+        trainer=None,
+        lora: LoRAConfig | None = None,
+    ):
         self.model_config = model
         self.rollout_config = rollout
         self.concurrent = concurrent
         self.trainer = trainer
+        # the actor's LoRA settings (a colocated trainer's own, else given): the syncs then carry its adapter
+        # alone where the engine loads adapters (``adapter``), else the weights with it merged in
+        lora = trainer.actor_config.lora if trainer is not None else lora
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.adapter: LoRAConfig | None = None  # set by init_model: self.lora where the engine loads adapters
         # tensor-parallel replicas over the trainer's ranks (3D-HybridEngine); 1 on a pool of its own
         self.rollout_tp = 1 if trainer is None else rollout_tp_size(trainer.actor_config, rollout, self.tag)
         self.rollout_engine: RolloutEngine | None = None
@@ -217,6 +231,15 @@ class RolloutWorker(WeightSyncMember, Worker):
         self.rollout_engine = build_rollout_engine(
             m, self.rollout_config, self.tokenizer, rank=self.rank, tp_group=tp_group
         )
+        if self.lora is not None:
+            if self.rollout_engine.loads_adapters:
+                self.adapter = self.lora
+            elif self.rank == 0:
+                logger.warning(
+                    "%s: rollout.name=%s does not load LoRA adapters (%s.loads_adapters is False): every weight "
+                    "sync sends the full weights with the adapter merged in",
+                    self.tag, self.rollout_config.name, type(self.rollout_engine).__name__,
+                )  # fmt: skip
         if self.rollout_config.free_cache_engine:
             self.rollout_engine.release_memory()
         self.before_generate()
@@ -262,8 +285,9 @@ class RolloutWorker(WeightSyncMember, Worker):
                 "generation shards (sync_resharded_weights), not full tensors"
             )
         trainer, engine = self._require_trainer("sync_weights"), self._require_rollout("sync_weights")
-        stream = trainer.hf_weight_stream(device=engine.device)  # reloads an offloaded trainer
-        return self._counted_sync(load_from_trainer(trainer, engine, stream, version))
+        # reloads an offloaded trainer
+        stream = trainer.hf_weight_stream(device=engine.device, adapter_only=self.adapter is not None)
+        return self._counted_sync(load_from_trainer(trainer, engine, stream, version, self.adapter))
 
     @register(Dispatch.ONE_TO_ALL_RANK_ZERO)
     def sync_resharded_weights(self, version: int | None = None) -> dict:
@@ -298,9 +322,14 @@ class RolloutWorker(WeightSyncMember, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(
-        self, group_name: str = DEFAULT_GROUP_NAME, version: int | None = None, abort_running: bool = False
+        self,
+        group_name: str = DEFAULT_GROUP_NAME,
+        version: int | None = None,
+        abort_running: bool = False,
+        adapter_only: bool = False,
     ) -> dict:
-        """Receive one full weight stream from the trainer into this rank's engine, as policy ``version``;
+        """Receive one full weight stream from the trainer into this rank's engine, as policy ``version``
+        (``adapter_only``: the actor's LoRA adapter alone, which this rank's engine must load: `adapter`);
         ``abort_running`` (concurrent, an engine that swaps weights mid-generation): the requests that started
         on the old weights are aborted at the swap (flagged in ``rollout_aborted``) instead of going on with the
         new ones. Returns this rank's metrics (``timing_s/update_weights``, ``perf/weight_sync_bytes``,
@@ -309,6 +338,12 @@ class RolloutWorker(WeightSyncMember, Worker):
         t0 = time.perf_counter()
         engine = self._require_rollout("receive_weights")
         group = self.weight_sync_groups.require(group_name, f"{self.tag}: receive_weights")
+        if adapter_only and self.adapter is None:
+            raise ValueError(
+                f"{self.tag}: receive_weights(adapter_only=True), but this rank loads no adapter (lora="
+                f"{self.lora}, {type(engine).__name__}.loads_adapters={engine.loads_adapters})"
+            )
+        adapter = self.adapter if adapter_only else None
         swap_mid_generation = self.concurrent and engine.swaps_weights_mid_generation
         if abort_running and not swap_mid_generation:
             raise ValueError(
@@ -322,16 +357,25 @@ class RolloutWorker(WeightSyncMember, Worker):
             stats = group.receive(lambda named: staged.extend((n, t.clone()) for n, t in named))
             t_swap = time.perf_counter()
             # one swap, between two decode steps
-            aborted = engine.update_weights(staged, version=version, abort_running=abort_running)
+            aborted = load_weights(
+                engine, staged, adapter=adapter, version=version, abort_running=abort_running
+            )
             swap_s = time.perf_counter() - t_swap
         else:
             # Weights change between calls only: wait for the running generation, if any. Without
             # ``concurrent`` nothing else runs in this actor, so the lock is free at once.
             with self.generating:
                 engine.resume_memory(kv_cache=False)
-                stats = group.receive(
-                    lambda named: engine.update_weights(on_engine_device(engine, named), flush_cache=False)
-                )
+                if adapter is not None:  # one adapter at once (a wrapped weight needs its A and B together)
+                    staged = []
+                    stats = group.receive(lambda named: staged.extend((n, t.clone()) for n, t in named))
+                    load_weights(engine, on_engine_device(engine, staged), adapter=adapter, version=version)
+                else:
+                    stats = group.receive(
+                        lambda named: engine.update_weights(
+                            on_engine_device(engine, named), flush_cache=False
+                        )
+                    )
                 t_swap = time.perf_counter()
                 if stats["buckets"]:
                     engine.flush_cache()

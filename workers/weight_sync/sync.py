@@ -72,9 +72,12 @@ class WeightSync:
         *,
         backend: str | None = None,
         setup_timeout_s: float = 300.0,
+        adapter_only: bool = False,
     ):
         """``backend`` (disaggregated): the weight-sync group's backend, default nccl when both pools use GPUs,
-        else gloo; ``setup_timeout_s`` bounds joining that group."""
+        else gloo; ``setup_timeout_s`` bounds joining that group; ``adapter_only`` (disaggregated): the actor
+        trains LoRA adapters and the rollout engines load them, so only the adapter travels (in process, the
+        rollout role decides that itself)."""
         if strategy not in STRATEGIES:
             raise ValueError(f"weight-sync strategy must be one of {STRATEGIES}, got {strategy!r}")
         if (strategy == "disaggregated") == actor.shares_processes_with(rollout):
@@ -82,6 +85,7 @@ class WeightSync:
             raise ValueError(f"weight-sync strategy {strategy!r} needs {where} rollout group")
         self.actor, self.rollout, self.strategy = actor, rollout, strategy
         self.backend, self.setup_timeout_s = backend, setup_timeout_s
+        self.adapter_only = adapter_only
         self.link: WeightSyncLink | None = None
         self.syncs = 0
         self.last: dict[str, float] = {}
@@ -191,10 +195,13 @@ class WeightSync:
         sent, received = wait_all(
             [
                 self.actor.send_weights.with_options(blocking=False)(
-                    bucket_bytes=bucket_bytes, group_name=name
+                    bucket_bytes=bucket_bytes, group_name=name, adapter_only=self.adapter_only
                 ),
                 self.rollout.receive_weights.with_options(blocking=False)(
-                    group_name=name, version=version, abort_running=abort_running
+                    group_name=name,
+                    version=version,
+                    abort_running=abort_running,
+                    adapter_only=self.adapter_only,
                 ),
             ]
         )
