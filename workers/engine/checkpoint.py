@@ -34,7 +34,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -46,9 +46,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.engine import distributed as du
 from workers.engine.base import TrainEngine
+from workers.engine.lora import write_peft_adapter
+
+if TYPE_CHECKING:
+    from workers.engine.fsdp_engine import FSDPEngine
 
 MODEL_OPTIM_DIR = "model_optim"
 ENGINE_STATE = "engine_state.pt"
+ADAPTER_DIR = "adapter"  # a LoRA run's export: the PEFT adapter beside the merged model
 MANIFEST = "manifest.json"
 HASH = "xxh3_128"
 FORMAT_VERSION = 3  # 2: a content hash per file in the manifest; 3: step counters and LR schedule in DCP
@@ -433,14 +438,21 @@ def export_hf(
     max_shard_bytes: int = 5 * 2**30,
 ) -> str | None:
     """Write the full model as a Hugging Face directory (safetensors + config [+ generation config, tokenizer])
-    that ``AutoModelForCausalLM.from_pretrained`` (critics: ``AutoModelForTokenClassification``) loads.
-    Collective over the engine's ranks; rank 0 writes. Returns the directory on rank 0, None elsewhere."""
+    that ``AutoModelForCausalLM.from_pretrained`` (critics: ``AutoModelForTokenClassification``) loads; with
+    LoRA the adapters merged in, and the adapter alone in ``adapter/`` (``PeftModel.from_pretrained`` on the base
+    model). Collective over the engine's ranks; rank 0 writes. Returns the directory on rank 0, None elsewhere."""
     out = Path(out_dir)
     writer = du.rank() == 0
     tensors = {}
     for name, t in engine.full_state_dict_iter(device="cpu", dtype=dtype):
         if writer:
             tensors[name] = t.contiguous().clone()
+    lora = getattr(engine, "lora", None)  # LoRA: the merged model above, and the adapter alone in adapter/
+    adapter = {}
+    if lora is not None:
+        for name, t in cast("FSDPEngine", engine).adapter_state_iter(device="cpu", dtype=dtype):
+            if writer:
+                adapter[name] = t.contiguous().clone()
     group = engine.checkpoint_group()
     if not writer:
         if group is not None:
@@ -483,6 +495,8 @@ def export_hf(
         servable_generation_config(engine.generation_config).save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    if lora is not None:
+        write_peft_adapter(tmp / ADAPTER_DIR, adapter, lora, engine.config.model_path)
     if out.exists():
         shutil.rmtree(out)
     os.rename(tmp, out)

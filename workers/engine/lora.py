@@ -15,7 +15,9 @@ named as the base model names it:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -41,7 +43,23 @@ def peft_config(lora: LoRAConfig):
         lora_dropout=lora.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
         bias="none",
+        task_type="CAUSAL_LM",
     )
+
+
+def write_peft_adapter(
+    out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], lora: LoRAConfig, base_model_path: str
+) -> None:
+    """An adapter directory as peft writes one (``adapter_config.json`` + ``adapter_model.safetensors``):
+    ``PeftModel.from_pretrained(<the base model>, out_dir)`` loads it."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = peft_config(lora)
+    config.base_model_name_or_path = base_model_path
+    config.save_pretrained(str(out))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def add_adapters(model: nn.Module, lora: LoRAConfig, *, where: str = "actor.lora") -> nn.Module:

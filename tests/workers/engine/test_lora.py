@@ -138,3 +138,30 @@ def test_bad_lora_settings_name_the_key_and_the_module(model_dir):
     assert len(errors) == 1 and "actor.lora.target_modules" in errors[0] and "qkv_fused" in errors[0]
     assert "q_proj" in errors[0]  # the modules the model has are listed
     assert target_module_errors(model_dir, LoRAConfig(rank=4, target_modules=["q_proj", "v_proj"])) == []
+
+
+def test_export_writes_the_merged_model_and_a_peft_adapter_that_agree(model_dir, tmp_path):
+    from peft import PeftModel
+
+    from workers.engine import export_hf
+
+    eng = _lora_engine(model_dir, lr=3e-2)
+    for _ in range(3):
+        eng.train_step(T.make_batch(8, seed=5), T.pg_loss)
+    out = export_hf(eng, tmp_path / "hf")
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert merged.config.architectures == ["Qwen2ForCausalLM"]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), f"{out}/adapter").eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    batch = T.make_batch(4, seed=11)
+    with torch.no_grad():
+        kw = dict(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+        a = merged(batch["input_ids"], **kw).logits
+        b = peft_model(input_ids=batch["input_ids"], **kw).logits
+        c = base(batch["input_ids"], **kw).logits
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert (a - c).abs().max() > 1e-3  # the export is the trained policy, not the base
+    # and the engine's own log-probs are the exported model's
+    lp = eng.compute_log_prob(batch)["log_probs"]
+    ref = torch.log_softmax(a[:, -R - 1 : -1].float(), -1).gather(-1, batch["responses"][..., None])[..., 0]
+    torch.testing.assert_close(lp, ref * batch["attention_mask"][:, -R:], rtol=1e-4, atol=1e-5)
