@@ -21,8 +21,9 @@ Order (what a GPU can tell us that nothing here can, most valuable first):
                       against Hugging Face on step 2's batch, beside the FSDP engine's fp32 row. (The first
                       H200 run ran the Megatron engine's tests instead, written for gloo ranks on the CPU: 14
                       passed, 12 failed mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
-LoRA (memory and sync bytes against full fine-tuning) joins after grpo_step once the LoRA issue lands. SGLang
-is not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
+  (after grpo_step) lora  LoRA against full fine-tuning at the 0.5B shape: the training engine's peak memory,
+                      adapter vs full sync bytes and time into the native engine on CUDA (benchmarks.bench_lora)
+SGLang is not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def steps() -> list[Step]:
              ["-m", "benchmarks.bench_grpo_step", "--preset", "tiny", "--steps", "2", "--out",
               "{work}/grpo_step.json"],
              240, 90, "{work}/grpo_step.json"),
+        Step("lora", ["-m", "benchmarks.bench_lora", "--shapes", "qwen2-0.5b"],
+             ["-m", "benchmarks.bench_lora", "--shapes", "tiny"], 120, 40, "outputs/bench_lora.json"),
         Step("train_mfu", ["-m", "benchmarks.bench_train", "--steps", "3"],
              ["-m", "benchmarks.bench_train", "--steps", "1", "--batch", "2", "--seq", "64"],
              120, 40, "outputs/bench_train.json"),  # bench_train writes there (benchmarks.common.write_json)

@@ -70,9 +70,9 @@ class LoRAConfig:
     base weights stay frozen (and serve as the reference model, adapters disabled). ``rank = 0``: full
     fine-tuning."""
 
-    rank: int = 0
+    rank: int = 0  # the adapters' rank r (A: r x in, B: out x r); 0: no LoRA, the whole model trains
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout on the adapters' input while training
     # module names (or their last parts: q_proj, v_proj, ...) the adapters wrap; ["all-linear"]: every linear
     # layer except the output projection (peft's meaning)
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])

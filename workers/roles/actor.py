@@ -30,7 +30,7 @@ numbers); the call returns them as ``old_log_probs``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -42,6 +42,7 @@ from workers.engine import FSDPEngine, LossContext
 from workers.roles.common import (
     ACTOR_MESH,
     FORWARD_KEYS,
+    EngineRoleWorker,
     MicroBatchKwargs,
     StepMetrics,
     engine_config,
@@ -49,7 +50,7 @@ from workers.roles.common import (
     ppo_micro_batch_kwargs,
     token_share,
 )
-from workers.roles.reference import ReferenceScoring
+from workers.roles.reference import compute_ref_log_prob, compute_teacher_log_prob
 from workers.roles.sync_member import WeightSyncMember
 from workers.weight_sync import DEFAULT_GROUP_NAME, bucket_mb_to_bytes, hf_named_tensors, stream_metrics
 
@@ -63,7 +64,11 @@ UPDATE_INPUTS = Inputs(
 ROW_INDEX = "_row"  # the row of each micro-batch row in the call's batch (on-policy old log-probs go there)
 
 
-class ActorWorker(ReferenceScoring, WeightSyncMember):
+class ActorWorker(EngineRoleWorker, WeightSyncMember):
+    # with LoRA the actor is also the reference: its frozen base model (`_reference_log_probs`)
+    compute_ref_log_prob = compute_ref_log_prob
+    compute_teacher_log_prob = compute_teacher_log_prob
+
     def __init__(self, model: ModelConfig, actor: ActorConfig, rollout: RolloutConfig):
         self.model_config = model
         self.actor_config = actor
@@ -90,10 +95,10 @@ class ActorWorker(ReferenceScoring, WeightSyncMember):
         lora = a.lora if a.lora.enabled else None
         self._init_engine(engine_config(self.model_config, optim=a.optim, seed=a.seed, lora=lora), a, "actor")
 
-    # -- the reference, with LoRA: the frozen base (ReferenceScoring's methods) -------------------------------
+    # -- the reference, with LoRA: the frozen base ---------------------------------------------------------------
 
     def _reference_log_probs(
-        self, method: str, inputs: dict, temperature: float, micro: MicroBatchKwargs
+        self, method: str, inputs: Mapping[str, torch.Tensor], temperature: float, micro: MicroBatchKwargs
     ) -> torch.Tensor:
         engine = self._require_engine(method)
         if not self.actor_config.lora.enabled:

@@ -254,6 +254,14 @@ class EngineRoleWorker(Worker):
             self.model_config.path, trust_remote_code=self.model_config.trust_remote_code
         )
 
+    def _reference_log_probs(
+        self, method: str, inputs: Mapping[str, torch.Tensor], temperature: float, micro: MicroBatchKwargs
+    ) -> torch.Tensor:
+        """The reference's log-probs of ``inputs`` (`workers.roles.reference.compute_ref_log_prob`): this
+        role's engine as it is (a LoRA actor overrides it with its base model)."""
+        engine = self._require_engine(method)
+        return engine.compute_log_prob(inputs, temperature=temperature, **micro)["log_probs"]
+
     def _require_engine(self, method: str) -> FSDPEngine | MegatronEngine:
         """The engine, brought back first if a colocated role offloaded it (`offload_engine`)."""
         if self.engine is None:

@@ -8,7 +8,7 @@ separate engines, and the reference never changes.
 ``algorithms/hybrid.py``): the log-probs of the policy's own response tokens under [prompt + hint + response],
 aligned token for token with ``responses`` (`build_teacher_inputs`).
 
-Both methods live in `ReferenceScoring`, which a LoRA actor also takes: its frozen base is the reference.
+Both methods are module functions that a LoRA actor binds too: its frozen base is the reference.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from workers.config import ModelConfig, RolloutConfig
 from workers.roles.common import (
     FORWARD_KEYS,
     EngineRoleWorker,
-    MicroBatchKwargs,
     engine_config,
     log_prob_settings,
 )
@@ -65,58 +64,57 @@ def build_teacher_inputs(
     }
 
 
-class ReferenceScoring(EngineRoleWorker):
-    """The reference's two methods, for a role whose engine can compute the frozen reference: `RefWorker`
-    (its own forward-only engine) and, with LoRA, `ActorWorker` (its base model, adapters disabled: no copy of
-    the model is loaded). The role provides ``_reference_log_probs``."""
+# The reference's two methods, shared by the roles that can compute the frozen reference: `RefWorker` (a
+# forward-only engine of its own) and, with LoRA, `ActorWorker` (its base model, adapters disabled: no copy of
+# the model is loaded). Each role binds them as its own methods; its ``_reference_log_probs`` runs the forward.
 
-    def _reference_log_probs(
-        self, method: str, inputs: dict, temperature: float, micro: MicroBatchKwargs
-    ) -> torch.Tensor:
-        raise NotImplementedError
 
-    @register(Dispatch.DP_COMPUTE_PROTO, inputs=Inputs(batch=FORWARD_KEYS))
-    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """``ref_log_prob`` [B, R] of the responses at ``meta_info["temperature"]`` (default rollout.temperature,
-        the same temperature the actor's log-probs use); micro-batching from rollout.log_prob_*."""
-        temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
-        lp = self._reference_log_probs("compute_ref_log_prob", data.batch, temperature, micro)
-        return DataProto.from_dict({"ref_log_prob": lp}, meta_info={"temperature": temperature})
+@register(Dispatch.DP_COMPUTE_PROTO, inputs=Inputs(batch=FORWARD_KEYS))
+def compute_ref_log_prob(self: EngineRoleWorker, data: DataProto) -> DataProto:
+    """``ref_log_prob`` [B, R] of the responses at ``meta_info["temperature"]`` (default rollout.temperature, the
+    same temperature the actor's log-probs use); micro-batching from rollout.log_prob_*."""
+    temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
+    lp = self._reference_log_probs("compute_ref_log_prob", data.batch, temperature, micro)
+    return DataProto.from_dict({"ref_log_prob": lp}, meta_info={"temperature": temperature})
 
-    @register(
-        Dispatch.DP_COMPUTE_PROTO,
-        inputs=Inputs(batch=("prompts", "responses", "attention_mask"), optional=("teacher_hint",)),
-    )
-    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """``teacher_log_prob`` [B, R]: log-probs of ``responses`` under [prompt + hint + response], where the
-        hint of row b is ``non_tensor_batch["teacher_hint"][b]`` (text, tokenised as is; "" or a missing
-        column: no hint, the ordinary reference log-prob). Needs ``prompts``, ``responses``,
-        ``attention_mask``; temperature and micro-batching as ``compute_ref_log_prob``."""
-        temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
-        hints = data.non_tensor_batch.get("teacher_hint")
-        texts = ["" if h is None else str(h) for h in hints] if hints is not None else [""] * len(data)
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise RuntimeError(f"{self.tag}: compute_teacher_log_prob called before init_model()")
-        hint_ids = [list(tokenizer.encode(t, add_special_tokens=False)) if t else [] for t in texts]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        b = data.batch
-        inputs = build_teacher_inputs(b["prompts"], b["responses"], b["attention_mask"], hint_ids, pad)
-        lp = self._reference_log_probs("compute_teacher_log_prob", inputs, temperature, micro)
-        n_hint = sum(bool(h) for h in hint_ids)
-        return DataProto.from_dict(
-            {"teacher_log_prob": lp},
-            meta_info={
-                "temperature": temperature,
-                "metrics": {
-                    "teacher/hint_tokens/mean": sum(map(len, hint_ids)) / max(n_hint, 1),
-                    "teacher/rows_with_hint": float(n_hint),
-                },
+
+@register(
+    Dispatch.DP_COMPUTE_PROTO,
+    inputs=Inputs(batch=("prompts", "responses", "attention_mask"), optional=("teacher_hint",)),
+)
+def compute_teacher_log_prob(self: EngineRoleWorker, data: DataProto) -> DataProto:
+    """``teacher_log_prob`` [B, R]: log-probs of ``responses`` under [prompt + hint + response], where the hint
+    of row b is ``non_tensor_batch["teacher_hint"][b]`` (text, tokenised as is; "" or a missing column: no
+    hint, the ordinary reference log-prob). Needs ``prompts``, ``responses``, ``attention_mask``; temperature
+    and micro-batching as ``compute_ref_log_prob``."""
+    temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
+    hints = data.non_tensor_batch.get("teacher_hint")
+    texts = ["" if h is None else str(h) for h in hints] if hints is not None else [""] * len(data)
+    tokenizer = self.tokenizer
+    if tokenizer is None:
+        raise RuntimeError(f"{self.tag}: compute_teacher_log_prob called before init_model()")
+    hint_ids = [list(tokenizer.encode(t, add_special_tokens=False)) if t else [] for t in texts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    b = data.batch
+    inputs = build_teacher_inputs(b["prompts"], b["responses"], b["attention_mask"], hint_ids, pad)
+    lp = self._reference_log_probs("compute_teacher_log_prob", inputs, temperature, micro)
+    n_hint = sum(bool(h) for h in hint_ids)
+    return DataProto.from_dict(
+        {"teacher_log_prob": lp},
+        meta_info={
+            "temperature": temperature,
+            "metrics": {
+                "teacher/hint_tokens/mean": sum(map(len, hint_ids)) / max(n_hint, 1),
+                "teacher/rows_with_hint": float(n_hint),
             },
-        )
+        },
+    )
 
 
-class RefWorker(ReferenceScoring):
+class RefWorker(EngineRoleWorker):
+    compute_ref_log_prob = compute_ref_log_prob
+    compute_teacher_log_prob = compute_teacher_log_prob
+
     def __init__(self, model: ModelConfig, rollout: RolloutConfig):
         self.model_config = model
         self.rollout_config = rollout
@@ -124,9 +122,3 @@ class RefWorker(ReferenceScoring):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         self._init_engine(engine_config(self.model_config, optim=None))
-
-    def _reference_log_probs(
-        self, method: str, inputs: dict, temperature: float, micro: MicroBatchKwargs
-    ) -> torch.Tensor:
-        engine = self._require_engine(method)
-        return engine.compute_log_prob(inputs, temperature=temperature, **micro)["log_probs"]

@@ -151,7 +151,9 @@ def test_export_writes_the_merged_model_and_a_peft_adapter_that_agree(model_dir,
     out = export_hf(eng, tmp_path / "hf")
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
     assert merged.config.architectures == ["Qwen2ForCausalLM"]
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), f"{out}/adapter").eval()
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir), f"{out}/adapter"
+    ).eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     batch = T.make_batch(4, seed=11)
     with torch.no_grad():
