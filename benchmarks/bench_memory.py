@@ -28,6 +28,7 @@ Writes ``outputs/bench_memory.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -127,9 +128,10 @@ class PeakPoller(threading.Thread):
             self.stop.wait(self.interval_s)
 
 
-def run_recipe(model_dir: str, ranks: int, args, log: Path) -> tuple[dict, float, int]:
+def run_recipe(model_dir: str, ranks: int, args, log: Path) -> tuple[dict, float, int, dict]:
     """One GRPO step through ``recipes.grpo`` on ``ranks`` colocated CPU ranks; (peaks KiB by title, wall s,
-    return code)."""
+    return code, the step's weight-sync metrics)."""
+    run_dir = tempfile.mkdtemp(prefix="bench_memory_run_")
     overrides = [
         f"model.path={model_dir}",
         f"trainer.n_gpus_per_node={ranks}",
@@ -139,7 +141,7 @@ def run_recipe(model_dir: str, ranks: int, args, log: Path) -> tuple[dict, float
         "trainer.test_freq=0",
         "trainer.save_freq=0",
         "trainer.logger=[console]",
-        f"trainer.default_local_dir={tempfile.mkdtemp(prefix='bench_memory_run_')}",
+        f"trainer.default_local_dir={run_dir}",
         f"data.train_batch_size={args.prompts}",
         "data.max_prompt_length=32",
         f"data.max_response_length={args.response_length}",
@@ -169,7 +171,12 @@ def run_recipe(model_dir: str, ranks: int, args, log: Path) -> tuple[dict, float
     for pid, kib in poller.peaks.items():
         title = poller.titles.get(pid, "?")
         peaks[f"{title} [{pid}]"] = kib
-    return peaks, wall, rc
+    sync = {}
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.read_text().strip():
+        last = json.loads(metrics.read_text().strip().splitlines()[-1])
+        sync = {k: last[k] for k in ("perf/weight_sync_bytes", "timing_s/update_weights") if k in last}
+    return peaks, wall, rc, sync
 
 
 def main() -> None:
@@ -202,7 +209,7 @@ def main() -> None:
     rows, records = [], []
     for ranks in args.ranks:
         load = os.getloadavg()[0]
-        peaks, wall, rc = run_recipe(model_dir, ranks, args, work / f"recipe_{ranks}.log")
+        peaks, wall, rc, sync = run_recipe(model_dir, ranks, args, work / f"recipe_{ranks}.log")
         workers = {k: v for k, v in peaks.items() if k.startswith("ray::") and not k.startswith(RAY_OWN)}
         for title, kib in sorted(workers.items(), key=lambda kv: -kv[1]):
             rollout_only = args.placement == "disaggregated" and "rollout" in title.lower()
@@ -217,17 +224,21 @@ def main() -> None:
                 "train_state_share_gib": 0.0 if rollout_only else train_state / ranks / GIB,
                 "over_theory_gib": kib / 2**20 - theory_gib,
                 "wall_s": wall,
+                "sync_bytes": sync.get("perf/weight_sync_bytes"),
+                "sync_s": sync.get("timing_s/update_weights"),
                 "load": load,
                 "rc": rc,
             }
             rows.append(row)
-        records.append({"ranks": ranks, "rc": rc, "wall_s": wall, "load_1min": load, "peaks_kib": peaks})
+        records.append(
+            {"ranks": ranks, "rc": rc, "wall_s": wall, "load_1min": load, "peaks_kib": peaks, "sync": sync}
+        )
         if rc != 0:
             print(f"recipe on {ranks} rank(s) exited {rc}; log: {work / f'recipe_{ranks}.log'}")
     print_table(
         rows,
         ["placement", "ranks", "process", "peak_rss_gib", "theory_gib", "train_state_share_gib", "over_theory_gib", "wall_s",
-         "load", "rc"],
+         "sync_bytes", "sync_s", "load", "rc"],
     )  # fmt: skip
     path = write_json(
         args.name,

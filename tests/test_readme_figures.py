@@ -76,3 +76,29 @@ def test_readme_rlm_figures_are_the_recorded_run():
     assert re.fullmatch(r"[0-9a-f]{7,40}", recorded["commit"]) and recorded["commit"][:7] in text
     assert recorded["command"] in text
     assert result["val_after"] > result["val_before"]
+
+
+def test_readme_lora_figures_are_the_recorded_run():
+    """README's LoRA sentence equals benchmarks/results/quickstart_lora.json and the full run's record, and the
+    LoRA run raised held-out accuracy by at least 0.2 (the LoRA issue's bar)."""
+    lora = json.loads(RESULT.with_name("quickstart_lora.json").read_text())
+    full = json.loads(RESULT.read_text())["result"]
+    r = lora["result"]
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    shown = re.search(
+        r"accuracy (\d\.\d\d) -> (\d\.\d\d) in (\d+) s, against (\d\.\d\d) -> (\d\.\d\d) in (\d+) s in full",
+        text,
+    )
+    assert shown, "README.md: the LoRA quickstart sentence is missing"
+    assert (float(shown[1]), float(shown[2]), int(shown[3])) == (
+        round(r["val_before"], 2),
+        round(r["val_after"], 2),
+        round(r["wall_s"]),
+    )
+    assert (float(shown[4]), float(shown[5]), int(shown[6])) == (
+        round(full["val_before"], 2),
+        round(full["val_after"], 2),
+        round(full["wall_s"]),
+    )
+    assert lora["command"] in text and lora["commit"][:7] in text
+    assert r["val_after"] - r["val_before"] >= 0.2

@@ -96,3 +96,54 @@ def test_bad_lora_settings_are_config_errors_naming_the_key():
         load_config(
             "grpo", [f"model.path={model}", "actor.lora.rank=4", "actor.lora.target_modules=[q_proj,qkv]"]
         )
+
+
+def test_async_grpo_with_lora_swaps_adapters_into_running_generations(ray_session, tmp_path, monkeypatch):
+    """``async_rl.mode=full``: the adapter reaches the concurrent rollout worker while it generates (the staged
+    swap between two decode steps), each sync the adapter's bytes, and later tokens record newer versions."""
+    from test_grpo_async import digit_reward, steps_of, token_versions
+    from test_grpo_async import run as run_async
+
+    batches: list = []
+    result = run_async(
+        tmp_path,
+        "async_rl.mode=full",
+        digit_reward(tmp_path),
+        f"actor.lora.rank={RANK}",
+        "actor.lora.alpha=8",
+        record=batches,
+        monkeypatch=monkeypatch,
+    )
+    steps = steps_of(result)
+    assert len(steps) == 4
+    assert {s["perf/weight_sync_bytes"] for s in steps} == {adapter_bytes(ensure_tiny_model("nano"), RANK)}
+    last = batches[-1]
+    assert max(max(token_versions(last, r)) for r in range(len(last))) >= 2
+
+
+def test_the_quickstart_with_lora_exports_the_merged_model_and_the_adapter(ray_session, tmp_path):
+    """The user's command with ``actor.lora.*``, brief: it warm-starts in full, trains adapters and exports both
+    forms (the full run's figure, 0.285 -> 0.71 held-out accuracy: benchmarks/results/quickstart_lora.json)."""
+    from peft import PeftConfig
+    from test_recipes_e2e import TINY
+
+    from recipes import quickstart
+
+    run_dir = tmp_path / "qs"
+    out = quickstart.main(
+        [
+            *TINY,
+            f"trainer.default_local_dir={run_dir}",
+            "sft.total_steps=4",
+            "sft.batch_size=8",
+            "sft.optim.total_steps=4",
+            "actor.ppo_mini_batch_size=4",
+            "trainer.total_training_steps=1",
+            "trainer.test_freq=1",
+            f"actor.lora.rank={RANK}",
+            "actor.lora.alpha=8",
+        ]
+    )
+    adapter = PeftConfig.from_pretrained(f"{out['hf_model']}/adapter")
+    assert adapter.r == RANK and adapter.base_model_name_or_path == out["sft_model"]
+    assert (run_dir / "hf_model" / "model.safetensors").is_file()

@@ -717,20 +717,26 @@ class NativeEngine(RolloutEngine):
         halves = [n for n, ab in pairs.items() if len(ab) != 2]
         if unknown or halves:
             raise KeyError(f"load_adapter: unknown weights {unknown}, or A/B missing for {halves}")
-        merged = []
-        with torch.no_grad():
-            for name, ab in pairs.items():
+        with self._model_lock, torch.no_grad():
+            for name in pairs:
                 if name not in self._adapter_base:
-                    with self._model_lock:
-                        self._adapter_base[name] = store.target(name).clone()
+                    self._adapter_base[name] = store.target(name).clone()
+        full = {name: tuple(self.model.full_shape(name)) for name in pairs}
+
+        def merged():
+            # made one weight at a time while the swap copies it in: no second copy of the model at once
+            for name, ab in pairs.items():
                 base = self._adapter_base[name]
-                delta = scaling * (
-                    ab["B"].to(base.device, torch.float32) @ ab["A"].to(base.device, torch.float32)
-                )
-                merged.append((name, (base.float() + self.model.local_shard(name, delta)).to(base.dtype)))
+                b, a = (ab[k].to(base.device, torch.float32) for k in "BA")
+                if full[name] == tuple(base.shape):
+                    weight = torch.addmm(base.float(), b, a, alpha=scaling)
+                else:  # a tensor-parallel shard: this rank's part of B @ A
+                    weight = base.float() + self.model.local_shard(name, scaling * (b @ a))
+                yield name, weight.to(base.dtype)
             # what the previous adapter wrapped and this one does not goes back to its base
-            merged += [(name, base) for name, base in self._adapter_base.items() if name not in pairs]
-        return self._swap_in(merged, version, abort_running, "load_adapter")
+            yield from ((name, base) for name, base in self._adapter_base.items() if name not in pairs)
+
+        return self._swap_in(merged(), version, abort_running, "load_adapter")
 
     def _apply_weights(
         self, named_tensors, version: int | None, abort_running: bool, unknown: list[str]
