@@ -41,6 +41,7 @@ def test_grpo_with_lora_syncs_the_adapter_alone_and_its_reference_is_the_base(
             *PLACEMENT[placement],
             f"custom_reward_function.path={reward}",
             "trainer.total_training_steps=3",
+            "trainer.val_before_train=false",
             "trainer.test_freq=-1",
             "trainer.save_freq=-1",
             "actor.ppo_mini_batch_size=4",
@@ -55,7 +56,7 @@ def test_grpo_with_lora_syncs_the_adapter_alone_and_its_reference_is_the_base(
     expected = adapter_bytes(nano, RANK)
     assert [h["perf/weight_sync_bytes"] for h in history] == [expected] * 3
     full = sum(p * 4 for p in _param_counts(nano))
-    assert expected < full / 20
+    assert expected < full / 10  # 6% at the nano size (1.8% at 0.5B: BENCHMARKS.md)
     # the reference is the frozen base: the KL to it is 0 before the first update and grows as the adapter trains
     kl = [h["actor/kl_loss"] for h in history]
     assert kl[0] == 0 and kl[-1] > 1e-4, kl
