@@ -129,10 +129,19 @@ def _check_grpo(initial_model: str, result: dict) -> None:
     assert _max_logprob_change(initial_model, result["hf_model"]) > 50 * LOGPROB_TOL
 
 
-def test_grpo_colocated_on_sglang(ray_session, tmp_path, no_leftover_engines):
-    """FSDP2 actor + SGLang engine in one worker; weights streamed into SGLang after every update."""
-    initial, result = _run_grpo(tmp_path, ["trainer.placement=colocated", "trainer.n_gpus_per_node=1"])
+def test_grpo_colocated_on_sglang_with_lora(ray_session, tmp_path, no_leftover_engines):
+    """FSDP2 actor training LoRA adapters + SGLang engine in one worker. SGLang's LoRA layers cannot start on the
+    CPU (they pin memory), so it is not an adapter-loading engine: every sync streams the full weights with the
+    adapter merged in, and the engine's log-probs still match the trainer's (peft's, unmerged)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.optim.lr=1e-1"]
+    initial, result = _run_grpo(tmp_path, ["trainer.placement=colocated", "trainer.n_gpus_per_node=1", *lora])
     _check_grpo(initial, result)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(initial))
+    full_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert {r["perf/weight_sync_bytes"] for r in result["history"]} == {full_bytes}
 
 
 def test_grpo_disaggregated_on_sglang(ray_session, tmp_path, no_leftover_engines):

@@ -231,6 +231,13 @@ class SGLangRolloutConfig:
 class SGLangRollout(RolloutEngine):
     """Rollout engine adapter over ``sglang.Engine`` (see the module docstring for the contract)."""
 
+    # Not an adapter-loading engine (``loads_adapters`` False): a LoRA actor's syncs stream the merged weights.
+    # SGLang 0.5.20 has adapters from tensors (``Engine.load_lora_adapter_from_tensors``), but on the CPU its
+    # engine does not start with ``enable_lora=True``: every LoRA layer pins host memory
+    # (``sglang/srt/lora/layers.py``: ``torch.tensor(..., pin_memory=True)``, 11 such sites in ``srt/lora``),
+    # which raises "pin_memory=True requires a CUDA or other accelerator backend" without one. On CUDA it would
+    # start; that path is untested here, so it stays off rather than shipping unverified.
+
     def __init__(self, config: SGLangRolloutConfig, engine: Any | None = None):
         """Start an engine from ``config``; or wrap ``engine``, already built (its processes then unknown)."""
         self.config = config
