@@ -148,3 +148,20 @@ def test_the_quickstart_with_lora_exports_the_merged_model_and_the_adapter(ray_s
     adapter = PeftConfig.from_pretrained(f"{out['hf_model']}/adapter")
     assert adapter.r == RANK and adapter.base_model_name_or_path == out["sft_model"]
     assert (run_dir / "hf_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "grpo_async", "ppo", "quickstart", "rlm", "hybrid_rl"])
+def test_every_recipe_takes_actor_lora_and_then_builds_no_reference_model(recipe):
+    """The key is the actor's (one section for every recipe); with a KL term or the hybrid teacher the reference
+    is the actor's base, so no ``ref`` role is placed."""
+    from recipes.sections import needs_reference, reference_is_actor
+
+    cfg = load_config(recipe, ["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"])
+    assert (cfg.actor.lora.rank, cfg.actor.lora.target_modules) == (8, ["q_proj", "v_proj"])
+    assert reference_is_actor(cfg) == needs_reference(cfg)
+    roles = {
+        r
+        for pool in pool_roles(cfg, SimpleNamespace(model_path="unused"), plan_of(cfg)).values()
+        for r in pool
+    }
+    assert "ref" not in roles
