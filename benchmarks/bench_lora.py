@@ -83,7 +83,6 @@ def measure(model_dir: str, vocab: int, lora_rank: int | None, args) -> dict:
     syncs = []
     for _ in range(args.syncs):
         t0 = time.perf_counter()
-        nbytes = 0
         if lora is None:
             stream = list(eng.full_state_dict_iter())
             nbytes = sum(t.numel() * t.element_size() for _, t in stream)

@@ -24,6 +24,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
 
 class ChatServer:
@@ -141,3 +142,14 @@ def sglang_module(needs):
             os.environ[key] = value
     sys.path[:] = path
     multiprocessing.set_start_method(method, force=True)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tests: tiny models gain nothing from more, and on the shared 2-core CI
+    machine a second thread that is not scheduled stalls every parallel op (``pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.engine import distributed as du
 from workers.engine.base import EngineConfig, LossFn
-from workers.engine.lora import adapter_named_tensors, add_adapters, merged_named_tensors
+from workers.engine.lora import adapter_named_tensors, add_adapters, base_name, merged_named_tensors
 from workers.engine.optim import build_optimizer
 from workers.engine.packing import (
     entropy_from_logits,
@@ -333,18 +333,20 @@ class FSDPEngine(EngineSteps):
         consume the iterator to the end. Tied weights appear once (under their first name)."""
         if self.lora is not None:  # the adapters folded into the base weights, under the base's names
             yield from merged_named_tensors(self.model, device=device, dtype=dtype)
-            return
-        for name, p in self.model.named_parameters():
-            t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            t = t.to(device=device, dtype=dtype or t.dtype)
-            yield name, t
+        else:
+            for name, p in self.model.named_parameters():
+                t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                yield name, t.to(device=device, dtype=dtype or t.dtype)
         for mod_name, mod in self.model.named_modules():
             for bname, buf in mod.named_buffers(recurse=False):
                 if bname in getattr(mod, "_non_persistent_buffers_set", set()):
                     continue
                 name = f"{mod_name}.{bname}" if mod_name else bname
                 b = buf.full_tensor() if isinstance(buf, DTensor) else buf
-                yield name, b.to(device=device, dtype=dtype or b.dtype)
+                yield (
+                    base_name(name) if self.lora is not None else name,
+                    b.to(device=device, dtype=dtype or b.dtype),
+                )
 
     def adapter_state_iter(
         self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None

@@ -127,20 +127,18 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 def merged_named_tensors(
     model: nn.Module, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(base model name, full tensor) of every parameter with the adapters folded in, then the persistent
-    buffers. Each wrapped layer's weight is gathered with its A and B (FSDP: one all-gather per tensor, in the
+    """(base model name, full tensor) of every parameter with the adapters folded in. Each wrapped layer's weight is gathered with its A and B (FSDP: one all-gather per tensor, in the
     same order on every rank, so every rank must consume the iterator to the end)."""
     layers = lora_layers(model)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # layer name -> its gathered base weight, A, B
     for name, p in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
+        owner = name.rpartition(".")[0]
         layer_name = next((ln for ln in _prefixes(owner) if ln in layers), None)
         if layer_name is None:
             yield base_name(name), _full(p).to(device=device, dtype=dtype or p.dtype)
             continue
-        part = name[
-            len(layer_name) + 1 :
-        ]  # base_layer.weight | base_layer.bias | lora_A.default.weight | ...
+        # base_layer.weight | base_layer.bias | lora_A.default.weight | ...
+        part = name[len(layer_name) + 1 :]
         if part == "base_layer.bias":
             yield base_name(name), _full(p).to(device=device, dtype=dtype or p.dtype)
             continue
@@ -154,15 +152,6 @@ def merged_named_tensors(
             yield base_name(f"{layer_name}.base_layer.weight"), merged.to(device)
     if pending:
         raise RuntimeError(f"LoRA layers with parts missing after the parameters: {sorted(pending)}")
-    for mod_name, mod in model.named_modules():
-        for bname, buf in mod.named_buffers(recurse=False):
-            if bname in getattr(mod, "_non_persistent_buffers_set", set()):
-                continue
-            full = _full(buf)
-            yield (
-                base_name(f"{mod_name}.{bname}" if mod_name else bname),
-                full.to(device, dtype or full.dtype),
-            )
 
 
 def _prefixes(dotted: str) -> Iterator[str]:
@@ -180,11 +169,3 @@ def adapter_named_tensors(
     for name, p in model.named_parameters():
         if ".lora_" in name:
             yield adapter_file_name(name), _full(p).to(device=device, dtype=dtype or p.dtype)
-
-
-def adapter_scaling(model: nn.Module) -> float:
-    """``alpha / rank``, what every adapter's output is multiplied by."""
-    scales = {m.scaling[ADAPTER] for m in lora_layers(model).values()}
-    if len(scales) != 1:
-        raise RuntimeError(f"LoRA layers with different scalings {sorted(scales)}")
-    return float(scales.pop())

@@ -15,12 +15,7 @@ from workers.rollout.sampling import SamplingParams
 RANK, ALPHA = 4, 8.0
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def adapted(base, seed: int, targets="all-linear"):
