@@ -12,7 +12,8 @@ devices, estimator against the roles), naming keys and numbers.
 
 The ``env`` section of the agent recipes has no fixed dataclass: ``env.loop`` (command line, else YAML, else the
 schema's default) names an agent-loop plugin (``workers.agents.loop``), and the section is read into the
-dataclass that plugin declares (``AgentLoop.config_class``), so a new environment brings its own keys.
+dataclass that plugin declares (``AgentLoop.config_class``), so a new environment brings its own keys; with
+``env.loop: mixed`` (several environments, ``workers.agents.mixed``) each entry of ``env.envs`` likewise.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import dataclasses
 import difflib
 import os
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from recipes.schemas import SCHEMAS, RecipeConfig
 from recipes.sections import WORKER_SECTION_CHECKS
-from workers.agents.loop import agent_loop_class
+from workers.agents.loop import AgentEnvConfig, agent_loop_class
 from workers.engine.checkpoint import write_atomic
 
 RECIPES_DIR = Path(__file__).resolve().parent
@@ -143,38 +144,90 @@ def _env_section(
 ) -> None:
     """Make ``merged.env`` the dataclass of the agent loop that ``env.loop`` names (command line, else the config
     file, else the schema's default). A command-line loop with another config than the file's drops the file's
-    ``env`` section (its keys belong to the file's environment), as another ``task.name`` drops ``task.knobs``."""
+    ``env`` section (its keys belong to the file's environment), as another ``task.name`` drops ``task.knobs``.
+    A field of that dataclass typed ``dict[str, <AgentEnvConfig>]`` (``env.envs`` of ``env.loop: mixed``) holds
+    env sections: each entry is read into the dataclass of the loop its own ``loop`` names, the same way."""
+    need = get_type_hints(schema_cls)["env"]
     file_loop = OmegaConf.select(file_cfg, "env.loop", default=None)
     if file_loop is None:
-        env_cls = _env_class(merged.env.loop, "the schema's default", recipe, schema_cls)
+        env_cls = _env_class(merged.env.loop, "the schema's default", recipe, "env", need)
     else:
-        env_cls = _env_class(str(file_loop), path, recipe, schema_cls)
+        env_cls = _env_class(str(file_loop), path, recipe, "env", need)
     cli_loop = OmegaConf.select(cli, "env.loop", default=None)
     if cli_loop is not None:
-        file_env, env_cls = env_cls, _env_class(str(cli_loop), "command-line override", recipe, schema_cls)
+        file_env, env_cls = env_cls, _env_class(str(cli_loop), "command-line override", recipe, "env", need)
         if env_cls is not file_env:
             file_cfg.pop("env", None)
     if OmegaConf.get_type(merged.env) is not env_cls:
         merged.env = schema_config(env_cls)
+    for name in _env_sections_fields(env_cls):
+        _nested_env_sections(merged.env[name], f"env.{name}", recipe, file_cfg, cli, path)
 
 
-def _env_class(loop: str, source: str, recipe: str, schema_cls: type) -> type:
-    """The ``config_class`` of the agent loop ``loop`` (set in ``source``), which must derive from the type the
-    recipe's schema gives ``env`` (the fields the recipe itself reads)."""
+def _env_sections_fields(env_cls: type) -> list[str]:
+    """The fields of ``env_cls`` typed ``dict[str, <an AgentEnvConfig>]``: name -> an env section."""
+    hints = get_type_hints(env_cls)
+    out = []
+    for f in dataclasses.fields(env_cls):
+        args = get_args(hints[f.name]) if get_origin(hints[f.name]) is dict else ()
+        if len(args) == 2 and isinstance(args[1], type) and issubclass(args[1], AgentEnvConfig):
+            out.append(f.name)
+    return out
+
+
+def _nested_env_sections(
+    node: DictConfig, key: str, recipe: str, file_cfg: DictConfig, cli: DictConfig, path: str
+) -> None:
+    """Each entry ``<key>.<name>`` of the file and the command line becomes the dataclass of the loop its ``loop``
+    names (command line, else the file); a command-line loop with another config drops the file's entry."""
+    names: dict[str, None] = {}
+    for source in (file_cfg, cli):
+        section = OmegaConf.select(source, key, default=None)
+        if isinstance(section, DictConfig):
+            names |= dict.fromkeys(str(k) for k in section.keys())
+    for name in names:
+        file_loop = OmegaConf.select(file_cfg, f"{key}.{name}.loop", default=None)
+        cli_loop = OmegaConf.select(cli, f"{key}.{name}.loop", default=None)
+        if file_loop is None and cli_loop is None:
+            raise ConfigError(
+                f"config key '{key}.{name}.loop' is missing ({path} and the command line): each environment of "
+                f"{key} names its agent loop (a registered name or 'package.module:Class')"
+            )
+        sub_cls = None
+        if file_loop is not None:
+            sub_cls = _env_class(str(file_loop), path, recipe, f"{key}.{name}", AgentEnvConfig)
+        if cli_loop is not None:
+            file_sub = sub_cls
+            sub_cls = _env_class(
+                str(cli_loop), "command-line override", recipe, f"{key}.{name}", AgentEnvConfig
+            )
+            if file_sub is not None and sub_cls is not file_sub:
+                OmegaConf.select(file_cfg, key).pop(name, None)
+        if _env_sections_fields(sub_cls):
+            raise ConfigError(
+                f"config key '{key}.{name}.loop': {sub_cls.__name__} holds environments itself; an environment of "
+                f"{key} must be a single one"
+            )
+        node[name] = schema_config(sub_cls)
+
+
+def _env_class(loop: str, source: str, recipe: str, key: str, need: type) -> type:
+    """The ``config_class`` of the agent loop ``loop`` (``<key>.loop``, set in ``source``), which must derive from
+    ``need``: the type the recipe's schema gives ``env`` (the fields the recipe itself reads)."""
     try:
         loop_cls = agent_loop_class(loop)
     except (ImportError, AttributeError, TypeError, ValueError) as err:
-        raise ConfigError(f"config key 'env.loop' ({source}): {err}") from None
-    env_cls, need = getattr(loop_cls, "config_class", None), get_type_hints(schema_cls)["env"]
+        raise ConfigError(f"config key '{key}.loop' ({source}): {err}") from None
+    env_cls = getattr(loop_cls, "config_class", None)
     if env_cls is None:
         raise ConfigError(
-            f"env.loop={loop!r} ({source}): {loop_cls.__name__} declares no config_class (its env section's "
+            f"{key}.loop={loop!r} ({source}): {loop_cls.__name__} declares no config_class (its env section's "
             "dataclass)"
         )
     if not issubclass(env_cls, need):
         raise ConfigError(
-            f"env.loop={loop!r} ({source}) reads an env config {env_cls.__name__}, but recipes.{recipe} needs one "
-            f"deriving from {need.__name__} (the recipe reads its fields)"
+            f"{key}.loop={loop!r} ({source}) reads an env config {env_cls.__name__}, but recipes.{recipe} needs "
+            f"one deriving from {need.__name__} (the recipe reads its fields)"
         )
     return env_cls
 
@@ -211,7 +264,7 @@ def _failing_section(cfg: DictConfig, prefix: str = "") -> str:
     """The deepest section whose dataclass refuses its values (for errors raised in ``__post_init__``)."""
     for key in cfg.keys():
         node = cfg[key]
-        if isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node)):
+        if isinstance(node, DictConfig):  # a dataclass, or a dict of them (env.envs)
             try:
                 OmegaConf.to_object(node)
             except (ValueError, TypeError):

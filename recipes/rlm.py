@@ -7,6 +7,8 @@ that holds a long context, turn by turn, until ``FINAL(...)`` / ``FINAL_VAR(...)
     python -m recipes.rlm trainer.placement=disaggregated trainer.n_gpus_per_node=2 trainer.rollout_gpus_per_node=1 \
         async_rl.mode=full                             # trajectories stream in while the trainer trains
     python -m recipes.rlm --config recipes/rlm_word_count.yaml   # another environment: env.loop (docs/agent_env.md)
+    python -m recipes.rlm --config recipes/rlm_tool_calls.yaml   # tool calls in the model's format (Hermes/Qwen)
+    python -m recipes.rlm --config recipes/rlm_mixed.yaml        # three environments, a row's env_name picks one
 
 1. build the tiny model and the long-context task data (``task.name``: sniah / oolong / oolong_pairs);
 2. warm start: the tasks' reference solutions replayed as multi-turn RLM trajectories (system prompt + query,

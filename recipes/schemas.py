@@ -9,7 +9,8 @@
 * ``RLMConfig`` (``rlm``): GRPO's sections plus ``env`` and ``async_rl``. ``env`` is any agent
   environment: the dataclass of the loop ``env.loop`` names (``AgentLoop.config_class``; read by
   ``recipes.config.load_config``), by default the RLM REPL's (``workers.rlm.env_loop.RLMEnvConfig``: agent
-  limits, sandbox).
+  limits, sandbox); ``env.loop: mixed`` holds several (``workers.agents.mixed``), and a data file whose
+  ``env_name`` column names none of them is refused here, naming file and row (``check_data_env_names``).
 * ``HybridConfig`` (``hybrid_rl``; the GRPO baseline is ``hybrid_rl_grpo.yaml``): GRPO's sections plus
   ``env`` (``workers.math_env.env_loop.MathToolEnvConfig``: turns, tokens per turn, observation size, the
   Python tool's sandbox; an ``env.loop`` whose config does not derive from it is refused), ``prm``
@@ -96,6 +97,18 @@ class PPOConfig(RecipeConfig):
             )
 
 
+def check_data_env_names(errors: list[str], cfg: RecipeConfig) -> None:
+    """A row of ``data.train_files`` / ``data.val_files`` whose ``env_name`` is none of ``env.env_names()`` (a
+    mixed env's ``env.envs``; ``""`` or ``env.loop`` for one environment): an error naming the file, the row and
+    the known names, before the run starts (the prompt loader checks the rows it reads again)."""
+    from recipes.data.prompts import UnknownEnvNameError, check_env_names
+
+    try:
+        check_env_names([*cfg.data.train_files, *cfg.data.val_files], cfg.env.env_names())
+    except UnknownEnvNameError as err:
+        errors.append(str(err))
+
+
 @dataclass
 class RLMConfig(GRPOConfig):
     """``recipes/rlm.py``: GRPO on agent trajectories (RLM unless ``env.loop`` names another environment) after a
@@ -106,6 +119,7 @@ class RLMConfig(GRPOConfig):
     async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
 
     def check_recipe(self, errors: list[str]) -> None:
+        check_data_env_names(errors, self)
         if self.algorithm.adv_estimator == "gae":
             errors.append("recipes.rlm has no critic: algorithm.adv_estimator must not be gae")
         if self.async_rl.on_weight_update == "abort":

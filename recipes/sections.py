@@ -26,6 +26,7 @@ from recipes.tasks import ALL_TASKS, task_config
 from resource_pools.plans import PLACEMENTS
 from workers.config import CriticConfig, ModelConfig
 from workers.engine.base import OptimConfig
+from workers.models.chat_templates import CHAT_TEMPLATES
 from workers.models.tiny import TINY_MODEL_SIZES
 from workers.rollout.registry import rollout_engine_class
 
@@ -122,12 +123,19 @@ class RecipeModelConfig(ModelConfig):
     path: str | None = None  # None: build (once, cached) the tiny Qwen2 model of workers/models/tiny.py
     tiny_size: str = "tiny"  # nano | tiny | small, when path is None
     tiny_seed: int = 0
+    # the tiny model's chat template family (workers/models/chat_templates.py: chatml, qwen3, deepseek_r1,
+    # llama3); a model.path keeps its own template
+    tiny_chat_template: str = "chatml"
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
         if self.path is not None and not os.path.exists(os.path.expanduser(self.path)):
             errors.append(f"model.path={self.path!r} does not exist")
         if self.path is None and self.tiny_size not in TINY_MODEL_SIZES:
             errors.append(f"model.tiny_size={self.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
+        if self.path is None and self.tiny_chat_template not in CHAT_TEMPLATES:
+            errors.append(
+                f"model.tiny_chat_template={self.tiny_chat_template!r}; choose one of {sorted(CHAT_TEMPLATES)}"
+            )
 
 
 @dataclass

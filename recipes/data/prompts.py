@@ -17,7 +17,7 @@ from recipes.data.reading import read_rows, render_prompt, tokenize_texts
 logger = logging.getLogger("recipes.data")
 
 _UID_NAMESPACE = uuid.UUID("6f1c1f0e-2a59-4d55-9a8e-6b7c3c0a9d11")
-NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "data_row", "uid")
+NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "data_row", "uid", "env_name")
 
 
 def object_array(values: list) -> np.ndarray:
@@ -32,6 +32,10 @@ class UnknownDataSourceError(ValueError):
     """A row's ``data_source`` is not one the reward can score (raised at load time, naming file and row)."""
 
 
+class UnknownEnvNameError(ValueError):
+    """A row's ``env_name`` is not one of the config's environments (raised at load time, naming file and row)."""
+
+
 class PromptDataset:
     """Tokenised RL prompts from verl-format parquet files.
 
@@ -42,6 +46,9 @@ class PromptDataset:
     ``num_filtered_overlong``) or raise (``overlong="error"``). With ``data_sources`` (those the reward can
     score), a row whose ``data_source`` is not among them raises UnknownDataSourceError naming its file and
     row (``unknown_data_source="error"``) or is dropped and counted in ``num_unknown_data_source`` ("skip").
+    With ``env_names`` (the agent env's ``env.env_names()``), a row whose ``env_name`` column (a missing value:
+    ``""``) is not among them raises UnknownEnvNameError naming its file and row; a dataset with that column
+    hands it on as the non-tensor ``env_name`` (the environment that runs the row, ``workers.agents.mixed``).
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class PromptDataset:
         max_samples: int | None = None,
         data_sources: Collection[str] | None = None,
         unknown_data_source: str = "error",
+        env_names: Collection[str] | None = None,
     ):
         if overlong not in ("filter", "error"):
             raise ValueError(f"overlong must be 'filter' or 'error', got {overlong!r}")
@@ -65,6 +73,9 @@ class PromptDataset:
         if max_samples is not None:
             rows = rows[:max_samples]
         rows, self.num_unknown_data_source = _known_sources_only(rows, data_sources, unknown_data_source)
+        self.has_env_name = any("env_name" in r for r in rows)
+        if env_names is not None:
+            _check_env_names(rows, env_names)
         ids = tokenize_texts(tokenizer, [render_prompt(tokenizer, r[prompt_key]) for r in rows])
         self.rows: list[dict] = []
         self.num_filtered_overlong = 0
@@ -94,7 +105,7 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> dict:
         r = self.rows[i]
-        return {
+        item = {
             "input_ids": r["input_ids"],
             "raw_prompt": r[self.prompt_key],
             "data_source": r["data_source"],
@@ -102,6 +113,56 @@ class PromptDataset:
             "extra_info": r.get("extra_info"),
             "data_row": f"row {r['_row']} of {r['_file']}",  # where later errors point (file rows, not batch rows)
         }
+        if self.has_env_name:
+            item["env_name"] = env_name_of(r)
+        return item
+
+
+def env_name_of(row: dict) -> str:
+    """A row's ``env_name``: ``""`` when the column or the value is missing."""
+    name = row.get("env_name")
+    return name if isinstance(name, str) else ""
+
+
+def _check_env_names(rows: list[dict], known: Collection[str]) -> None:
+    bad = [r for r in rows if env_name_of(r) not in known]
+    if bad:
+        first = bad[0]
+        raise UnknownEnvNameError(
+            _env_name_error(first["_file"], first["_row"], env_name_of(first), len(bad), known)
+        )
+
+
+def _env_name_error(path: str, row: int, name: str, count: int, known: Collection[str]) -> str:
+    unnamed = "" if "" in known else '; a row without one is refused too (env.default is "")'
+    return (
+        f"row {row} of {path}: env_name {name!r} is not one of the config's environments "
+        f"{sorted(n for n in known if n)} ({count} such row(s) in all{unnamed}); name them in env.envs "
+        "(env.loop: mixed, docs/agent_env.md)"
+    )
+
+
+def check_env_names(files: str | os.PathLike | Sequence[str | os.PathLike], known: Collection[str]) -> None:
+    """The ``env_name`` column of the parquet ``files`` (only that column is read; files that do not exist are
+    left to the loader) against ``known``: UnknownEnvNameError naming the file and row of the first bad one, as
+    `PromptDataset` does at load time -- for a check before the run starts (``recipes.schemas``)."""
+    import pyarrow.parquet as pq
+
+    for path in (
+        [os.fspath(files)] if isinstance(files, (str, os.PathLike)) else [os.fspath(f) for f in files]
+    ):
+        if not os.path.isfile(path):
+            continue
+        if "env_name" in pq.read_schema(path).names:
+            names = [
+                n if isinstance(n, str) else ""
+                for n in pq.read_table(path, columns=["env_name"])[0].to_pylist()
+            ]
+        else:
+            names = [""] * pq.read_metadata(path).num_rows
+        bad = [i for i, n in enumerate(names) if n not in known]
+        if bad:
+            raise UnknownEnvNameError(_env_name_error(path, bad[0], names[bad[0]], len(bad), known))
 
 
 def _known_sources_only(
@@ -139,7 +200,8 @@ def collate_prompts(
     Tensors: ``input_ids``, ``attention_mask`` (int64, [B, P]) and ``position_ids =
     clamp(cumsum(attention_mask) - 1, min=0)``; P is the longest prompt, or ``pad_to``. Non-tensors
     (numpy object arrays): ``data_source``, ``reward_model``, ``extra_info``, ``raw_prompt``, ``uid`` and, for
-    items that carry it, ``data_row`` ("row 11 of train.parquet": the item's file and row there).
+    items that carry it, ``data_row`` ("row 11 of train.parquet": the item's file and row there) and ``env_name``
+    (``""`` for an item without one).
     """
     width = max(len(it["input_ids"]) for it in items)
     if pad_to is not None:
@@ -165,6 +227,8 @@ def collate_prompts(
     }
     if all("data_row" in it for it in items):
         non_tensors["data_row"] = object_array([it["data_row"] for it in items])
+    if any("env_name" in it for it in items):
+        non_tensors["env_name"] = object_array([it.get("env_name", "") for it in items])
     return {
         "tensors": {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
         "non_tensors": non_tensors,

@@ -28,6 +28,7 @@ import json
 import random
 from dataclasses import dataclass
 
+from workers.agents.tool_calls import tool_parser
 from workers.math_env.protocol import format_tool_observation
 from workers.reward.arithmetic import ARITHMETIC
 
@@ -41,6 +42,12 @@ class ToolMathConfig:
     mul_prob: float = 0.5  # chance that one term is <digits-digit> * <2-digit>
     error_frac: float = 0.2  # demonstrations that recover from a SyntaxError
     direct_frac: float = 0.2  # demonstrations that guess without the tool (wrong by one digit)
+    # how the demonstrations call the tool: "tags" (<python>code</python>) or a tool-call parser name ("hermes",
+    # "llama3_json"): set it to the env's env.agent.tool_format
+    tool_format: str = "tags"
+    # each demonstrated turn starts with a short reasoning: "none"; "block" (<think>...</think>, e.g. Qwen3);
+    # "continue" (...</think>: the template's generation prompt opened the block, e.g. DeepSeek-R1's)
+    think: str = "none"
 
     def validate(self) -> None:
         if not 2 <= self.min_terms <= self.max_terms:
@@ -53,6 +60,10 @@ class ToolMathConfig:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if self.think not in ("none", "block", "continue"):
+            raise ValueError(f"think must be 'none', 'block' or 'continue', got {self.think!r}")
+        if self.tool_format != "tags":
+            tool_parser(self.tool_format)  # an unknown format names the known ones
         if self.error_frac + self.direct_frac > 1.0:
             raise ValueError(
                 f"error_frac + direct_frac must be <= 1, got {self.error_frac} + {self.direct_frac}"
@@ -84,14 +95,28 @@ def _wrong_digit(value: int, rng: random.Random) -> int:
     return -out if value < 0 else out
 
 
-def reference_turns(problem: dict, kind: str, rng: random.Random) -> list[str]:
+def reference_turns(
+    problem: dict, kind: str, rng: random.Random, tool_format: str = "tags", think: str = "none"
+) -> list[str]:
     expr, value = problem["expr"], problem["value"]
+
+    def call(code: str) -> str:
+        if tool_format == "tags":
+            return f"<python>{code}</python>"
+        return tool_parser(tool_format).format_call("python", {"code": code})
+
     if kind == "direct":
-        return [f"\\boxed{{{_wrong_digit(value, rng)}}}"]
-    call = f"<python>print({expr})</python>"
-    if kind == "error":
-        return [f"<python>print({expr} +)</python>", call, f"\\boxed{{{value}}}"]
-    return [call, f"\\boxed{{{value}}}"]
+        turns = [f"\\boxed{{{_wrong_digit(value, rng)}}}"]
+    elif kind == "error":
+        turns = [call(f"print({expr} +)"), call(f"print({expr})"), f"\\boxed{{{value}}}"]
+    else:
+        turns = [call(f"print({expr})"), f"\\boxed{{{value}}}"]
+    if think != "none":  # why this turn: a call, the printed value as the answer, or a guess without the tool
+        why = ["Python computes it exactly."] * (len(turns) - 1)
+        why.append("I can do it in my head." if kind == "direct" else "The answer is the printed value.")
+        opening = "<think>" if think == "block" else ""
+        turns = [f"{opening}{w}</think>\n{t}" for w, t in zip(why, turns)]
+    return turns
 
 
 FAILED_KINDS = ("guess", "typo", "miscopy", "copy_slip")
@@ -137,7 +162,7 @@ def make_row(problem: dict, split: str, index: int, demo_rng: random.Random, cfg
             "split": split,
             "index": index,
             "question": question,
-            "reference_turns": reference_turns(problem, kind, demo_rng),
+            "reference_turns": reference_turns(problem, kind, demo_rng, cfg.tool_format, cfg.think),
             "solution": f"{problem['expr']} = {problem['value']}. The answer is \\boxed{{{problem['value']}}}.",
             "demo_kind": kind,
             "tool_turns": reference_turns(problem, "tool", demo_rng),

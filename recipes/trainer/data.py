@@ -14,7 +14,7 @@ from dataproto import DataProto
 from recipes.config import ConfigError
 from recipes.data import PromptDataLoader, PromptDataset, SFTDataset, to_dataproto
 from recipes.data.loader import ResumableLoader
-from recipes.data.prompts import UnknownDataSourceError
+from recipes.data.prompts import UnknownDataSourceError, UnknownEnvNameError
 from recipes.schemas import RecipeConfig
 from workers.reward import SCORERS
 
@@ -26,9 +26,17 @@ def scored_data_sources(cfg: RecipeConfig) -> set[str] | None:
     return set(SCORERS)
 
 
+def env_names(cfg: RecipeConfig) -> tuple[str, ...] | None:
+    """The values a row's ``env_name`` may hold (``env.env_names()``); None: a recipe without an agent env."""
+    env = getattr(cfg, "env", None)
+    return None if env is None else tuple(env.env_names())
+
+
 def prompt_dataset(cfg: RecipeConfig, run, files: list[str], max_samples: int | None) -> PromptDataset:
     """Prompts of ``files``; a row no reward scorer covers is an error naming file and row, or skipped
-    (``data.unknown_data_source``), here at load time rather than at the step that samples it."""
+    (``data.unknown_data_source``), and a row whose ``env_name`` is none of the agent env's (``env.env_names()``:
+    a mixed env's ``env.envs``, or ``""`` / ``env.loop``) an error naming file, row and the known names -- here
+    at load time, before Ray starts, rather than at the step that samples it."""
     d = cfg.data
     try:
         return PromptDataset(
@@ -39,8 +47,9 @@ def prompt_dataset(cfg: RecipeConfig, run, files: list[str], max_samples: int | 
             max_samples=max_samples,
             data_sources=scored_data_sources(cfg),
             unknown_data_source=d.unknown_data_source,
+            env_names=env_names(cfg),
         )
-    except UnknownDataSourceError as err:
+    except (UnknownDataSourceError, UnknownEnvNameError) as err:
         raise ConfigError(str(err)) from None
 
 

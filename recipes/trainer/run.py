@@ -115,7 +115,9 @@ def resolve_model(cfg: RecipeConfig) -> str:
         if not Path(cfg.model.path).expanduser().exists():
             raise ConfigError(f"model.path={cfg.model.path!r} does not exist")
         return str(Path(cfg.model.path).expanduser())
-    return ensure_tiny_model(cfg.model.tiny_size, seed=cfg.model.tiny_seed)
+    return ensure_tiny_model(
+        cfg.model.tiny_size, seed=cfg.model.tiny_seed, chat_template=cfg.model.tiny_chat_template
+    )
 
 
 def resolve_data(cfg: RecipeConfig, run_dir: Path) -> tuple[list[str], list[str]]:

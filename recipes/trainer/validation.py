@@ -7,7 +7,10 @@
   estimator), ``val/accuracy`` (mean sample score), ``val/num_problems``.
 
 Both add the environment's own metrics of the validation rollouts as ``val-<name>`` (``val-env/*`` for the RLM
-env, ``val-tool/*`` for the tool env): what the generation reported besides the engine's counters.
+env, ``val-tool/*`` for the tool env): what the generation reported besides the engine's counters. With several
+environments in one run (``env.loop: mixed``, whose metrics are ``env/<env_name>/...``) that is
+``val-env/<env_name>/...``, and both add ``val-env/<env_name>/accuracy``: the mean score of that environment's
+samples (the generation's ``env_name`` column).
 A validator is ``(roles, batches, cfg) -> metrics``; ``Session`` decides when it runs (``should_validate``).
 """
 
@@ -52,6 +55,15 @@ class ValRollouts:
     lengths: list[float] = field(default_factory=list)
     uids: list[str] = field(default_factory=list)
     env: dict[str, float] = field(default_factory=dict)
+    env_names: list[str] = field(default_factory=list)  # the environment that ran each sample ("": unnamed)
+
+    def env_accuracy(self) -> dict[str, float]:
+        """``val-env/<env_name>/accuracy``: the mean score of each named environment's samples."""
+        by_env: dict[str, list[float]] = {}
+        for name, score in zip(self.env_names, self.scores):
+            if name:
+                by_env.setdefault(name, []).append(score)
+        return {f"val-env/{name}/accuracy": float(np.mean(s)) for name, s in sorted(by_env.items())}
 
 
 def val_rollouts(roles: Roles, batches: Sequence[DataProto], meta: dict) -> ValRollouts:
@@ -66,6 +78,8 @@ def val_rollouts(roles: Roles, batches: Sequence[DataProto], meta: dict) -> ValR
         out_all.sources += list(out.non_tensor_batch["data_source"])
         out_all.lengths += out.batch["response_mask"].sum(-1).tolist()
         out_all.uids += [str(u) for u in out.non_tensor_batch["uid"]]
+        names = out.non_tensor_batch.get("env_name", [""] * len(out))
+        out_all.env_names += [n if isinstance(n, str) else "" for n in names]
     for k in dict.fromkeys(k for e in env for k in e):
         out_all.env["val-" + k] = float(np.mean([e[k] for e in env if k in e]))
     return out_all
@@ -87,7 +101,7 @@ def val_meta(cfg: RecipeConfig) -> dict:
 
 def greedy_accuracy(roles: Roles, batches: list[DataProto], cfg: RecipeConfig) -> dict[str, float]:
     v = val_rollouts(roles, batches, val_meta(cfg))
-    return validation_metrics(v.scores, v.sources, v.lengths) | v.env
+    return validation_metrics(v.scores, v.sources, v.lengths) | v.env | v.env_accuracy()
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -122,7 +136,7 @@ class PassAtK:
         for k in ks:
             hits = [pass_at_k(len(s), sum(x >= 1.0 for x in s), k) for s in correct.values() if len(s) >= k]
             m[f"val/pass@{k}"] = float(np.mean(hits)) if hits else float("nan")
-        return m | v.env
+        return m | v.env | v.env_accuracy()
 
 
 def print_accuracy_change(val_history: list[tuple[int, dict]], what: str) -> tuple[float, float]:

@@ -12,6 +12,9 @@
 * ``env_worker``: the env role ``EnvWorker`` (sharing a rollout role's engine), whose ``generate_sequences``
   runs the env's loop;
 * ``replay``: reference turns replayed through a loop into an SFT batch (``reference_batch``);
+* ``tool_calls`` / ``tool_use``: tools declared as OpenAI function schemas, called in the model family's own
+  format (``hermes``, ``llama3_json``, yours), answered as ``tool`` messages;
+* ``mixed``: several environments in one run, a row's ``env_name`` picking its own (``env.loop: mixed``);
 * ``examples/word_count``: a complete tool environment in one file (``docs/agent_env.md``).
 
 Import from the modules: the worker modules pull in engines, the sandbox and Ray.

@@ -11,6 +11,12 @@ Two layouts (``step_wise``), both with rows for the roots, and for children too 
   then apply per turn, so a trajectory of many turns fits under the same ``max_prompt_length`` +
   ``max_response_length`` that one row per trajectory would have to cut.
 
+A trajectory whose chat template rewrote its history (``Trajectory.rewritten``: a turn was fed a whole new
+prompt, ``TrajectoryTurn.full_prompt``) is no single growing sequence: it trains step-wise whatever the layout
+(``split_rewritten``; each row's prompt is exactly the prompt the engine was fed for that turn), and where one row
+per trajectory is wanted (validation) its row is its last segment. ``meta_info["rewritten_trajectories"]``
+counts them.
+
 Tensors (built by `workers.rollout.batch.build_rollout_batch`, the one rollout-batch builder): ``prompts`` [B, P]
 left-padded with ``pad_token_id``; ``responses`` [B, R] right-padded;
 ``response_mask`` [B, R] float32, the loss mask, 1 exactly on the engine's own tokens; ``rollout_log_probs``
@@ -141,10 +147,12 @@ def _turn_versions(turn) -> list[int]:
 
 
 def _whole_row(i: int, traj: Trajectory) -> _Row:
+    """The trajectory as one row (its last segment, when the template rewrote its history)."""
     ids, mask, lps = traj.token_sequence()
-    n = len(traj.turns[0].prompt_token_ids) if traj.turns else 0
+    turns = traj.turns[traj.segment_start() :]
+    n = len(turns[0].prompt_token_ids) if turns else 0
     versions: list[int] = []  # aligned with ids[n:]: each turn's observation (0s), then its response
-    for k, t in enumerate(traj.turns):
+    for k, t in enumerate(turns):
         versions += [0] * (len(t.prompt_token_ids) if k else 0) + _turn_versions(t)
     return _Row(i, -1, ids[:n], ids[n:], mask[n:], lps[n:], versions)
 
@@ -157,7 +165,7 @@ def _turn_rows(i: int, traj: Trajectory, max_prompt_length: int) -> tuple[list[_
     cut: list[_Row] = []
     prefix: list[int] = []
     for t in traj.turns:
-        prefix += t.prompt_token_ids
+        prefix = list(t.prompt_token_ids) if t.full_prompt else prefix + t.prompt_token_ids
         lps = list(t.response_logprobs)
         row = _Row(
             i,
@@ -186,9 +194,11 @@ def trajectories_to_dataproto(
     extra: Mapping[str, Sequence] | None = None,
     meta_info: Mapping | None = None,
     include_json: bool = True,
+    split_rewritten: bool = True,
 ) -> DataProto:
     """Rows for ``trajectories`` (in order, a trajectory's turns in order; children dropped unless
-    ``train_children``; one row per turn with ``step_wise``), tensors padded to exactly
+    ``train_children``; one row per turn with ``step_wise``, and for a ``rewritten`` trajectory with
+    ``split_rewritten`` -- else its last segment is its row), tensors padded to exactly
     ``[B, max_prompt_length]`` / ``[B, max_response_length]`` so batches from several workers concatenate.
     ``extra``: more non-tensor columns, one value per entry of ``trajectories``."""
     if max_prompt_length < 1 or max_response_length < 1:
@@ -201,7 +211,7 @@ def trajectories_to_dataproto(
     specs: list[_Row] = []
     dropped = 0
     for i in select_rows(trajectories, train_children):
-        if step_wise:
+        if step_wise or (split_rewritten and trajectories[i].rewritten):
             rows, n_dropped = _turn_rows(i, trajectories[i], P)
             specs += rows
             dropped += n_dropped
@@ -262,8 +272,9 @@ def trajectories_to_dataproto(
         a[:] = v if len(v) else []
         arrays[k] = a
     meta = dict(meta_info or {})
-    if step_wise:
+    if step_wise or dropped:
         meta["dropped_turns"] = dropped
+    meta["rewritten_trajectories"] = sum(trajectories[i].rewritten for i in select_rows(trajectories, True))
     if train_children:
         meta["dropped_children"] = dropped_children
     return DataProto(batch=batch, non_tensor_batch=arrays, meta_info=meta)

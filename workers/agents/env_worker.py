@@ -12,7 +12,9 @@ return different row counts, e.g. with children as rows):
 
 * input, per row: ``non_tensor_batch["raw_prompt"]`` (chat messages; the query is the last user message -- or
   ``extra_info["question"]``), ``["extra_info"]`` (the loop may read more from it, e.g. the RLM ``context``),
-  ``["uid"]`` (generated when absent) and any other columns (copied to every output row of that prompt). Tensors
+  ``["uid"]`` (generated when absent), ``["env_name"]`` (optional: the environment that runs the row, one of
+  ``env.env_names()``, else an error naming the row; ``env.loop: mixed`` routes by it, `workers.agents.mixed`)
+  and any other columns (copied to every output row of that prompt). Tensors
   of the input are not used (the loop builds its own prompts from the chat template).
 * ``meta_info``: ``n`` samples per prompt (group sampling; rows come back a,a,b,b), ``temperature``, ``top_p``,
   ``top_k``, ``do_sample``, ``validate``, ``response_length`` (defaults from the RolloutConfig as in
@@ -23,7 +25,9 @@ return different row counts, e.g. with children as rows):
 * output: `workers.agents.batch.trajectories_to_dataproto` rows with the BATCH_LAYOUT tensors, the trajectory
   columns, ``env_rank`` and the loop's own ones (one row per model turn with ``env.step_wise``, except in a
   ``validate`` call, which scores trajectories); ``meta_info`` gains the sampling settings, ``eos_token_id``,
-  ``pad_token_id``, ``timing_s/gen`` and ``metrics`` (the loop's, e.g. ``env/*`` or ``tool/*``; step-wise also
+  ``pad_token_id``, ``timing_s/gen`` and ``metrics`` (the loop's, e.g. ``env/*`` or ``tool/*``;
+  ``env/rewritten_frac``, the trajectories whose chat template rewrote their history, trained one row per turn
+  whatever ``env.step_wise`` says -- `workers.agents.batch`; step-wise also
   ``env/rows`` and ``env/dropped_turns``, turns whose prefix exceeded ``max_prompt_length``; with children as
   rows ``env/dropped_children``, child trajectories left without a row as they train nothing -- an environment
   failure, or beyond the length limits, `workers.agents.batch`; merged over the ranks for a group call, ``dataproto/metrics_merge.py``, as for
@@ -184,6 +188,7 @@ class EnvWorker(Worker):
                     f"the batch has {sorted(nt)}"
                 )
         uids = list(nt["uid"]) if "uid" in nt else [uuid.uuid4().hex for _ in range(len(data))]
+        env_names = self._env_names(nt, num_rows)
         jobs: list[AgentJob] = []
         for i in range(num_rows):
             extra = nt["extra_info"][i] if "extra_info" in nt else {}
@@ -193,10 +198,24 @@ class EnvWorker(Worker):
             for k in range(n):
                 j = len(jobs)
                 traj_id = f"{uid.replace('/', '_')}.{k}"
-                jobs.append(
-                    AgentJob(i, k, query, extra, uid, traj_id, None if seed is None else int(seed) + j)
-                )
+                job_seed = None if seed is None else int(seed) + j
+                jobs.append(AgentJob(i, k, query, extra, uid, traj_id, job_seed, env_name=env_names[i]))
         return jobs
+
+    def _env_names(self, nt: dict, num_rows: int) -> list[str]:
+        """Each row's ``env_name`` (``""`` without the column), one of ``env.env_names()``: else an error naming
+        the row (and its file row, ``data_row``) and the known names."""
+        known = self.env_config.env_names()
+        names = [_env_name(v) for v in nt["env_name"][:num_rows]] if "env_name" in nt else [""] * num_rows
+        for i, name in enumerate(names):
+            if name not in known:
+                where = f" ({nt['data_row'][i]})" if "data_row" in nt else ""
+                raise ValueError(
+                    f"{self.tag}: batch row {i}{where}: env_name {name!r} is not one of "
+                    f"{sorted(n for n in known if n)} (env.loop={self.env_config.loop!r}"
+                    + (", rows without an env_name are refused)" if "" not in known else ")")
+                )
+        return names
 
     def _run_jobs(self, loop: AgentLoop, jobs: list[AgentJob], config) -> list[list[Trajectory]]:
         """Every job on this worker's event loop, at most ``env.max_concurrent`` at once, with the rollout
@@ -256,6 +275,7 @@ class EnvWorker(Worker):
             mask_truncated=env.mask_truncated,
             extra=extra_cols,
             include_json=env.include_json,
+            split_rewritten=training,  # validation scores one row per trajectory
             meta_info={
                 **meta,
                 **settings,
@@ -269,6 +289,9 @@ class EnvWorker(Worker):
             for k in list(out.non_tensor_batch):
                 out.non_tensor_batch[k] = np.empty(0, dtype=object)
         out.meta_info["metrics"] = {**loop.metrics(runs, elapsed, out), "timing_s/gen": elapsed}
+        # the chat template rewrote the history of these: they train one row per turn (workers/agents/batch.py)
+        rewritten = out.meta_info.pop("rewritten_trajectories", 0)
+        out.meta_info["metrics"]["env/rewritten_frac"] = rewritten / max(len(trajectories), 1)
         if "dropped_turns" in out.meta_info:  # step-wise: turns whose prefix exceeded max_prompt_length
             out.meta_info["metrics"]["env/dropped_turns"] = float(out.meta_info.pop("dropped_turns"))
             out.meta_info["metrics"]["env/rows"] = float(len(out))
@@ -308,6 +331,10 @@ class EnvWorker(Worker):
         if self._env_loop is not None:
             self._env_loop.stop()
             self._env_loop = None
+
+
+def _env_name(value) -> str:
+    return value if isinstance(value, str) else ""  # a missing value (None) names no environment
 
 
 def env_roles(model: ModelConfig, rollout: RolloutConfig, env: AgentEnvConfig, **rollout_kwargs) -> dict:

@@ -6,8 +6,9 @@
   tokenised by themselves (``ChatFormat``) and appended, so the records can be trained on.
 * ``ChatLLM``: message level (e.g. an OpenAI-compatible HTTP endpoint): text only, for inference.
 
-``conversation(messages, limit)`` starts a conversation: ``await respond(params)`` -> `ModelResponse`,
-``add_user(text)`` appends an observation (False when it would not fit under the token limit);
+``conversation(messages, limit, tools=None)`` starts a conversation (``tools``: OpenAI function schemas, which the
+chat template renders): ``await respond(params)`` -> `ModelResponse`, ``add_user(text)`` appends an observation and
+``add_messages(messages)`` any messages, e.g. ``tool`` results (False when they would not fit under the token limit);
 ``complete(prompt, params)`` is one plain ``[user: prompt]`` completion (a `Completion`: text and token usage).
 A request that cannot fit raises `ContextFull`.
 """
@@ -68,6 +69,9 @@ class ModelResponse:
     prompt_tokens: int = 0  # the whole request's prompt (usage accounting), not only ``prompt_ids``
     model: str = ""  # the LLM's name
     versions: list[int] = field(default_factory=list)  # per token: the engine's weight version (if it tracks)
+    full_prompt: bool = (
+        False  # ``prompt_ids`` is the whole prompt (the template rewrote the history), not a suffix
+    )
 
     def turn(self, index: int) -> TrajectoryTurn:
         """The record of this response as turn ``index`` of a trajectory (its environment part still empty)."""
@@ -85,6 +89,7 @@ class ModelResponse:
                 "model": self.model,
             },
             finish_reason=self.finish_reason,
+            full_prompt=self.full_prompt,
         )
 
 
@@ -112,8 +117,8 @@ class EngineLLM:
             out = out[0]
         return out
 
-    def conversation(self, messages, limit: int | None) -> TokenConversation:
-        return TokenConversation(self, messages, limit)
+    def conversation(self, messages, limit: int | None, tools=None) -> TokenConversation:
+        return TokenConversation(self, messages, limit, tools)
 
     async def complete(self, prompt: str, params: SamplingParams) -> Completion:
         """One plain completion of ``[user: prompt]``."""
@@ -132,16 +137,30 @@ class EngineLLM:
 
 
 class TokenConversation:
-    def __init__(self, llm: EngineLLM, messages, limit: int | None):
+    """A token-exact conversation (module docstring): ``ids`` is exactly what the engine is fed next.
+
+    ``messages`` is the history as the chat template sees it (the model's turns as the text of its own tokens,
+    without the token that closed them); ``tools`` (OpenAI function schemas) are rendered by the template.
+    While the template renders the grown history as the grown token sequence (``fed`` text equal to the
+    template's rendering of ``messages``), new messages append only the template's text after the model's turn;
+    once it does not (``rewrites``: the template rewrote an earlier turn), every turn is fed the template's full
+    rendering and its record says so (``ModelResponse.full_prompt``)."""
+
+    def __init__(self, llm: EngineLLM, messages, limit: int | None, tools=None):
         self.llm = llm
         fmt = llm.format
-        text = fmt.render(messages)
+        self.messages = [dict(m) for m in messages]
+        self.tools = list(tools) if tools else None
+        text = fmt.render(self.messages, self.tools)
         self.ids: list[int] = fmt.encode(text)
+        self.fed = text  # the text of ``ids``
         self.pending_ids: list[int] = list(self.ids)
         self.pending_text = text
+        self.pending_full = False
         limits = [x for x in (limit, llm.max_model_len) if x is not None]
         self.limit = min(limits) if limits else None
         self.last_token: int | None = None
+        self.rewrites = False  # the template rewrote history: each turn gets the full rendering
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -154,10 +173,11 @@ class TokenConversation:
             if params.max_new_tokens > room:
                 params = SamplingParams(**{**params.__dict__, "max_new_tokens": room})
         out = await self.llm._generate(self.ids, params)
+        fmt = self.llm.format
         ids = [int(t) for t in out.token_ids]
         lps = [float(x) for x in out.log_probs] if out.log_probs is not None else [0.0] * len(ids)
         resp = ModelResponse(
-            text=self.llm.format.decode(ids),
+            text=fmt.decode(ids),
             token_ids=ids,
             log_probs=lps,
             finish_reason=out.finish_reason,
@@ -167,23 +187,46 @@ class TokenConversation:
             prompt_tokens=len(self.ids),
             model=self.llm.name,
             versions=list(out.versions or []),
+            full_prompt=self.pending_full,
         )
         self.ids = self.ids + ids
-        self.pending_ids, self.pending_text = [], ""
+        self.fed += fmt.raw_text(ids)
+        self.pending_ids, self.pending_text, self.pending_full = [], "", False
         self.last_token = ids[-1] if ids else None
+        closed = bool(ids) and ids[-1] in fmt.eos_ids
+        self.messages.append({"role": "assistant", "content": fmt.raw_text(ids[:-1] if closed else ids)})
         return resp
 
     def add_user(self, text: str) -> bool:
-        """Append the segment holding ``text``; False (nothing appended) when the sequence would leave no
-        room for one more generated token."""
+        """Append a user message holding ``text`` (``add_messages``)."""
+        return self.add_messages([{"role": "user", "content": text}])
+
+    def add_messages(self, messages) -> bool:
+        """Append ``messages`` (user observations, ``tool`` results) after the model's turn and the next generation
+        prompt; False (nothing appended) when the sequence would leave no room for one more generated token."""
         fmt = self.llm.format
+        new = [dict(m) for m in messages]
+        history = self.messages + new
         last = self.last_token if self.last_token in fmt.eos_ids else None
-        seg_text = fmt.continuation_text(text, last)
-        seg = fmt.encode(seg_text)
-        if self.limit is not None and len(self.ids) + len(seg) >= self.limit:
-            return False
-        self.ids = self.ids + seg
-        self.pending_ids, self.pending_text = seg, seg_text
+        if not self.rewrites:
+            seg_text = fmt.continuation(self.messages, new, self.tools, last)
+            # the template renders the grown history as we would grow it, or it rewrote an earlier turn
+            self.rewrites = fmt.has_template and self.fed + seg_text != fmt.render(history, self.tools)
+        if self.rewrites:
+            full_text = fmt.render(history, self.tools)
+            full = fmt.encode(full_text)
+            if self.limit is not None and len(full) >= self.limit:
+                return False
+            self.ids, self.fed = full, full_text
+            self.pending_ids, self.pending_text, self.pending_full = list(full), full_text, True
+        else:
+            seg = fmt.encode(seg_text)
+            if self.limit is not None and len(self.ids) + len(seg) >= self.limit:
+                return False
+            self.ids = self.ids + seg
+            self.fed += seg_text
+            self.pending_ids, self.pending_text = seg, seg_text
+        self.messages = history
         return True
 
 
@@ -201,7 +244,12 @@ class ChatLLM:
         self.chat = chat
         self.name = name
 
-    def conversation(self, messages, limit: int | None) -> ChatConversation:
+    def conversation(self, messages, limit: int | None, tools=None) -> ChatConversation:
+        if tools:
+            raise ValueError(
+                f"{self.name!r} is a message-level client: declared tools need a token-level model whose chat "
+                "template renders them (an EngineLLM over a rollout engine)"
+            )
         return ChatConversation(self, messages)
 
     async def complete(self, prompt: str, params: SamplingParams) -> Completion:
@@ -245,6 +293,10 @@ class ChatConversation:
         return resp
 
     def add_user(self, text: str) -> bool:
-        self.messages.append({"role": "user", "content": text})
-        self.pending_text = text
+        return self.add_messages([{"role": "user", "content": text}])
+
+    def add_messages(self, messages) -> bool:
+        new = [dict(m) for m in messages]
+        self.messages += new
+        self.pending_text = "\n\n".join(str(m.get("content") or "") for m in new)
         return True

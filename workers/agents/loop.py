@@ -8,6 +8,10 @@ jobs (``n`` samples per prompt, seeds), a policy over the rollout engine, a sand
 concurrency, trajectories -> the training batch, metrics. ``env.loop`` names the plugin: a registered name (``"rlm"``, ``"math_tool"``, or one given to
 ``register_agent_loop``) or ``"package.module:Class"`` -- the latter works in every Ray process without a
 registration step. ``docs/agent_env.md`` walks through a complete one-file environment.
+
+Several environments in one run: ``env.loop: mixed`` (``workers.agents.mixed``) routes each row by its
+``env_name`` column (``AgentJob.env_name``) to one of the environments named in ``env.envs``; a single
+environment accepts rows whose ``env_name`` is ``""`` or its own ``env.loop`` (``AgentEnvConfig.env_names``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,19 @@ class AgentEnvConfig:
         if self.max_concurrent < 1:
             raise ValueError(f"{type(self).__name__}.max_concurrent must be >= 1, got {self.max_concurrent}")
 
+    def env_names(self) -> tuple[str, ...]:
+        """The values a row's ``env_name`` column may hold: ``""`` (no name) or ``loop``, the one environment
+        there is (``workers.agents.mixed.MixedEnvConfig`` names several)."""
+        return ("", self.loop)
+
+    def env_config(self, name: str) -> AgentEnvConfig:
+        """The config of the environment that runs rows named ``name`` (one of ``env_names()``): this one."""
+        if name not in self.env_names():
+            raise ValueError(
+                f"env_name {name!r} is not one of {list(self.env_names())} (env.loop={self.loop!r})"
+            )
+        return self
+
 
 @dataclass
 class AgentJob:
@@ -66,6 +83,7 @@ class AgentJob:
     uid: str  # the prompt's uid, shared by its samples
     traj_id: str
     seed: int | None = None
+    env_name: str = ""  # the row's ``env_name`` column: which environment runs it (``workers.agents.mixed``)
 
 
 @dataclass
@@ -88,7 +106,8 @@ class AgentLoop:
 
     config_class: ClassVar[type[AgentEnvConfig]]  # the env config this loop reads (module docstring)
     required_columns: ClassVar[tuple[str, ...]] = ()  # non_tensor_batch columns the loop reads
-    output_columns: ClassVar[tuple[str, ...]] = ()  # columns ``columns`` writes (input ones are not copied)
+    # columns ``columns`` writes (input ones are not copied); a loop may set it per instance (``MixedLoop``)
+    output_columns: tuple[str, ...] = ()
 
     def __init__(self, env: Any, ctx: LoopContext):
         self.env = env
@@ -137,6 +156,7 @@ class AgentLoop:
 _LOOPS: dict[str, type[AgentLoop] | str] = {
     "rlm": "workers.rlm.env_loop:RLMLoop",
     "math_tool": "workers.math_env.env_loop:MathToolLoop",
+    "mixed": "workers.agents.mixed:MixedLoop",
 }
 
 

@@ -3,7 +3,8 @@
 Every row's ``extra_info["reference_turns"]`` (the assistant turns of an ideal solution, keyed by
 ``extra_info["question"]``) is replayed by a scripted policy through the env's plugin (``env.loop``) with a real
 sandbox, so the observations are what running the reference code actually printed. The loop decides which
-replays are worth training on (``AgentLoop.keep_reference``: finished; for RLM also scored correct), and
+replays are worth training on (``AgentLoop.keep_reference``: finished; for RLM also scored correct); a row's
+``env_name`` picks the environment that replays it (several in one run: ``workers.agents.mixed``), and
 ``reference_batch`` returns them in the rollout layout (loss mask 1 on the assistant turns, 0 on system prompt,
 query and observations), tensors as wide as the longest one, for ``ActorWorker.sft_step``.
 """
@@ -28,10 +29,36 @@ __all__ = ["reference_batch", "reference_trajectories", "sft_batch"]
 
 def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: Any) -> list[Trajectory]:
     """The kept replayed root trajectories, in row order (module docstring). ``env``: an ``AgentEnvConfig``
-    subclass (its ``agent`` field is the loop's config)."""
+    subclass (its ``agent`` field is the loop's config). A row's ``env_name`` picks the environment that replays
+    it (``env.env_config(name)``: the env itself, or one of a mixed env's ``envs``)."""
     if not rows:
         return []
-    extras = [dict(r["extra_info"]) for r in rows]
+    names = [_env_name(r) for r in rows]
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for i, name in enumerate(names):
+        try:
+            sub = env.env_config(name)
+        except ValueError as err:
+            raise ValueError(f"reference replay, row {i}: {err}") from None
+        groups.setdefault(id(sub), (sub, []))[1].append(i)
+    kept: list[Trajectory | None] = [None] * len(rows)
+    for sub, idx in groups.values():
+        for i, traj in zip(idx, _replay(rows, idx, [names[i] for i in idx], tokenizer, sub)):
+            kept[i] = traj
+    return [t for t in kept if t is not None]
+
+
+def _env_name(row: Mapping) -> str:
+    name = row.get("env_name")
+    return name if isinstance(name, str) else ""  # no column, or a missing value (None, NaN)
+
+
+def _replay(
+    rows: Sequence[Mapping], idx: list[int], names: list[str], tokenizer, env: Any
+) -> list[Trajectory | None]:
+    """The replays of ``rows[i]`` for ``i`` in ``idx`` through ``env``'s own loop: the root, or None when the
+    loop does not keep it."""
+    extras = [dict(rows[i]["extra_info"]) for i in idx]
     sandbox, thread = ReplSandbox(env.sandbox), LoopThread(name=f"{env.loop}-reference")
     # one loop per row, replaying that row's turns only: the scripted policy tells conversations apart by their
     # query alone, and rows may share one (OOLONG asks the same question of many contexts)
@@ -42,7 +69,10 @@ def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: Any) -> list
         for e in extras
     ]
     config = loops[0].reference_config(env.agent, max(len(e["reference_turns"]) for e in extras))
-    jobs = [AgentJob(i, 0, str(e["question"]), e, f"ref{i}", f"ref{i}") for i, e in enumerate(extras)]
+    jobs = [
+        AgentJob(k, 0, str(e["question"]), e, f"ref{i}", f"ref{i}", env_name=name)
+        for k, (i, e, name) in enumerate(zip(idx, extras, names))
+    ]
     try:
         runs = thread.run(
             gather_bounded(lambda job: loops[job.row].run(job, config), jobs, env.max_concurrent)
@@ -52,7 +82,7 @@ def reference_trajectories(rows: Sequence[Mapping], tokenizer, env: Any) -> list
             loop.close()
         sandbox.close()
         thread.stop()
-    return [run[0] for run, row in zip(runs, rows) if loops[0].keep_reference(run[0], row)]
+    return [run[0] if loops[0].keep_reference(run[0], rows[i]) else None for run, i in zip(runs, idx)]
 
 
 def _replay_policy(tokenizer, extra: Mapping) -> EngineLLM:

@@ -118,6 +118,9 @@ class TrajectoryTurn:
     # the call's usage: {"prompt_tokens": whole request, "completion_tokens": response, "model": name}
     usage: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = ""  # the engine's: "stop", "length" (the response was cut at max_new_tokens), ...
+    # ``prompt_token_ids`` is the whole prompt the engine was fed, not a continuation of the previous turn: the
+    # chat template rewrote the history (``workers.agents.chat_format``), so this turn starts a new segment
+    full_prompt: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -179,8 +182,19 @@ class Trajectory:
     def from_json(cls, line: str) -> Trajectory:
         return cls.from_dict(json.loads(line))
 
+    @property
+    def rewritten(self) -> bool:
+        """Whether a turn after the first was fed a whole new prompt (the template rewrote the history): the
+        turns are then no single growing sequence, and train one row per turn (``workers.agents.batch``)."""
+        return any(t.full_prompt for t in self.turns[1:])
+
+    def segment_start(self) -> int:
+        """The first turn of the last segment: 0, or the last turn fed a whole prompt."""
+        return max([k for k, t in enumerate(self.turns) if t.full_prompt] + [0])
+
     def token_sequence(self) -> tuple[list[int], list[int], list[float]]:
-        """(token ids, loss mask, log-probs) of the whole multi-turn sequence.
+        """(token ids, loss mask, log-probs) of the multi-turn sequence the engine was last fed: the whole
+        trajectory, or its last segment when it is ``rewritten``.
 
         Each turn contributes its prompt tokens (mask 0, log-prob 0.0) then its response tokens
         (mask 1, the engine's log-probs; 0.0 where none were recorded).
@@ -188,7 +202,7 @@ class Trajectory:
         ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
-        for t in self.turns:
+        for t in self.turns[self.segment_start() :]:
             ids += t.prompt_token_ids
             mask += [0] * len(t.prompt_token_ids)
             logprobs += [0.0] * len(t.prompt_token_ids)

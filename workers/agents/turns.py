@@ -7,7 +7,7 @@
         response = episode.respond(k)             the model's turn (raise BudgetSpent when a limit forbids it)
         record it as traj.turns[k]                (the engine's exact tokens; start_s / gen_s / exec_s timings)
         step = episode.step(k, response, turn)    the environment acts: an answer ends the trajectory
-        episode.conv.add_user(step.observation)   no room left under the token limit -> "budget"
+        episode.conv.add_user(step.observation)   (or add_messages(step.messages)); no room left -> "budget"
     the last turn gave no answer and episode.final_request(observation) is a message:
         one more model turn (recorded like the others, timings["forced_final"] = 1.0) answers it;
         episode.final_answer(...) makes its answer
@@ -48,10 +48,12 @@ class PolicyFailure(EnvFailure):
 
 @dataclass
 class Step:
-    """What the environment made of a turn: an ``answer`` ends the trajectory, else ``observation`` follows."""
+    """What the environment made of a turn: an ``answer`` ends the trajectory, else ``observation`` follows (a
+    user message) -- or ``messages``, when given (e.g. ``tool`` results, ``workers.agents.tool_use``)."""
 
     observation: str = ""
     answer: str | None = None
+    messages: list[dict] | None = None
 
 
 class Episode:
@@ -111,7 +113,12 @@ async def run_turns(traj: Trajectory, episode: Episode, origin: float | None = N
                 traj.status = "max_iterations"
                 await _ask_final_answer(traj, episode, k + 1, step.observation, origin, timings)
                 break
-            if not episode.conv.add_user(step.observation):
+            added = (
+                episode.conv.add_messages(step.messages)
+                if step.messages
+                else episode.conv.add_user(step.observation)
+            )
+            if not added:
                 traj.status, traj.error = "budget", episode.no_room
                 break
     except EnvFailure as exc:

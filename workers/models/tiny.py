@@ -27,6 +27,7 @@ EOS for generation is ``<|im_end|>`` (``generation_config.eos_token_id`` lists `
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +37,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from workers.models.chat_templates import CHATML, chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +59,7 @@ QWEN2_SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- endif -%}"
-)
+CHAT_TEMPLATE = CHATML  # workers/models/chat_templates.py: the other families' templates
 
 # Model presets. Parameter counts include the (tied) 1024x hidden embedding.
 TINY_MODEL_SIZES: dict[str, dict] = {
@@ -351,6 +347,39 @@ def default_tiny_dir(size: str = "tiny", seed: int = 0) -> str:
     return os.path.join(root, f"tiny-{size}-v{FORMAT_VERSION}-seed{seed}")
 
 
-def ensure_tiny_model(size: str = "tiny", seed: int = 0) -> str:
-    """Build (once) and return the path of the cached tiny model for ``(size, seed)``."""
-    return build_tiny_model(default_tiny_dir(size, seed), size=size, seed=seed)
+def ensure_tiny_model(size: str = "tiny", seed: int = 0, chat_template: str = "chatml") -> str:
+    """Build (once) and return the path of the cached tiny model for ``(size, seed)``; ``chat_template`` (a
+    name in ``workers.models.chat_templates``) gives the same weights and tokenizer with that family's template."""
+    base = build_tiny_model(default_tiny_dir(size, seed), size=size, seed=seed)
+    if chat_template == "chatml":
+        return base
+    return _with_template(base, chat_template)
+
+
+def _with_template(base: str, name: str) -> str:
+    """A copy of the model directory ``base`` whose tokenizer has the chat template ``name`` (built once)."""
+    from transformers import AutoTokenizer
+
+    template = chat_template(name)
+    digest = hashlib.sha256(template.encode()).hexdigest()[:16]  # a changed template rebuilds the copy
+    out = Path(f"{base}-{name}")
+    with _dir_lock(out):
+        marker = out / MARKER_FILE
+        if marker.is_file() and json.loads(marker.read_text()).get("chat_template") == [name, digest]:
+            return str(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            for f in Path(base).iterdir():
+                if f.is_file() and f.name != MARKER_FILE:
+                    shutil.copy2(f, tmp / f.name)
+            tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
+            tok.chat_template = template
+            tok.save_pretrained(tmp)
+            info = json.loads((Path(base) / MARKER_FILE).read_text())
+            out.mkdir(parents=True, exist_ok=True)
+            for f in sorted(tmp.iterdir()):
+                os.replace(f, out / f.name)
+            marker.write_text(json.dumps({**info, "chat_template": [name, digest]}, indent=1) + "\n")  # last
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

@@ -64,6 +64,8 @@ from typing import Any
 
 from workers.agents.limits import Budget, BudgetLimits, BudgetSpent
 from workers.agents.llm import ModelResponse
+from workers.agents.tool_calls import ToolCall, tool_parser
+from workers.agents.tool_use import ToolUse
 from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
 from workers.agents.turns import EnvFailure, Episode, PolicyFailure, Step, run_turns
 from workers.rlm.callbacks import Callbacks, FinalEvent, IterationEvent, SubcallEvent
@@ -72,7 +74,7 @@ from workers.rlm.protocol import DEFAULT_LANGUAGES, format_observation, parse_tu
 from workers.rlm.session import Session, follow_up_message
 from workers.rlm.usage import tree_usage
 from workers.rollout.sampling import SamplingParams
-from workers.sandbox.tools import as_tools
+from workers.sandbox.tools import Tool, as_tools
 
 __all__ = ["AgentConfig", "AgentResult", "RLMAgent", "normalize_context"]
 
@@ -128,6 +130,10 @@ class AgentConfig:
     show_variables: bool = True
     languages: tuple[str, ...] = DEFAULT_LANGUAGES  # fences that execute
     prompt: PromptConfig = field(default_factory=PromptConfig)
+    # the custom tools are also declared to the model through its chat template (OpenAI function schemas) and
+    # may be called in its own tool-call format, by parser name ("hermes", "llama3_json", "module:Class";
+    # workers/agents/tool_calls.py); None: only from the REPL's code
+    tool_format: str | None = None
 
     def __post_init__(self):
         if self.max_depth < 0:
@@ -146,6 +152,11 @@ class AgentConfig:
             raise ValueError(f"AgentConfig.max_errors must be >= 1 or None, got {self.max_errors}")
         self.budget_limits()  # checks the budget's own rules (max_cost_usd needs prices)
         self.languages = tuple(self.languages)
+        if self.tool_format is not None:
+            try:
+                tool_parser(self.tool_format)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"AgentConfig.tool_format: {exc}") from None
 
     def budget_limits(self) -> BudgetLimits:
         """The per-root limits a run's ``Budget`` enforces."""
@@ -518,6 +529,12 @@ class _RLMEpisode(Episode):
         self.session = session  # a persistent session owns the REPL and carries the conversation
         self.in_session = False
         self.error_turns = 0  # turns in a row whose code raised (max_errors)
+        tools = agent.repl_options(traj.depth)["tools"]
+        schemas = [t.schema(n) for n, t in tools.items() if isinstance(t, Tool)]
+        fmt = agent.config.tool_format
+        # the custom tools in the model's own call format (AgentConfig.tool_format), beside the REPL's functions
+        self.tool_use = ToolUse(schemas, fmt) if fmt is not None and schemas else None
+        self.schemas = self.tool_use.schemas if self.tool_use is not None else None
 
     async def start(self) -> None:
         agent, cfg, traj = self.agent, self.agent.config, self.traj
@@ -539,7 +556,7 @@ class _RLMEpisode(Episode):
             follow_up = follow_up_message(traj.query, bound)
             messages = [*self.session.messages, {"role": "user", "content": follow_up}]
             self.conv = self.session.conversation(
-                agent.policy, messages, cfg.max_sequence_tokens, self._compacted
+                agent.policy, messages, cfg.max_sequence_tokens, self._compacted, self.schemas
             )
             return
         tools = {**cfg.prompt.tools, **agent.prompt_tools(traj.depth, self.repl)}
@@ -553,10 +570,10 @@ class _RLMEpisode(Episode):
         )
         if self.session is not None:
             self.conv = self.session.conversation(
-                agent.policy, messages, cfg.max_sequence_tokens, self._compacted
+                agent.policy, messages, cfg.max_sequence_tokens, self._compacted, self.schemas
             )
         else:
-            self.conv = agent.policy.conversation(messages, cfg.max_sequence_tokens)
+            self.conv = agent.policy.conversation(messages, cfg.max_sequence_tokens, tools=self.schemas)
 
     async def _create_repl(self, handler):
         # only what is set: a backend without tools or setup code still serves plain trajectories
@@ -605,7 +622,16 @@ class _RLMEpisode(Episode):
     async def step(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> Step:
         cfg = self.agent.config
         self.state.turn = turn
-        parsed = parse_turn(response.text, cfg.languages)
+        text, calls = response.text, None
+        if (
+            self.tool_use is not None
+        ):  # calls in the model's format leave the rest of the turn to the protocol
+            calls = self.tool_use.parse(text)
+            if calls.calls or calls.malformed:
+                text = calls.content
+            else:
+                calls = None
+        parsed = parse_turn(text, cfg.languages)
         turn.final = parsed.final
         turn.code_results, answer = await self.agent._execute(
             self.run, self.repl, parsed, self.traj, turn.index
@@ -614,6 +640,20 @@ class _RLMEpisode(Episode):
         if answer is not None:
             return Step(answer=answer)
         self._count_errors(turn.code_results)
+        if calls is not None:
+            messages = await self._answer_calls(calls, turn)
+            if turn.code_results:  # the turn's code ran too: its observation follows the tool results
+                observation = format_observation(
+                    turn.code_results,
+                    cfg.max_observation_chars,
+                    iteration=k + 1,
+                    max_iterations=self.max_turns,
+                    budget=self.run.budget.left() or None,
+                    turn=parsed,
+                    show_variables=cfg.show_variables,
+                )
+                messages.append({"role": "user", "content": observation})
+            return Step(messages=messages)
         observation = format_observation(
             turn.code_results,
             cfg.max_observation_chars,
@@ -624,6 +664,29 @@ class _RLMEpisode(Episode):
             show_variables=cfg.show_variables,
         )
         return Step(observation=observation)
+
+    async def _answer_calls(self, calls, turn: TrajectoryTurn) -> list[dict]:
+        """Run the turn's calls in the model's tool-call format on the host (the REPL's tools, their timeouts);
+        one ``tool`` message each, recorded in ``metadata["tool_calls"]`` with the turn."""
+        ctx = self.context
+        tool_context = (
+            {f"context_{i}": c for i, c in enumerate(ctx.values)} if isinstance(ctx, Contexts) else ctx
+        )
+        tools = self.agent.repl_options(self.traj.depth)["tools"]
+        records = self.traj.metadata.setdefault("tool_calls", [])
+
+        async def run(call: ToolCall) -> str:
+            outcome = await tools[call.name].acall(call.name, [], dict(call.arguments), tool_context)
+            records.append({"turn": turn.index, "name": call.name, "arguments": call.arguments, **outcome})
+            if "error" in outcome:
+                return f"Error: {outcome['error']}"
+            return truncate(
+                json.dumps(outcome["ok"], ensure_ascii=False), self.agent.config.max_observation_chars
+            )
+
+        messages = await self.tool_use.answer(calls, run)
+        self.traj.metadata["tool_use"] = dict(vars(self.tool_use.stats))
+        return messages
 
     def _count_errors(self, results: list[CodeResult]) -> None:
         """rlms' ``max_errors``: a turn counts when one of its blocks raised; a turn without one resets."""

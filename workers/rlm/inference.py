@@ -38,6 +38,7 @@ from typing import Any
 from workers.agents.batch import trajectory_json
 from workers.agents.clients import BACKENDS, close_llm, engine_loop, make_llm
 from workers.agents.llm import ChatLLM, EngineLLM
+from workers.agents.tool_calls import normalize_tools
 from workers.agents.trajectory import Trajectory
 from workers.event_loop import CallerLoop, LoopThread
 from workers.rlm.agent import AgentConfig, RLMAgent
@@ -47,7 +48,7 @@ from workers.rlm.prompts import Contexts
 from workers.rlm.session import Session
 from workers.rlm.usage import Usage
 from workers.sandbox import ReplSandbox
-from workers.sandbox.tools import as_tools
+from workers.sandbox.tools import Tool, as_tools
 
 __all__ = ["RLM", "RLMError", "RLMResult", "trajectory_tree"]
 
@@ -98,6 +99,23 @@ class RLMError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------------
 # The API
+
+
+def declared(tools: dict, schemas: list[dict] | None) -> dict:
+    """``tools`` with the OpenAI ``schemas`` given for some of them (their description and parameters)."""
+    out = dict(tools)
+    for schema in normalize_tools(schemas or []):
+        fn = schema["function"]
+        tool = out.get(fn["name"])
+        if not isinstance(tool, Tool):
+            raise ValueError(
+                f"RLM(tools=...): the schema of {fn['name']!r} names no function of custom_tools "
+                f"(they are: {', '.join(n for n, t in tools.items() if isinstance(t, Tool)) or 'none'})"
+            )
+        out[fn["name"]] = replace(
+            tool, description=fn.get("description", tool.description), parameters=fn["parameters"]
+        )
+    return out
 
 
 def _engine_llm(engine, tokenizer, name: str):
@@ -157,6 +175,13 @@ class RLM:
     ``custom_tools``; ``{}``: none, as in rlms); ``setup_code`` -- Python run in every REPL before its first turn
     (its variables are listed in the system prompt; if it raises, the result has status ``"error"`` naming it).
     ``sandbox``: any isolation backend (``workers.sandbox.backend.SandboxBackend``); default a ``ReplSandbox``.
+
+    Tool calls in the model's own format: ``tool_format="hermes"`` (Qwen/Hermes ``<tool_call>``), ``"llama3_json"``
+    or ``"package.module:Parser"`` (``workers.agents.tool_calls``) declares the custom tools to the model through
+    its chat template as OpenAI function schemas and runs the calls it writes in that format on the host, answered
+    as ``tool`` messages (the REPL functions stay); ``tools=[schema, ...]`` gives a tool's schema (description,
+    ``parameters``) instead of the one read from its signature -- the same schemas and the same ``tool_format`` as
+    training's ``env.agent.tool_format`` with ``env.tools``.
     """
 
     def __init__(
@@ -198,6 +223,8 @@ class RLM:
         custom_tools: dict[str, Any] | None = None,
         custom_sub_tools: dict[str, Any] | None = None,
         setup_code: str | None = None,
+        tools: list[dict] | None = None,
+        tool_format: str | None = None,
     ):
         cfg = agent_config or AgentConfig()
         overrides = {
@@ -212,6 +239,7 @@ class RLM:
                 "prices": {m: list(p) for m, p in prices.items()} if prices is not None else None,
                 "max_errors": max_errors,
                 "max_concurrent_subcalls": max_concurrent_subcalls,
+                "tool_format": tool_format,
                 # inference asks for a last answer when the turns run out unless told otherwise (training: off)
                 "final_answer_on_exhaustion": final_answer_on_exhaustion
                 if final_answer_on_exhaustion is not None or agent_config is not None
@@ -245,8 +273,12 @@ class RLM:
         if verbose:
             self.callbacks.add(VerbosePrinter())
         self.session = Session(compaction_threshold) if persistent else None
-        self.custom_tools = as_tools(custom_tools)
-        self.custom_sub_tools = None if custom_sub_tools is None else as_tools(custom_sub_tools)
+        self.custom_tools = declared(as_tools(custom_tools), tools)
+        self.custom_sub_tools = (
+            None if custom_sub_tools is None else declared(as_tools(custom_sub_tools), tools)
+        )
+        if tools and self.config.tool_format is None:
+            raise ValueError("RLM(tools=...): say how the model calls them, e.g. tool_format='hermes'")
         self.setup_code = setup_code
         self._loop: LoopThread | CallerLoop | None = None
         self._log_lock = threading.Lock()
@@ -254,6 +286,12 @@ class RLM:
         # the models last: every other argument is checked first, so a bad one leaves no engine running
         self._own_llms: list = []  # built here from backends: closed by close()
         self._build_llms(engine, tokenizer, backend, backend_kwargs, other_backends, other_backend_kwargs)
+        if self.config.tool_format is not None and not getattr(self.policy, "token_exact", False):
+            self.close()
+            raise ValueError(
+                f"RLM(tool_format={self.config.tool_format!r}) needs a token-level model (engine= and tokenizer=), "
+                "whose chat template renders the tools; a message-level backend does not render them"
+            )
         if sub_engine is not None:
             self.sub_llm = _engine_llm(sub_engine, sub_tokenizer or tokenizer, "sub_engine")
 

@@ -116,8 +116,10 @@ class Session:
             bound[res.stdout.strip()] = value
         return self.repl, bound
 
-    def conversation(self, llm, messages, limit: int | None, on_compaction) -> SessionConversation:
-        return SessionConversation(llm, messages, limit, self.compaction_threshold, on_compaction)
+    def conversation(
+        self, llm, messages, limit: int | None, on_compaction, tools=None
+    ) -> SessionConversation:
+        return SessionConversation(llm, messages, limit, self.compaction_threshold, on_compaction, tools)
 
     def end(self, conv) -> None:
         """End the running call; its conversation (if it got one) is the session's history from now on."""
@@ -148,15 +150,17 @@ class SessionConversation:
         limit: int | None,
         threshold: float | None,
         on_compaction: Callable[[dict], None],
+        tools=None,
     ):
         self.llm = llm
+        self.tools = tools
         self.messages = [dict(m) for m in messages]
         self.limit = limit
         self.threshold = threshold
         self.on_compaction = on_compaction
         self.query = self.messages[-1]["content"]  # the current question: compaction keeps it verbatim
         self.query_index: int | None = len(self.messages) - 1  # its message (None: restated after a summary)
-        self.conv = llm.conversation(self.messages, limit)
+        self.conv = llm.conversation(self.messages, limit, tools=tools)
         self.stale = False  # an observation did not fit: the inner conversation lacks it until a compaction
 
     def __len__(self) -> int:
@@ -183,13 +187,17 @@ class SessionConversation:
         return resp
 
     def add_user(self, text: str) -> bool:
-        self.messages.append({"role": "user", "content": text})
-        if self.conv.add_user(text):
+        return self.add_messages([{"role": "user", "content": text}])
+
+    def add_messages(self, messages) -> bool:
+        new = [dict(m) for m in messages]
+        self.messages += new
+        if self.conv.add_messages(new):
             return True
         if self.threshold is None or self.window is None:
-            self.messages.pop()
+            del self.messages[-len(new) :]
             return False
-        self.stale = True  # the next respond compacts, then rebuilds the conversation with this observation
+        self.stale = True  # the next respond compacts, then rebuilds the conversation with these messages
         return True
 
     async def compact(self, params: SamplingParams, trigger: str = "threshold") -> bool:
@@ -211,7 +219,7 @@ class SessionConversation:
             first += "\n\n" + tail.pop(0)["content"]
         self.messages = [dict(msgs[0]), {"role": "user", "content": first}, *tail]
         self.query_index = None
-        self.conv = self.llm.conversation(self.messages, self.limit)
+        self.conv = self.llm.conversation(self.messages, self.limit, tools=self.tools)
         self.stale = False
         self.on_compaction(
             {

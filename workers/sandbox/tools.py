@@ -53,6 +53,9 @@ class Tool:
     description: str | None = None
     timeout_s: float = 60.0
     pass_context: bool = False
+    # the JSON schema of its arguments, for a model that calls it in its own tool-call format (``schema``); None:
+    # derived from the function's signature
+    parameters: dict | None = None
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -75,6 +78,32 @@ class Tool:
 
     def doc(self) -> str:
         return (self.description if self.description is not None else inspect.getdoc(self.fn) or "").strip()
+
+    def schema(self, name: str) -> dict:
+        """The OpenAI function schema that declares this tool to a model through its chat template
+        (``workers.agents.tool_calls``): the description, and ``parameters`` or the signature's (annotated
+        ``str``/``int``/``float``/``bool``/``list``/``dict`` parameters typed, those without a default required)."""
+        params = self.parameters if self.parameters is not None else self._signature_parameters()
+        return {
+            "type": "function",
+            "function": {"name": name, "description": self.doc(), "parameters": params},
+        }
+
+    def _signature_parameters(self) -> dict:
+        try:
+            sig = inspect.signature(self.fn, eval_str=True)
+        except (NameError, SyntaxError, TypeError, ValueError):
+            return {"type": "object", "properties": {}}
+        properties: dict[str, dict] = {}
+        required = []
+        for pname, p in sig.parameters.items():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or (self.pass_context and pname == "context"):
+                continue
+            json_type = _JSON_TYPES.get(p.annotation)
+            properties[pname] = {"type": json_type} if json_type else {}
+            if p.default is p.empty:
+                required.append(pname)
+        return {"type": "object", "properties": properties, "required": required}
 
     def summary(self) -> str:
         """The first line of the description (for the system prompt)."""
@@ -103,6 +132,9 @@ class Tool:
             size = f"{len(text):,} characters of JSON (limit {MAX_RESULT_CHARS:,})"
             return {"error": f"tool {name!r} returned {size}"}
         return {"ok": result}
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
 @dataclass(frozen=True)
