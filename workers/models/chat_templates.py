@@ -75,7 +75,9 @@ _HERMES_TOOLS = """
 
 QWEN3 = _HERMES_TOOLS.replace("DROP_BEFORE", "ns.last_user").replace("GENERATION_OPENS", "").strip()
 DEEPSEEK_R1 = (
-    _HERMES_TOOLS.replace("DROP_BEFORE", "messages | length - 1").replace("GENERATION_OPENS", "<think>\\n").strip()
+    _HERMES_TOOLS.replace("DROP_BEFORE", "messages | length - 1")
+    .replace("GENERATION_OPENS", "<think>\\n")
+    .strip()
 )
 
 LLAMA3 = """
