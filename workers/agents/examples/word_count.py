@@ -130,16 +130,21 @@ def _row(text: str, split: str, index: int) -> dict:
     }
 
 
+def sample_texts(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct texts of 1-6 words, in a fixed order for the seed."""
+    rng = random.Random(seed)
+    texts: dict[str, None] = {}  # an ordered set of distinct texts
+    while len(texts) < n:
+        texts[" ".join(rng.choices(WORDS, k=rng.randint(1, 6)))] = None
+    return list(texts)
+
+
 def write_dataset(out_dir: str, n_train: int = 256, n_val: int = 32, seed: int = 0) -> dict[str, str]:
     """``out_dir/{train,val}.parquet`` (verl's columns): distinct texts of 1-6 words, validation ones first."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = random.Random(seed)
-    texts: dict[str, None] = {}  # an ordered set of distinct texts
-    while len(texts) < n_val + n_train:
-        texts[" ".join(rng.choices(WORDS, k=rng.randint(1, 6)))] = None
-    ordered = list(texts)
+    ordered = sample_texts(n_val + n_train, seed)
     os.makedirs(out_dir, exist_ok=True)
     paths = {}
     for split, chunk in (("val", ordered[:n_val]), ("train", ordered[n_val:])):

@@ -16,12 +16,11 @@ is the answer ``ANSWER: N``. Train on it from the command line like the tag vers
 from __future__ import annotations
 
 import os
-import random
 import re
 import sys
 from dataclasses import dataclass, field, replace
 
-from workers.agents.examples.word_count import WORDS
+from workers.agents.examples.word_count import sample_texts
 from workers.agents.llm import EngineLLM, ModelResponse
 from workers.agents.loop import AgentEnvConfig, AgentJob, AgentLoop
 from workers.agents.tool_calls import ToolCall, tool_parser
@@ -122,11 +121,7 @@ def write_dataset(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parser, rng = tool_parser(tool_format), random.Random(seed)
-    texts: dict[str, None] = {}
-    while len(texts) < n_val + n_train:
-        texts[" ".join(rng.choices(WORDS, k=rng.randint(1, 6)))] = None
-    ordered, paths = list(texts), {}
+    parser, ordered, paths = tool_parser(tool_format), sample_texts(n_val + n_train, seed), {}
     os.makedirs(out_dir, exist_ok=True)
     for split, chunk in (("val", ordered[:n_val]), ("train", ordered[n_val:])):
         rows = []
