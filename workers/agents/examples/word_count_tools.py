@@ -9,8 +9,10 @@ is the answer ``ANSWER: N``. Train on it from the command line like the tag vers
 
     python -m workers.agents.examples.word_count_tools            # runs/word_count_tools/data/*.parquet
     python -m recipes.rlm --config recipes/rlm_word_count.yaml model.tiny_chat_template=qwen3 \\
-        env.loop=workers.agents.examples.word_count_tools:WordCountToolLoop \\
+        env.loop=workers.agents.examples.word_count_tools:WordCountToolLoop data.max_prompt_length=512 \\
         data.train_files=[runs/word_count_tools/data/train.parquet] data.val_files=[runs/word_count_tools/data/val.parquet]
+
+(the prompt holds the tool's schema as the template renders it: ~300 tiny-model tokens).
 """
 
 from __future__ import annotations
