@@ -73,6 +73,7 @@ from workers.rollout.batch import RolloutRow, build_rollout_batch
 
 __all__ = [
     "OWN_COLUMNS",
+    "row_extent",
     "select_rows",
     "trajectory_json",
     "trajectories_to_dataproto",
@@ -182,6 +183,35 @@ def _turn_rows(i: int, traj: Trajectory, max_prompt_length: int) -> tuple[list[_
     return rows or cut[-1:], len(cut)
 
 
+def _row_specs(
+    trajectories: Sequence[Trajectory], P: int, train_children: bool, step_wise: bool, split_rewritten: bool
+) -> tuple[list[_Row], int]:
+    """The rows before fitting to the limits, and the number of turns dropped (prefix longer than ``P``)."""
+    specs: list[_Row] = []
+    dropped = 0
+    for i in select_rows(trajectories, train_children):
+        if step_wise or (split_rewritten and trajectories[i].rewritten):
+            rows, n_dropped = _turn_rows(i, trajectories[i], P)
+            specs += rows
+            dropped += n_dropped
+        else:
+            specs.append(_whole_row(i, trajectories[i]))
+    return specs, dropped
+
+
+def row_extent(trajectories: Sequence[Trajectory], **layout) -> tuple[int, int]:
+    """The longest prompt and response of the rows ``trajectories_to_dataproto(trajectories, **layout)`` makes,
+    nothing cut: the widths an SFT batch needs."""
+    specs, _ = _row_specs(
+        trajectories,
+        2**62,
+        layout.get("train_children", False),
+        layout.get("step_wise", False),
+        layout.get("split_rewritten", True),
+    )
+    return max((len(r.prompt) for r in specs), default=1), max((len(r.response) for r in specs), default=1)
+
+
 def trajectories_to_dataproto(
     trajectories: Sequence[Trajectory],
     *,
@@ -208,15 +238,7 @@ def trajectories_to_dataproto(
         if len(v) != len(trajectories):
             raise ValueError(f"extra column {k!r} has {len(v)} values for {len(trajectories)} trajectories")
     P, R = max_prompt_length, max_response_length
-    specs: list[_Row] = []
-    dropped = 0
-    for i in select_rows(trajectories, train_children):
-        if step_wise or (split_rewritten and trajectories[i].rewritten):
-            rows, n_dropped = _turn_rows(i, trajectories[i], P)
-            specs += rows
-            dropped += n_dropped
-        else:
-            specs.append(_whole_row(i, trajectories[i]))
+    specs, dropped = _row_specs(trajectories, P, train_children, step_wise, split_rewritten)
     fitted = [
         row.fit(P, R, mask_truncated, not _environment_failed(trajectories[row.source])) for row in specs
     ]

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dataproto import DataProto
-from workers.agents.batch import trajectories_to_dataproto
+from workers.agents.batch import row_extent, trajectories_to_dataproto
 from workers.agents.limits import gather_bounded
 from workers.agents.llm import EngineLLM
 from workers.agents.loop import AgentJob, LoopContext, agent_loop_class
@@ -100,10 +100,8 @@ def reference_batch(rows: Sequence[Mapping], tokenizer, env: Any) -> DataProto:
 
 def sft_batch(trajs: Sequence[Trajectory], tokenizer) -> DataProto:
     """Root trajectories in the rollout layout, tensors as wide as the longest prompt and response (no cut)."""
-    prompt_lengths = [len(t.turns[0].prompt_token_ids) for t in trajs]
-    R = max(len(t.token_sequence()[0]) - p for t, p in zip(trajs, prompt_lengths))
+    P, R = row_extent(trajs)  # every row whole: a rewritten trajectory's later turns have longer prompts
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return trajectories_to_dataproto(
-        trajs, max_prompt_length=max(prompt_lengths), max_response_length=max(R, 1), pad_token_id=pad,
-        include_json=False,
-    )  # fmt: skip
+        trajs, max_prompt_length=P, max_response_length=R, pad_token_id=pad, include_json=False
+    )

@@ -57,3 +57,19 @@ def test_demonstrations_replay_for_the_warm_start(tmp_path):
         assert f"<tool_response>\n{n} words\n</tool_response>" in text and text.rstrip().endswith(
             f"ANSWER: {n}<|im_end|>"
         )
+
+
+def test_a_rewritten_demonstration_trains_every_turn(tmp_path):
+    """A DeepSeek-R1-style template re-renders the history each turn: the replay's SFT batch is one row per turn,
+    each as wide as its own prompt -- none dropped for being longer than the first turn's prompt."""
+    import pyarrow.parquet as pq
+
+    tok = load_tokenizer(ensure_tiny_model("nano", chat_template="deepseek_r1"))
+    rows = pq.read_table(write_dataset(str(tmp_path), n_train=3, n_val=1)["train"]).to_pylist()
+    batch = reference_batch(rows, tok, WordCountToolEnvConfig())
+    assert list(batch.non_tensor_batch["turn"]) == [0, 1] * 3 and "dropped_turns" not in batch.meta_info
+    P = batch.batch["prompts"].shape[1]
+    for i in range(len(batch)):
+        prompt = tok.decode(batch.batch["prompts"][i][batch.batch["attention_mask"][i, :P].bool()])
+        assert prompt.endswith("<think>\n") and (("<tool_response>" in prompt) == (i % 2 == 1))
+        assert int(batch.batch["response_mask"][i].sum()) > 0
