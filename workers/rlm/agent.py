@@ -640,20 +640,7 @@ class _RLMEpisode(Episode):
         if answer is not None:
             return Step(answer=answer)
         self._count_errors(turn.code_results)
-        if calls is not None:
-            messages = await self._answer_calls(calls, turn)
-            if turn.code_results:  # the turn's code ran too: its observation follows the tool results
-                observation = format_observation(
-                    turn.code_results,
-                    cfg.max_observation_chars,
-                    iteration=k + 1,
-                    max_iterations=self.max_turns,
-                    budget=self.run.budget.left() or None,
-                    turn=parsed,
-                    show_variables=cfg.show_variables,
-                )
-                messages.append({"role": "user", "content": observation})
-            return Step(messages=messages)
+        messages = await self._answer_calls(calls, turn) if calls is not None else []
         observation = format_observation(
             turn.code_results,
             cfg.max_observation_chars,
@@ -663,7 +650,11 @@ class _RLMEpisode(Episode):
             turn=parsed,
             show_variables=cfg.show_variables,
         )
-        return Step(observation=observation)
+        if not messages:
+            return Step(observation=observation)
+        if turn.code_results:  # the turn's code ran too: its observation follows the tool results
+            messages.append({"role": "user", "content": observation})
+        return Step(messages=messages)
 
     async def _answer_calls(self, calls, turn: TrajectoryTurn) -> list[dict]:
         """Run the turn's calls in the model's tool-call format on the host (the REPL's tools, their timeouts);
