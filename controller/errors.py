@@ -11,21 +11,42 @@ class WorkerGroupError(RuntimeError):
     """A worker raised, died or timed out during a group call.
 
     ``role`` is the group's name (its name_prefix), ``rank`` the first failing rank, ``method`` the
-    worker method, ``remote_traceback`` the worker-side traceback (or Ray's death report).
+    worker method, ``remote_traceback`` the worker-side traceback (or Ray's death report). ``kind`` says what
+    happened: ``raised`` (the method raised), ``died`` (the process is gone: killed, out of memory),
+    ``constructor`` (it raised while starting), ``timeout`` (no answer in time), ``ray`` (another Ray error),
+    ``mismatch`` (the ranks' results disagree). A death or a timeout is a fault a restart can mend
+    (``is_fault``); a raised error would only be raised again.
     """
 
-    def __init__(self, role: str, rank: int | None, method: str, reason: str, remote_traceback: str = ""):
+    def __init__(
+        self,
+        role: str,
+        rank: int | None,
+        method: str,
+        reason: str,
+        remote_traceback: str = "",
+        kind: str = "raised",
+    ):
         self.role, self.rank, self.method = role, rank, method
-        self.reason = reason
+        self.reason, self.kind = reason, kind
         self.remote_traceback = _ANSI.sub("", remote_traceback)
-        where = f"rank {rank}" if rank is not None else "group"
-        msg = f"worker group {role!r} {where} failed in {method!r}: {reason}"
+        msg = self.summary()
         if self.remote_traceback:
             msg += f"\n--- remote ({role} rank {rank}) ---\n{self.remote_traceback}"
         super().__init__(msg)
 
+    @property
+    def is_fault(self) -> bool:
+        """The worker died or hung (not: raised), so a fresh worker may well succeed."""
+        return self.kind in ("died", "timeout")
+
+    def summary(self) -> str:
+        """One line: who failed where and why (no traceback)."""
+        where = f"rank {self.rank}" if self.rank is not None else "group"
+        return f"worker group {self.role!r} {where} failed in {self.method!r}: {self.reason}"
+
     def __reduce__(self):
-        return type(self), (self.role, self.rank, self.method, self.reason, self.remote_traceback)
+        return type(self), (self.role, self.rank, self.method, self.reason, self.remote_traceback, self.kind)
 
 
 class WorkerGroupTimeoutError(WorkerGroupError):
@@ -48,6 +69,7 @@ class WorkerGroupTimeoutError(WorkerGroupError):
             method,
             f"no result after {timeout_s:g}s from rank(s) {self.pending_ranks}, still running "
             f"{method!r} {self.elapsed_s:.1f}s after the call started",
+            kind="timeout",
         )
 
     def __reduce__(self):

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayError, RayTaskError
 
 from controller.errors import WorkerGroupError, WorkerGroupTimeoutError
 
@@ -32,9 +32,12 @@ def _get_one(ref, role: str, rank: int, method: str):
         # An actor whose constructor raised reports it through the same error type.
         creation = "creation task" in str(err)
         reason = "the worker's constructor raised" if creation else "the worker actor died"
-        raise WorkerGroupError(role, rank, method, reason, str(err)) from err
+        kind = "constructor" if creation else "died"
+        raise WorkerGroupError(role, rank, method, reason, str(err), kind=kind) from err
+    except OutOfMemoryError as err:  # Ray's memory monitor killed the worker
+        raise WorkerGroupError(role, rank, method, "out of memory", str(err), kind="died") from err
     except RayError as err:
-        raise WorkerGroupError(role, rank, method, f"{type(err).__name__}", str(err)) from err
+        raise WorkerGroupError(role, rank, method, f"{type(err).__name__}", str(err), kind="ray") from err
 
 
 def wait_for_results(

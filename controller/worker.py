@@ -192,5 +192,5 @@ class Worker:
     def _hyflow_dispatch_info(self, mesh_name: str) -> tuple[int, bool] | None:
         return self._dispatch_info.get(mesh_name)
 
-    def _hyflow_ready(self) -> bool:
-        return True
+    def _hyflow_ready(self) -> int:
+        return os.getpid()  # RayWorkerGroup.pids

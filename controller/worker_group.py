@@ -139,12 +139,13 @@ class RayWorkerGroup:
         refs = [ref for g in pending for ref in g._ready]
         calls = [RankCall(g.name, "__init__", rank) for g in pending for rank in range(len(g._ready))]
         try:
-            wait_for_calls(refs, calls, max(g._start_timeout_s for g in pending))
+            pids = wait_for_calls(refs, calls, max(g._start_timeout_s for g in pending))
         except BaseException:
             for g in pending:
                 g.shutdown()
             raise
         for g in pending:
+            g._pids[:], pids = pids[: len(g._ready)], pids[len(g._ready) :]  # shared with its spawned groups
             g._ready = []
 
     @classmethod
@@ -209,6 +210,7 @@ class RayWorkerGroup:
         self.chunks_by_value = chunks_by_value
         self._mesh_info: dict[str, list[tuple[int, bool]]] = {}
         self._ready = []  # constructor calls not yet waited for (a group started with wait=False)
+        self._pids: list[int] = []  # each rank's process id, once its constructor answered
         self._bind_methods()
 
     def _bind_methods(self) -> None:
@@ -230,6 +232,12 @@ class RayWorkerGroup:
     @property
     def actors(self) -> list:
         return list(self._actors)
+
+    @property
+    def pids(self) -> list[int]:
+        """Each rank's process id on its node (what a debugger, a profiler or a fault-injection test attaches
+        to); empty until the group is ready."""
+        return list(self._pids)
 
     def shares_processes_with(self, other: RayWorkerGroup) -> bool:
         """Whether both groups run on the same actors (roles spawned from one colocated group)."""
@@ -322,7 +330,7 @@ class RayWorkerGroup:
         unknown = sorted(set(prefix_set) - set(roles))
         if unknown:
             raise KeyError(f"worker group {self.name!r} has no role(s) {unknown}; roles: {sorted(roles)}")
-        return {
+        groups = {
             role: RayWorkerGroup._from_actors(
                 role,
                 self._actors,
@@ -335,6 +343,9 @@ class RayWorkerGroup:
             )
             for role in prefix_set
         }
+        for group in groups.values():
+            group._pids = self._pids  # the same processes (filled in by wait_ready if not yet)
+        return groups
 
     def shutdown(self) -> None:
         """Kill the group's actors (groups spawned from the same actors lose them too)."""

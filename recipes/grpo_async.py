@@ -66,16 +66,23 @@ def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo_async", **role_option
     (``recipes/rlm.py`` with ``async_rl.mode`` one_step / full, `recipes.trainer.roles.env_generator`)."""
     asynchronous = cfg.async_rl.mode != "sync"  # type: ignore[attr-defined]
     s = Session(cfg, run, recipe, fixed_prompt_width=True, async_rollout=asynchronous, **role_options)
-    with s, rollout_source(s) as source:  # weights -> rollout, validation; then the stream starts
-        s.data_state = lambda: source.checkpoint_state(s.loader)  # checkpoints: loader + untrained prompts
-        for _ in s.step_numbers():
-            metrics: dict[str, float] = {}
-            timings: dict[str, float] = {}
-            with timer("step", timings):
-                batch = async_step(s, source, metrics, timings)
-            metrics["async/trainer_idle_frac"] = timings["wait_rollout"] / timings["step"]
-            metrics["perf/samples_per_s"] = len(batch) / timings["step"]
-            s.end_step(batch, metrics, timings)
+
+    def loop() -> None:  # run again from the latest checkpoint after a worker fault (Session.survive)
+        with rollout_source(s) as source:  # the stream starts
+            s.data_state = lambda: source.checkpoint_state(
+                s.loader
+            )  # checkpoints: loader + untrained prompts
+            for _ in s.step_numbers():
+                metrics: dict[str, float] = {}
+                timings: dict[str, float] = {}
+                with timer("step", timings):
+                    batch = async_step(s, source, metrics, timings)
+                metrics["async/trainer_idle_frac"] = timings["wait_rollout"] / timings["step"]
+                metrics["perf/samples_per_s"] = len(batch) / timings["step"]
+                s.end_step(batch, metrics, timings)
+
+    with s:  # weights -> rollout, validation
+        s.survive(loop)
     return s.result()
 
 

@@ -279,6 +279,10 @@ class TrainerConfig:
     # every worker-group call: call_timeout_s + call_timeout_per_row_s * (rows of its batch); None: no limit
     call_timeout_s: float | None = 1800.0
     call_timeout_per_row_s: float = 1.0
+    # worker faults (a process killed or out of memory, a call past its timeout) survived in a run: every worker
+    # group is rebuilt and training goes on from the latest checkpoint (the steps since it are computed again,
+    # so trainer.save_freq bounds the loss); 0: the first fault ends the run with the error naming it
+    max_restarts: int = 2
     # a locally started Ray on CPU: allow more devices (worker processes) than this machine has cores
     cpu_oversubscribe: bool = False
     max_consecutive_skipped_updates: int = 5  # abort after this many steps in a row with a non-finite update
@@ -350,6 +354,8 @@ class TrainerConfig:
             errors.append(f"trainer.max_ckpt_to_keep must be >= 1 or null, got {self.max_ckpt_to_keep}")
         if self.critic_warmup < 0:
             errors.append(f"trainer.critic_warmup must be >= 0, got {self.critic_warmup}")
+        if self.max_restarts < 0:
+            errors.append(f"trainer.max_restarts must be >= 0, got {self.max_restarts}")
         if self.call_timeout_s is not None and not self.call_timeout_s > 0:
             errors.append(f"trainer.call_timeout_s must be > 0 or null (no limit), got {self.call_timeout_s}")
         if not self.call_timeout_per_row_s >= 0:

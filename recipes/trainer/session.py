@@ -33,11 +33,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from algorithms import get_kl_controller
+from controller.errors import WorkerGroupError
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
+from recipes.trainer import checkpoint as ckpt
 from recipes.trainer.checkpoint import hold_interrupts
 from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_batches
 from recipes.trainer.metrics import compute_data_metrics, compute_throughput, timer, timing_metrics
+from recipes.trainer.recovery import Fault, FaultLog
 from recipes.trainer.roles import build_roles, metrics_of
 from recipes.trainer.run import Run
 from recipes.trainer.steps import LearningSignalWatch, check_reward_errors, due, resume, save_checkpoint
@@ -73,12 +76,23 @@ class Session:
         # the data position a checkpoint saves, when the recipe's batch source keeps its own (async_rl)
         self.data_state: Callable[[], dict] | None = None
         self.loader = train_loader(cfg, run, pad_to_max_length=fixed_prompt_width)
+        self._loader_start = self.loader.state_dict()  # where a restart without a checkpoint begins again
         self.val_data = val_batches(cfg, run)
         self.total = total_steps(cfg, self.loader)
-        self.roles = build_roles(cfg, run, critic=critic, **role_options)
+        self._role_options = {"critic": critic, **role_options}
+        self.faults = FaultLog(cfg.trainer.max_restarts)
+        self._step_started: dict[
+            int, float
+        ] = {}  # perf_counter() at each step's start (time lost to a fault)
+        self._start_workers(cfg.trainer.resume_mode)
+        # where a restart goes on from: the checkpoint this session resumed from or saved last (a run directory
+        # may hold an older run's checkpoints, which a restart must not pick up), else the start
+        self._restart_from = (
+            (self.state.resumed_from, f"the checkpoint of step {self.state.step}")
+            if self.state.resumed_from
+            else ("disable", "the start (no checkpoint yet)")
+        )
         try:
-            self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)
-            self.state = resume(run, self.roles, self.loader, self.kl_ctrl, cfg)
             self.tracker = Tracker(cfg, run.dir, self.total, self.state.step, recipe)
             if self.state.resumed_from:
                 self.tracker.write(
@@ -93,12 +107,25 @@ class Session:
 
     # -- life cycle ---------------------------------------------------------------------------------------------
 
+    def _start_workers(self, resume_mode: str) -> None:
+        """Pools, worker groups, KL controller and trainer state (from the checkpoint ``resume_mode`` names)."""
+        self.roles = build_roles(self.cfg, self.run, **self._role_options)
+        try:
+            self.kl_ctrl = get_kl_controller(self.cfg.algorithm.kl_ctrl)
+            self.state = resume(self.run, self.roles, self.loader, self.kl_ctrl, self.cfg, resume_mode)
+        except BaseException:
+            self.roles.shutdown()
+            raise
+
+    def _begin(self) -> None:
+        # the rollout engine starts from the actor's (possibly resumed) weights: policy version = step
+        self.roles.sync_weights(version=self.state.step)
+        if self.state.step == 0 and self.should_validate(0) and not self.val_history:
+            self.tracker.log(self.validate(), step=0)
+
     def __enter__(self) -> Session:
         try:
-            # the rollout engine starts from the actor's (possibly resumed) weights: policy version = step
-            self.roles.sync_weights(version=self.state.step)
-            if self.state.step == 0 and self.should_validate(0):
-                self.tracker.log(self.validate(), step=0)
+            self.survive(self._begin)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -121,14 +148,67 @@ class Session:
     def train(self, step: Step) -> dict:
         """Train: ``step(self, batch, metrics, timings)`` on every remaining prompt batch (timed as ``step``),
         each followed by ``end_step``; returns ``result()``."""
-        with self:
+
+        def loop() -> None:
             for batch in self.steps():
                 metrics: dict[str, float] = {}
                 timings: dict[str, float] = {}
                 with timer("step", timings):
                     batch = step(self, batch, metrics, timings)
                 self.end_step(batch, metrics, timings)
+
+        with self:
+            self.survive(loop)
         return self.result()
+
+    # -- worker faults ------------------------------------------------------------------------------------------
+
+    def survive(self, loop: Callable[[], None]) -> None:
+        """Run ``loop`` (the recipe's steps, from ``self.state.step`` on); when a worker dies or hangs in it, rebuild
+        the workers from the latest checkpoint (`recover`) and run ``loop`` again, at most
+        ``trainer.max_restarts`` times in the run. An error a worker raised ends the run as it is."""
+        while True:
+            try:
+                loop()
+                return
+            except WorkerGroupError as err:
+                if self.faults.can_recover(err):
+                    self.recover(err)
+                elif err.is_fault and self.faults.max_restarts > 0:
+                    raise self.faults.exhausted(err, self.state.step) from err
+                else:
+                    raise
+
+    def recover(self, err: WorkerGroupError) -> None:
+        """Every worker group shut down and built again, the most recent checkpoint of this run loaded (none yet:
+        ``trainer.resume_mode``'s, or the start) and its weights synced; the steps after it are forgotten by
+        the tracker, to be computed again. Says so on the console, before and after; ``fault/*`` metrics."""
+        failed, t0, limit = self.state.step, time.perf_counter(), self.faults.max_restarts
+        mode, origin = self._restart_from
+        self.tracker.write(
+            f"[{self.recipe}] FAULT at step {failed}: {err.summary()} -- restart {self.faults.restarts + 1} of "
+            f"{limit}: every worker group is rebuilt and training goes on from {origin}"
+        )
+        fault = Fault(failed, err.summary())
+        self.faults.faults.append(fault)
+        self.roles.shutdown()
+        for partial in ckpt.remove_partial(self.run.checkpoint_dir):
+            self.tracker.write(f"[{self.recipe}] removed {partial}: a save the fault cut short")
+        self.loader.load_state_dict(self._loader_start)
+        try:
+            self._start_workers(mode)
+            self.roles.sync_weights(version=self.state.step)
+        except Exception as again:
+            raise self.faults.exhausted(again, failed, during_recovery=True) from again
+        restored = fault.restored_step = self.state.step
+        fault.seconds_lost = time.perf_counter() - self._step_started.get(restored + 1, t0)
+        self.tracker.rewind(restored)
+        self.val_history = [(s, m) for s, m in self.val_history if s <= restored]
+        again = f"step {failed}" if failed == restored + 1 else f"steps {restored + 1}-{failed}"
+        self.tracker.write(
+            f"[{self.recipe}] recovered in {time.perf_counter() - t0:.1f}s at step {restored}: {again} "
+            f"computed again ({fault.seconds_lost:.1f}s lost)"
+        )
 
     def steps(self) -> Iterator[DataProto]:
         """The prompt batch of each remaining step (``self.state.step`` is the step being run)."""
@@ -141,6 +221,7 @@ class Session:
         elsewhere (``recipes/trainer/async_rl.py``)."""
         while self.state.step < self.total:
             self.state.step += 1
+            self._step_started[self.state.step] = time.perf_counter()
             yield self.state.step
 
     # -- validation ---------------------------------------------------------------------------------------------
@@ -170,6 +251,7 @@ class Session:
         metrics |= metrics_of(batch)
         metrics |= compute_data_metrics(batch)
         metrics |= compute_throughput(batch, timings.get("step", 0.0), self.roles.n_devices)
+        metrics |= self.faults.metrics()
         check_reward_errors(batch, step, self.cfg.reward.max_error_frac, self.tracker)
         self.state.check_skipped(metrics, self.tracker, t.max_consecutive_skipped_updates)
         if self.signal_watch is not None:
@@ -181,9 +263,10 @@ class Session:
             if due(step, t.save_freq, self.total):
                 with timer("save_checkpoint", timings):
                     data_state = self.data_state() if self.data_state is not None else None
-                    save_checkpoint(
+                    path = save_checkpoint(
                         self.run, self.roles, self.state, self.loader, self.kl_ctrl, self.cfg, data_state
                     )
+                    self._restart_from = (path, f"the checkpoint of step {step}")
             metrics |= timing_metrics(timings)
             self.tracker.log(metrics, step)
         return metrics

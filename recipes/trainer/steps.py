@@ -299,14 +299,15 @@ def save_checkpoint(
     )
 
 
-def resume(run, roles: Roles, loader, kl_ctrl, cfg: RecipeConfig) -> TrainerState:
-    """Load the checkpoint ``trainer.resume_mode`` names (model, optimizer, schedule, RNG on the workers; step,
-    data position and KL coefficient here); a fresh state when there is none."""
-    paths = ckpt.resolve_resume(cfg.trainer.resume_mode, run.checkpoint_dir, list(roles.checkpointed()))
+def resume(run, roles: Roles, loader, kl_ctrl, cfg: RecipeConfig, mode: str | None = None) -> TrainerState:
+    """Load the checkpoint ``mode`` (default ``trainer.resume_mode``) names (model, optimizer, schedule, RNG on
+    the workers; step, data position and KL coefficient here); a fresh state when there is none."""
+    t = cfg.trainer
+    mode = t.resume_mode if mode is None else mode
+    paths = ckpt.resolve_resume(mode, run.checkpoint_dir, list(roles.checkpointed()))
     if paths is None:
         return TrainerState()
-    t = cfg.trainer
-    fallback = t.resume_fallback if t.resume_mode == "auto" else None
+    fallback = t.resume_fallback if mode == "auto" else None
     extra, paths = ckpt.load(paths, roles.checkpointed(), fallback=fallback)
     loader.load_state_dict(extra["data"])
     kl_ctrl.value = float(extra.get("kl_coef", kl_ctrl.value))

@@ -133,6 +133,23 @@ class Tracker:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         os.replace(tmp, self.metrics_path)
 
+    def rewind(self, step: int) -> None:
+        """Forget the steps after ``step`` (a run that went back to its checkpoint of that step will log them
+        again): metrics.jsonl rewritten, TensorBoard purged past it, the bar set back. wandb keeps what it was
+        sent (it refuses a step logged twice, so the recomputed steps show only in the other loggers)."""
+        self.history = [r for r in self.history if r["step"] <= step]
+        self._jsonl.close()
+        self._rewrite_history()
+        self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 -- closed in close()
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=step + 1)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
+
     def write(self, message: str) -> None:
         """A line on the console that does not break the progress bar."""
         if self.bar is not None:

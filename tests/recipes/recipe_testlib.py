@@ -1,4 +1,8 @@
-"""Shared settings of the recipe tests (imported by name: pytest puts this directory on sys.path)."""
+"""Shared settings and helpers of the recipe tests (imported by name: pytest puts this directory on sys.path)."""
+
+import os
+import signal
+import threading
 
 # A brief, quiet RLM recipe run on the nano model: one GRPO step after a two-step warm start, two prompts x two
 # samples, two short turns each, console logging only. Tests add their own directory and options.
@@ -22,3 +26,26 @@ BRIEF_RLM = [
     "trainer.logger=[console]",
     "trainer.plot=false",
 ]
+
+
+def kill_during_generation(monkeypatch, step: int, rank: int, group: str = "rollout", delay_s: float = 0.05):
+    """SIGKILL the process of ``group``'s (a `Roles` field: actor, rollout, generator) rank ``rank``, ``delay_s``
+    into the training generation of ``step`` (once): a real process death in the middle of a step, as an
+    out-of-memory kill or a lost node would be. Returns the list of killed pids (one, once it happened)."""
+    from recipes.trainer.roles import Roles
+    from recipes.trainer.steps import SEED_STRIDE
+
+    original, killed = Roles.generate, []
+
+    def generate(self, prompts, meta):
+        at = (
+            meta["seed"] % 2**32
+        ) // SEED_STRIDE  # rollout_meta: seed = rollout.seed * 2**32 + step * STRIDE
+        if not killed and not meta.get("validate") and at == step:
+            pid = getattr(self, group).pids[rank]
+            killed.append(pid)
+            threading.Timer(delay_s, os.kill, (pid, signal.SIGKILL)).start()
+        return original(self, prompts, meta)
+
+    monkeypatch.setattr(Roles, "generate", generate)
+    return killed

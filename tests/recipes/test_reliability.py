@@ -272,7 +272,11 @@ def test_a_hanging_reward_call_times_out_naming_role_rank_method_and_time(ray_se
 
     with pytest.raises(WorkerGroupTimeoutError) as err:
         _grpo(
-            tmp_path, "trainer.call_timeout_s=15", "trainer.call_timeout_per_row_s=0.5", reward=HANGING_REWARD
+            tmp_path,
+            "trainer.call_timeout_s=15",
+            "trainer.call_timeout_per_row_s=0.5",
+            "trainer.max_restarts=0",  # restarts on: test_fault_tolerance.py
+            reward=HANGING_REWARD,
         )
     e = err.value
     assert (e.role, e.rank, e.method, e.timeout_s) == (

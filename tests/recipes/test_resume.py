@@ -4,12 +4,15 @@ save leaves no half-written checkpoint behind the ``latest_step`` marker; a dama
 (and passed over for an intact one only when asked); a full disk during a save is one error that leaves
 nothing behind, with the run's config untouched."""
 
+import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
 
 import pytest
+from recipe_testlib import kill_during_generation
 from torch.distributed.checkpoint import FileSystemReader
 
 from recipes import grpo, ppo
@@ -72,12 +75,33 @@ def _cfg(recipe, run_dir, *extra):
     return load_config(recipe, [*overrides, f"trainer.default_local_dir={run_dir}", *extra])
 
 
+_FULL: dict[str, dict[int, dict]] = {}
+
+
+def _full_run(recipe, tmp_path_factory) -> dict[int, dict]:
+    """The reference: the recipe's 4 uninterrupted steps (run once per test session), by step."""
+    if recipe not in _FULL:
+        cfg = _cfg(recipe, tmp_path_factory.mktemp(f"full_{recipe}") / "run", "trainer.resume_mode=disable")
+        result = RECIPES[recipe][0].train(cfg, start_run(cfg, recipe, start_ray=False))
+        _FULL[recipe] = {r["step"]: r for r in result["history"]}
+    return _FULL[recipe]
+
+
+def _assert_same_metrics(recipe, got: dict[int, dict], full: dict[int, dict]) -> None:
+    for step in (1, 2, 3, 4):
+        for key in COMPARED + COMPARED_BY_RECIPE[recipe]:
+            assert got[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
+    # the comparison is between distinct, non-trivial steps (rewards earned, policy moving)
+    assert len({round(full[s]["critic/score/mean"], 6) for s in (1, 2, 3, 4)}) == 4
+    assert all(full[s]["critic/advantages/max"] > 0 for s in (1, 2, 3, 4))
+
+
 @pytest.mark.parametrize("recipe", ["grpo", "ppo"])
-def test_interrupted_run_resumes_to_the_same_metrics(ray_session, tmp_path, monkeypatch, capsys, recipe):
+def test_interrupted_run_resumes_to_the_same_metrics(
+    ray_session, tmp_path, tmp_path_factory, monkeypatch, capsys, recipe
+):
     module = RECIPES[recipe][0]
-    # the reference: 4 uninterrupted steps
-    cfg = _cfg(recipe, tmp_path / "full", "trainer.resume_mode=disable")
-    full = {r["step"]: r for r in module.train(cfg, start_run(cfg, recipe, start_ray=False))["history"]}
+    full = _full_run(recipe, tmp_path_factory)
 
     # the same run, killed (Ctrl-C) right after step 2 was checkpointed and logged
     original_log = Tracker.log
@@ -103,13 +127,52 @@ def test_interrupted_run_resumes_to_the_same_metrics(ray_session, tmp_path, monk
     resumed = {r["step"]: r for r in result["history"]}
     assert result["step"] == 4 and sorted(resumed) == [0, 1, 2, 3, 4]  # steps 0-2 kept from the first attempt
     assert (run_dir / "config.prev.yaml").is_file()
-    for step in (1, 2, 3, 4):
-        for key in COMPARED + COMPARED_BY_RECIPE[recipe]:
-            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-4, abs=1e-6), (step, key)
-    # the comparison is between distinct, non-trivial steps (rewards earned, policy moving)
-    assert len({round(full[s]["critic/score/mean"], 6) for s in (1, 2, 3, 4)}) == 4
-    assert all(full[s]["critic/advantages/max"] > 0 for s in (1, 2, 3, 4))
+    _assert_same_metrics(recipe, resumed, full)
     assert ckpt.latest_step(run_dir / "checkpoints") == 4
+
+
+def test_a_trainer_rank_killed_mid_step_is_recovered_to_the_metrics_of_a_hand_resume(
+    ray_session, tmp_path, monkeypatch, capsys
+):
+    """Issue 31: rank 1 of two trainer ranks (colocated: trainer + rollout in one process) is SIGKILLed during
+    step 3; the run rebuilds its workers, goes on from the checkpoint of step 2 and ends with the metrics of
+    the uninterrupted run (the same as a hand resume, test above), with the fault counted and said once."""
+    two_ranks = ["trainer.n_gpus_per_node=2"]
+    ref = _cfg("grpo", tmp_path / "full", "trainer.resume_mode=disable", *two_ranks)
+    full = {r["step"]: r for r in grpo.train(ref, start_run(ref, "grpo", start_ray=False))["history"]}
+    killed = kill_during_generation(monkeypatch, step=3, rank=1, group="actor")
+    run_dir = tmp_path / "run"
+    cfg = _cfg("grpo", run_dir, "trainer.resume_mode=disable", *two_ranks)
+    result = grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    out = capsys.readouterr().out
+    assert len(killed) == 1 and result["step"] == 4
+    got = {r["step"]: r for r in result["history"]}
+    assert sorted(got) == [0, 1, 2, 3, 4]  # the failed step 3 is logged once, from its second run
+    _assert_same_metrics("grpo", got, full)
+    assert "fault/restarts" not in got[2] and got[3]["fault/restarts"] == got[4]["fault/restarts"] == 1
+    assert got[3]["fault/steps_lost"] == 1 and got[3]["fault/seconds_lost"] > 0
+    # whichever of the process's roles (actor, ref, rollout) is called first after the kill names it
+    assert (
+        len(re.findall(r"FAULT at step 3: worker group '(?:actor|ref|rollout)' rank 1 failed in", out)) == 1
+    ), out
+    assert (
+        "restart 1 of 2: every worker group is rebuilt and training goes on from the checkpoint of step 2"
+        in out
+    )
+    assert "recovered in" in out and "at step 2: step 3 computed again" in out
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3, 4]
+
+
+def test_without_restarts_a_killed_worker_ends_the_run_naming_it(ray_session, tmp_path, monkeypatch):
+    """``trainer.max_restarts=0``: the first fault ends the run with the error naming role, rank and method."""
+    from controller import WorkerGroupError
+
+    kill_during_generation(monkeypatch, step=1, rank=0, group="actor")
+    cfg = _cfg("grpo", tmp_path / "run", "trainer.resume_mode=disable", "trainer.max_restarts=0")
+    with pytest.raises(WorkerGroupError, match="worker group '(actor|ref|rollout)' rank 0 failed in") as err:
+        grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    assert err.value.kind == "died" and err.value.is_fault
 
 
 class _SlowSaver:
@@ -159,6 +222,20 @@ def test_ctrl_c_during_a_save_completes_it_first(tmp_path):
     assert (tmp_path / "actor" / "step_3" / "part2").is_file()  # the save ran to the end
     assert ckpt.latest_step(tmp_path) == 3  # and the marker names it only after it completed
     assert signal.getsignal(signal.SIGINT) is before  # the save's own handler is gone again
+
+
+def test_a_save_cut_short_by_a_fault_is_removed_and_complete_ones_kept(tmp_path):
+    """Before a restart (``Session.recover``): a ``step_N.tmp`` a dying worker left is deleted, ``step_N`` kept."""
+    for role in ("actor", "critic"):
+        (tmp_path / role / "step_2").mkdir(parents=True)
+        (tmp_path / role / "step_2" / "engine_state.pt").write_text("x")
+    (tmp_path / "actor" / "step_4.tmp").mkdir()
+    (tmp_path / "actor" / "step_4.tmp" / "part").write_text("half")
+    ckpt.write_atomic(tmp_path / ckpt.LATEST, b"2\n")
+    assert ckpt.remove_partial(tmp_path) == [str(tmp_path / "actor" / "step_4.tmp")]
+    assert sorted(p.name for p in (tmp_path / "actor").iterdir()) == ["step_2"]
+    assert (tmp_path / "critic" / "step_2" / "engine_state.pt").is_file() and ckpt.latest_step(tmp_path) == 2
+    assert ckpt.remove_partial(tmp_path / "missing") == []
 
 
 def test_resume_paths(tmp_path):

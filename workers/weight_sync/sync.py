@@ -216,6 +216,7 @@ class WeightSync:
                     "receive_weights",
                     f"received {r['weight_sync/tensors']} tensors / {r['perf/weight_sync_bytes']} bytes but "
                     f"the trainer sent {sent['weight_sync/tensors']} / {sent['perf/weight_sync_bytes']}",
+                    kind="mismatch",
                 )
         self.link.syncs += 1
         return {

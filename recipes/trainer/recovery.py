@@ -1,0 +1,68 @@
+"""Surviving a worker that dies or hangs: the run's record of its faults and the limits on them.
+
+A worker process that is killed, runs out of memory or hangs past its call timeout takes its collective groups
+with it (the trainer ranks' FSDP group, the weight-sync group between trainer and rollout ranks), so the
+survivors cannot go on with a stand-in. ``Session.survive`` therefore rebuilds every worker group and restores
+the most recent checkpoint, exactly as a run restarted by hand with ``trainer.resume_mode=auto`` would (the
+resume tests check that this reaches the same metrics bit for bit), and goes on; the steps since that
+checkpoint are computed again. ``trainer.max_restarts`` bounds how often; ``trainer.save_freq`` bounds what a
+restart loses. An error a worker *raised* is not a fault: a fresh worker would raise it again, so it ends the
+run as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from controller.errors import WorkerGroupError
+from recipes.trainer.run import RunAborted
+
+
+class RestartsExhausted(RunAborted):
+    """More faults than ``trainer.max_restarts``, or a fault while recovering from one: every fault, in order."""
+
+
+@dataclass
+class Fault:
+    step: int  # the step that was running
+    what: str  # who failed where and why, one line
+    restored_step: int | None = None  # the checkpoint's step training went on from (0: the start)
+    seconds_lost: float = 0.0  # from the start of the first step computed again to the end of the recovery
+
+
+@dataclass
+class FaultLog:
+    max_restarts: int
+    faults: list[Fault] = field(default_factory=list)
+
+    @property
+    def restarts(self) -> int:
+        return sum(f.restored_step is not None for f in self.faults)
+
+    def can_recover(self, err: BaseException) -> bool:
+        """A worker died or hung and a restart is left to spend on it."""
+        return isinstance(err, WorkerGroupError) and err.is_fault and self.restarts < self.max_restarts
+
+    def exhausted(self, err: BaseException, step: int, during_recovery: bool = False) -> RestartsExhausted:
+        """The error that ends the run: every fault so far, ``err`` last."""
+        what = err.summary() if isinstance(err, WorkerGroupError) else f"{type(err).__name__}: {err}"
+        self.faults.append(Fault(step, ("while recovering: " if during_recovery else "") + what))
+        why = (
+            "a worker failed again during the recovery"
+            if during_recovery
+            else f"more than trainer.max_restarts={self.max_restarts} worker faults"
+        )
+        lines = [f"  {i}. step {f.step}: {f.what}" for i, f in enumerate(self.faults, 1)]
+        return RestartsExhausted(f"{why}; the faults in order:\n" + "\n".join(lines))
+
+    def metrics(self) -> dict[str, float]:
+        """``fault/*`` (cumulative over the run): restarts, steps computed again, wall time they and the
+        recoveries took; none before the first fault."""
+        done = [f for f in self.faults if f.restored_step is not None]
+        if not done:
+            return {}
+        return {
+            "fault/restarts": float(len(done)),
+            "fault/steps_lost": float(sum(f.step - f.restored_step for f in done)),
+            "fault/seconds_lost": float(sum(f.seconds_lost for f in done)),
+        }

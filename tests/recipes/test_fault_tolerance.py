@@ -1,0 +1,194 @@
+"""Issue 31: a worker that dies or hangs does not end the run. Real processes are SIGKILLed mid-step (a rollout
+rank of a disaggregated run, the env worker of the RLM recipe, a rollout rank of an asynchronous run while its
+groups are buffered), a call hangs past its timeout, a worker dies again during its own recovery; the run
+rebuilds its workers from the latest checkpoint and goes on, or stops with one error naming every fault in order.
+That the recovered run's metrics equal a hand resume is tested with the resume tests (test_resume.py)."""
+
+import os
+import signal
+
+import pytest
+from recipe_testlib import BRIEF_RLM, kill_during_generation
+
+from recipes import grpo, grpo_async, rlm
+from recipes.config import load_config
+from recipes.trainer import session as session_module
+from recipes.trainer.recovery import RestartsExhausted
+from recipes.trainer.run import start_run
+
+pytestmark = pytest.mark.e2e
+
+BRIEF = [
+    "model.tiny_size=nano",
+    "task.name=arithmetic",
+    "task.n_train=64",
+    "task.n_val=4",
+    "data.val_max_samples=4",
+    "data.train_batch_size=2",
+    "data.max_prompt_length=32",
+    "data.max_response_length=32",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=2",
+    "trainer.total_training_steps=3",
+    "trainer.save_freq=1",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.resume_mode=disable",
+    "trainer.progress_bar=false",
+    "trainer.logger=[console]",
+    "trainer.plot=false",
+]
+DISAGGREGATED = [
+    "trainer.placement=disaggregated",
+    "trainer.n_gpus_per_node=2",
+    "trainer.rollout_gpus_per_node=1",
+]
+
+
+def _train(module, recipe, tmp_path, *overrides):
+    cfg = load_config(recipe, [*BRIEF, *overrides, f"trainer.default_local_dir={tmp_path / 'run'}"])
+    return module.train(cfg, start_run(cfg, recipe, start_ray=False))
+
+
+def _steps(result) -> list[int]:
+    return [r["step"] for r in result["history"]]
+
+
+def test_a_rollout_rank_killed_mid_generation_in_disaggregated_grpo(
+    ray_session, tmp_path, monkeypatch, capsys
+):
+    killed = kill_during_generation(monkeypatch, step=2, rank=0, group="rollout")
+    result = _train(grpo, "grpo", tmp_path, *DISAGGREGATED)
+    out = capsys.readouterr().out
+    assert len(killed) == 1 and result["step"] == 3 and _steps(result) == [1, 2, 3]
+    assert "FAULT at step 2: worker group 'rollout' rank 0 failed in" in out, out
+    assert "training goes on from the checkpoint of step 1" in out
+    last = result["history"][-1]
+    assert last["fault/restarts"] == 1 and last["fault/steps_lost"] == 1
+    assert last["perf/weight_sync_bytes"] > 0  # the rebuilt rollout rank took the weights again
+
+
+def test_the_env_worker_killed_mid_trajectory_in_the_rlm_recipe(ray_session, tmp_path, monkeypatch, capsys):
+    """The RLM recipe's env worker (colocated: in the process of the rollout engine and trainer rank 0) is
+    killed while it runs step 2's trajectories; the run goes on from step 1's checkpoint."""
+    killed = kill_during_generation(monkeypatch, step=2, rank=0, group="generator", delay_s=0.02)
+    result = rlm.main(
+        [
+            *BRIEF_RLM,
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert len(killed) == 1 and result["step"] == 2, out
+    assert "FAULT at step 2: worker group 'env' rank 0 failed in 'generate_sequences'" in out, out
+    assert result["history"][-1]["fault/restarts"] == 1
+    assert "env/rewritten_frac" in result["history"][-1]  # step 2's trajectories ran again, to the end
+
+
+def test_an_async_run_loses_a_rollout_rank_while_groups_are_buffered(ray_session, tmp_path, monkeypatch):
+    """``async_rl.mode=full``: the rollout rank dies while the stream has groups in flight and buffered; the run
+    goes on from the last checkpoint, whose untrained prompts are generated again: in the steps the run kept,
+    no prompt is trained twice or skipped."""
+    trained: dict[int, list[str]] = {}  # step -> one uid per group, the last attempt of the step
+    killed = []
+    original = grpo_async.async_step
+
+    def step(s, source, metrics, timings):
+        if s.state.step == 3 and not killed:
+            killed.append(s.roles.rollout.pids[0])
+            os.kill(killed[0], signal.SIGKILL)
+        batch = original(s, source, metrics, timings)
+        trained[s.state.step] = [str(u) for u in batch.non_tensor_batch["uid"][::2]]
+        return batch
+
+    monkeypatch.setattr(grpo_async, "async_step", step)
+    result = _train(
+        grpo_async,
+        "grpo_async",
+        tmp_path,
+        *DISAGGREGATED,
+        "async_rl.mode=full",
+        "async_rl.buffer_batches=2",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+    )
+    assert killed and result["step"] == 4 and _steps(result) == [1, 2, 3, 4]
+    assert result["history"][-1]["fault/restarts"] == 1
+    uids = [u for s in sorted(trained) for u in trained[s]]
+    assert sorted(trained) == [1, 2, 3, 4] and len(uids) == len(set(uids)) == 8
+
+
+FLAKY_REWARD = """
+import os
+import time
+
+MARKERS = {markers!r}
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    for marker in MARKERS:  # hang once per marker: the first call of each attempt that finds it missing
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(600)
+    return 0.0
+"""
+
+
+def test_a_hang_is_a_fault_recovered_and_the_next_past_max_restarts_ends_the_run(
+    ray_session, tmp_path, capsys
+):
+    """The reward call hangs past its timeout: the workers are rebuilt and the step runs again; the second hang
+    is one more than ``trainer.max_restarts=1``, and the run stops naming both, in order."""
+    reward = tmp_path / "flaky.py"
+    reward.write_text(FLAKY_REWARD.format(markers=[str(tmp_path / "hang1"), str(tmp_path / "hang2")]))
+    with pytest.raises(RestartsExhausted) as err:
+        _train(
+            grpo,
+            "grpo",
+            tmp_path,
+            f"custom_reward_function.path={reward}",
+            "trainer.max_restarts=1",
+            "trainer.call_timeout_s=8",
+            "trainer.call_timeout_per_row_s=0.1",
+        )
+    out = capsys.readouterr().out
+    assert (
+        "FAULT at step 1: worker group 'reward' rank 0 failed in 'compute_rm_score': no result after" in out
+    )
+    assert "restart 1 of 1" in out and "from the start (no checkpoint yet)" in out
+    msg = str(err.value)
+    assert msg.startswith("more than trainer.max_restarts=1 worker faults; the faults in order:")
+    lines = msg.splitlines()[1:]
+    assert len(lines) == 2 and all(
+        "'reward' rank 0 failed in 'compute_rm_score': no result after 8.4s" in x for x in lines
+    )
+    assert lines[0].startswith("  1. step 1:") and lines[1].startswith("  2. step 1:")
+
+
+def test_a_worker_that_dies_during_its_own_recovery_ends_the_run(ray_session, tmp_path, monkeypatch):
+    """A rollout rank dies in step 2; the rebuilt one dies too before the recovery is done: one error, both
+    faults in order, and the checkpoint directory holds only complete checkpoints."""
+    kill_during_generation(monkeypatch, step=2, rank=0, group="rollout")
+    original, builds = session_module.build_roles, []
+
+    def build_roles(*args, **kwargs):
+        roles = original(*args, **kwargs)
+        builds.append(roles)
+        if len(builds) == 2:  # the recovery's build: its rollout rank dies before the weights reach it
+            os.kill(roles.rollout.pids[0], signal.SIGKILL)
+        return roles
+
+    monkeypatch.setattr(session_module, "build_roles", build_roles)
+    with pytest.raises(RestartsExhausted) as err:
+        _train(grpo, "grpo", tmp_path, *DISAGGREGATED)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "a worker failed again during the recovery; the faults in order:"
+    assert lines[1].startswith("  1. step 2: worker group 'rollout' rank 0 failed in")
+    assert lines[2].startswith("  2. step 2: while recovering: worker group 'rollout' rank 0 failed in")
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in (ckpts / "actor").iterdir()) == ["step_1"]
+    assert (ckpts / "latest_step").read_text().strip() == "1"
