@@ -7,6 +7,9 @@ as any of them holds an error (a raised exception or a dead actor; ``tests/contr
 cheap as a bare Ray round trip; only after a failure or a timeout are the refs looked at one by one, to name
 the failing rank or the ranks still running. The refs may belong to several calls in flight together (the
 two sides of a weight sync: a sender stuck in a broadcast must not hide that the receivers already failed).
+When a rank dies, its peers' collectives fail with errors of their own ("connection reset by peer"), often a
+moment before Ray reports the death: a failed wait gives the death ``DEATH_GRACE_S`` to show and names it
+first, since the death is the cause (a fault a restart can mend) and the peers' errors only its consequence.
 """
 
 from __future__ import annotations
@@ -19,6 +22,22 @@ import ray
 from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayError, RayTaskError
 
 from controller.errors import WorkerGroupError, WorkerGroupTimeoutError
+
+# How long a failed wait looks for a rank's death behind its peers' errors (a collective broken by the death)
+DEATH_GRACE_S = 2.0
+
+
+def _died(ref) -> bool | None:
+    """For a finished ref: None if it holds a result, True if its worker died, False if it raised."""
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError as err:
+        return "creation task" not in str(err)
+    except OutOfMemoryError:
+        return True
+    except RayError:
+        return False
+    return None
 
 
 def _get_one(ref, role: str, rank: int, method: str):
@@ -89,8 +108,13 @@ def wait_for_calls(
             first.role, first.method, stuck, timeout_s, time.perf_counter() - started
         ) from None
     except RayError:
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-        for i, ref in enumerate(refs):  # the failed ref is ready; the first one in call order is named
-            if ref in ready:
-                _get_one(ref, calls[i].role, calls[i].rank, calls[i].method)
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if (
+            pending
+        ):  # a rank's death breaks its peers' collectives: give the death the moment it takes to show
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEATH_GRACE_S)
+        failed = [i for i, ref in enumerate(refs) if ref in set(ready) and _died(ref) is not None]
+        deaths = [i for i in failed if _died(refs[i])]
+        for i in deaths[:1] or failed[:1]:  # a death is the cause; else the first failure in call order
+            _get_one(refs[i], calls[i].role, calls[i].rank, calls[i].method)
         raise  # not reached: the ref that failed the get fails here too

@@ -279,9 +279,10 @@ class TrainerConfig:
     # every worker-group call: call_timeout_s + call_timeout_per_row_s * (rows of its batch); None: no limit
     call_timeout_s: float | None = 1800.0
     call_timeout_per_row_s: float = 1.0
-    # worker faults (a process killed or out of memory, a call past its timeout) survived in a run: every worker
-    # group is rebuilt and training goes on from the latest checkpoint (the steps since it are computed again,
-    # so trainer.save_freq bounds the loss); 0: the first fault ends the run with the error naming it
+    # worker faults (a process killed or out of memory, a call past its timeout) survived in a run: a rank of a
+    # disaggregated rollout pool is replaced in place; otherwise every worker group is rebuilt and training goes
+    # on from the latest checkpoint (the steps since it computed again: trainer.save_freq bounds the loss);
+    # 0: the first fault ends the run with the error naming it (docs/reliability.md)
     max_restarts: int = 2
     # a locally started Ray on CPU: allow more devices (worker processes) than this machine has cores
     cpu_oversubscribe: bool = False

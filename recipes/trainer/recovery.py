@@ -1,6 +1,9 @@
 """Surviving a worker that dies or hangs: the run's record of its faults and the limits on them.
 
-A worker process that is killed, runs out of memory or hangs past its call timeout takes its collective groups
+A rank of a rollout pool apart from the trainer's (``trainer.placement=disaggregated``: rollout engines, the env
+workers and PRM beside them) holds nothing a checkpoint holds: ``Roles`` replaces that pool's group in place,
+syncs the current weights into it at the current version and runs the failed call again (the whole batch, with
+the same seeds: the same samples), so the step goes on. Anywhere else a worker process that is killed, runs out of memory or hangs past its call timeout takes its collective groups
 with it (the trainer ranks' FSDP group, the weight-sync group between trainer and rollout ranks), so the
 survivors cannot go on with a stand-in. ``Session.survive`` therefore rebuilds every worker group and restores
 the most recent checkpoint, exactly as a run restarted by hand with ``trainer.resume_mode=auto`` would (the
@@ -26,8 +29,9 @@ class RestartsExhausted(RunAborted):
 class Fault:
     step: int  # the step that was running
     what: str  # who failed where and why, one line
-    restored_step: int | None = None  # the checkpoint's step training went on from (0: the start)
+    restored_step: int | None = None  # a restart: the checkpoint's step training went on from (0: the start)
     seconds_lost: float = 0.0  # from the start of the first step computed again to the end of the recovery
+    replaced: list[str] | None = None  # a replacement: the rollout pool's roles replaced (the step went on)
 
 
 @dataclass
@@ -39,9 +43,14 @@ class FaultLog:
     def restarts(self) -> int:
         return sum(f.restored_step is not None for f in self.faults)
 
+    @property
+    def replacements(self) -> int:
+        return sum(f.replaced is not None for f in self.faults)
+
     def can_recover(self, err: BaseException) -> bool:
-        """A worker died or hung and a restart is left to spend on it."""
-        return isinstance(err, WorkerGroupError) and err.is_fault and self.restarts < self.max_restarts
+        """A worker died or hung and a restart or replacement is left to spend on it."""
+        spent = self.restarts + self.replacements
+        return isinstance(err, WorkerGroupError) and err.is_fault and spent < self.max_restarts
 
     def exhausted(self, err: BaseException, step: int, during_recovery: bool = False) -> RestartsExhausted:
         """The error that ends the run: every fault so far, ``err`` last."""
@@ -56,13 +65,15 @@ class FaultLog:
         return RestartsExhausted(f"{why}; the faults in order:\n" + "\n".join(lines))
 
     def metrics(self) -> dict[str, float]:
-        """``fault/*`` (cumulative over the run): restarts, steps computed again, wall time they and the
-        recoveries took; none before the first fault."""
-        done = [f for f in self.faults if f.restored_step is not None]
-        if not done:
+        """``fault/*`` (cumulative over the run): restarts, rollout-pool replacements, steps computed again, wall
+        time lost to them; none before the first fault."""
+        restarts = [f for f in self.faults if f.restored_step is not None]
+        replaced = [f for f in self.faults if f.replaced is not None]
+        if not restarts and not replaced:
             return {}
         return {
-            "fault/restarts": float(len(done)),
-            "fault/steps_lost": float(sum(f.step - f.restored_step for f in done)),
-            "fault/seconds_lost": float(sum(f.seconds_lost for f in done)),
+            "fault/restarts": float(len(restarts)),
+            "fault/replacements": float(len(replaced)),
+            "fault/steps_lost": float(sum(f.step - f.restored_step for f in restarts)),
+            "fault/seconds_lost": float(sum(f.seconds_lost for f in restarts + replaced)),
         }

@@ -32,10 +32,12 @@ moves weights; ``roles.sync_weights()`` is the recipes' call to it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
-from controller import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+from controller import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupError, create_colocated_worker_cls
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
 from recipes.sections import device_counts, needs_reference, reference_is_actor, syncs_adapters
@@ -53,6 +55,16 @@ from workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker, h
 from workers.weight_sync import WeightSync
 
 logger = logging.getLogger("recipes")
+T = TypeVar("T")
+
+
+class FaultPolicy(Protocol):
+    """What `Roles` asks before it replaces a rollout pool whose rank died (``allow``: a fault it may spend on
+    it) and tells after (``replaced``: the error, the seconds the replacement took, the roles replaced)."""
+
+    def allow(self, err: WorkerGroupError) -> bool: ...
+
+    def replaced(self, err: WorkerGroupError, seconds: float, roles: list[str]) -> None: ...
 
 
 def metrics_of(result) -> dict[str, float]:
@@ -82,15 +94,62 @@ class Roles:
     n_devices: int = 1
     manager: ResourcePoolManager | None = None
     groups: list[RayWorkerGroup] = field(default_factory=list)
+    # a rollout pool apart from the trainer's (disaggregated): its roles hold nothing a checkpoint holds, so a
+    # dead rank there is mended by a new group on the same pool (`rebuild_rollout_pool`, made by build_roles)
+    rebuild_rollout_pool: Callable[[], tuple[RayWorkerGroup, dict[str, RayWorkerGroup]]] | None = None
+    faults: FaultPolicy | None = None  # who allows and records a replacement (the session); None: never
+    replacements: int = 0
 
     def generate(self, prompts: DataProto, meta: dict) -> DataProto:
+        """The generator's batch; a rollout-pool rank that dies or hangs in it is replaced and the whole batch
+        generated again (the same seeds: the same samples), when ``faults`` allows."""
         prompts.meta_info.update(meta)
-        return self.generator.generate_sequences(prompts)
+        return self._replacing(lambda: self.generator.generate_sequences(prompts))
 
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Push the actor's current weights to the rollout engine(s) as policy ``version`` (the number of
-        updates they have had; the engines tag sampled tokens with it): ``weight_sync.sync()``."""
-        return self.weight_sync.sync(version=version)
+        updates they have had; the engines tag sampled tokens with it): ``weight_sync.sync()``. A rollout rank
+        lost on the way is replaced as in `generate`."""
+        return self._replacing(lambda: self.weight_sync.sync(version=version))
+
+    def _replacing(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except WorkerGroupError as err:
+            rollout_pool = self.rollout_pool_roles()
+            if not (err.is_fault and err.role in rollout_pool and self.faults and self.faults.allow(err)):
+                raise
+            t0 = time.perf_counter()
+            self.replace_rollout_pool()
+            self.faults.replaced(err, time.perf_counter() - t0, sorted(rollout_pool))
+            return call()  # a second fault here is the session's to recover from
+
+    def rollout_pool_roles(self) -> set[str]:
+        """The roles of a rollout pool that can be replaced (none when the rollout shares the trainer's)."""
+        if self.rebuild_rollout_pool is None:
+            return set()
+        return {
+            g.name
+            for g in (self.rollout, self.generator, *self.extra.values())
+            if not g.shares_processes_with(self.actor)
+        }
+
+    def replace_rollout_pool(self) -> None:
+        """A new group on the rollout pool in place of the old one (shut down), its roles initialised and
+        given the current weights at the current version (``weight_sync.version``)."""
+        assert self.rebuild_rollout_pool is not None
+        old = self.rollout
+        for wg in self.groups:
+            if wg.shares_processes_with(old):
+                wg.shutdown()
+        group, spawned = self.rebuild_rollout_pool()
+        self.groups = [group if g.shares_processes_with(old) else g for g in self.groups]
+        self.rollout = spawned["rollout"]
+        self.generator = spawned.get(self.generator.name, self.generator)
+        self.extra = {name: spawned.get(name, wg) for name, wg in self.extra.items()}
+        self.weight_sync.replace_rollout(self.rollout)
+        self.weight_sync.sync(version=self.weight_sync.version)
+        self.replacements += 1
 
     def checkpointed(self) -> dict[str, RayWorkerGroup]:
         """The roles whose state a checkpoint holds (the reference is frozen, the rollout is synced)."""
@@ -218,24 +277,28 @@ def build_roles(
     check_nodes(cfg)
     manager = ResourcePoolManager(plan.pool_spec, plan.role_to_pool, use_gpu=run.use_gpu)
     manager.create_resource_pools()
+
+    def start(pool: str) -> RayWorkerGroup:
+        roles = pools[pool]
+        hybrid = "actor" in roles and "rollout" in roles
+        concurrent = async_rollout and "rollout" in roles and not hybrid
+        return RayWorkerGroup(
+            manager.pools[pool],
+            create_colocated_worker_cls(roles),
+            name_prefix="hybrid" if hybrid else ("train" if "actor" in roles else next(iter(roles))),
+            call_timeout_s=t.call_timeout_s,
+            call_timeout_per_row_s=t.call_timeout_per_row_s,
+            # a generation, a weight receive and an abort at once
+            actor_options={"max_concurrency": 3} if concurrent else None,
+            wait=False,  # every pool's processes start at once
+        )
+
     groups: list[RayWorkerGroup] = []
     wgs: dict[str, RayWorkerGroup] = {}
     try:
         for pool, roles in pools.items():
-            hybrid = "actor" in roles and "rollout" in roles
-            concurrent = async_rollout and "rollout" in roles and not hybrid
-            wg = RayWorkerGroup(
-                manager.pools[pool],
-                create_colocated_worker_cls(roles),
-                name_prefix="hybrid" if hybrid else ("train" if "actor" in roles else next(iter(roles))),
-                call_timeout_s=t.call_timeout_s,
-                call_timeout_per_row_s=t.call_timeout_per_row_s,
-                # a generation, a weight receive and an abort at once
-                actor_options={"max_concurrency": 3} if concurrent else None,
-                wait=False,  # every pool's processes start at once
-            )
-            groups.append(wg)
-            wgs |= wg.spawn(list(roles))
+            groups.append(start(pool))
+            wgs |= groups[-1].spawn(list(roles))
         RayWorkerGroup.wait_ready(groups)
         for roles in pools.values():
             for name in roles:  # actor first: it joins the process group the others then reuse
@@ -245,6 +308,22 @@ def build_roles(
             wg.shutdown()
         manager.remove()
         raise
+
+    rollout_pool = plan.pool_of("rollout")
+
+    def rebuild_rollout_pool() -> tuple[RayWorkerGroup, dict[str, RayWorkerGroup]]:
+        """A new group of the rollout pool's roles on its placement groups, initialised (no weights yet)."""
+        group = start(rollout_pool)
+        try:
+            RayWorkerGroup.wait_ready([group])
+            spawned = group.spawn(list(pools[rollout_pool]))
+            for name in pools[rollout_pool]:
+                spawned[name].init_model()
+        except BaseException:
+            group.shutdown()
+            raise
+        return group, spawned
+
     return Roles(
         placement=t.placement,
         actor=wgs["actor"],
@@ -263,6 +342,7 @@ def build_roles(
         n_devices=counts["total"],
         manager=manager,
         groups=groups,
+        rebuild_rollout_pool=rebuild_rollout_pool if rollout_pool != plan.pool_of("actor") else None,
     )
 
 

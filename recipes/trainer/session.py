@@ -81,6 +81,7 @@ class Session:
         self.total = total_steps(cfg, self.loader)
         self._role_options = {"critic": critic, **role_options}
         self.faults = FaultLog(cfg.trainer.max_restarts)
+        self._recovering = False
         self._step_started: dict[
             int, float
         ] = {}  # perf_counter() at each step's start (time lost to a fault)
@@ -110,6 +111,7 @@ class Session:
     def _start_workers(self, resume_mode: str) -> None:
         """Pools, worker groups, KL controller and trainer state (from the checkpoint ``resume_mode`` names)."""
         self.roles = build_roles(self.cfg, self.run, **self._role_options)
+        self.roles.faults = self  # a rollout pool's dead rank is replaced in place when allow() says so
         try:
             self.kl_ctrl = get_kl_controller(self.cfg.algorithm.kl_ctrl)
             self.state = resume(self.run, self.roles, self.loader, self.kl_ctrl, self.cfg, resume_mode)
@@ -179,15 +181,40 @@ class Session:
                 else:
                     raise
 
+    def allow(self, err: WorkerGroupError) -> bool:
+        """`recipes.trainer.roles.FaultPolicy`: whether a rollout pool's fault may be mended in place (a fault
+        left to spend); says so on the console."""
+        if self._recovering or not self.faults.can_recover(err):  # a fault during a recovery ends the run
+            return False
+        n, limit = self.faults.restarts + self.faults.replacements + 1, self.faults.max_restarts
+        self.tracker.write(
+            f"[{self.recipe}] FAULT at step {self.state.step}: {err.summary()} -- fault {n} of {limit}: the rollout "
+            "pool's workers are replaced and given the current weights, and the call runs again"
+        )
+        self.faults.faults.append(Fault(self.state.step, err.summary()))
+        return True
+
+    def replaced(self, err: WorkerGroupError, seconds: float, roles: list[str]) -> None:
+        """`recipes.trainer.roles.FaultPolicy`: the replacement `allow` announced is done."""
+        fault = self.faults.faults[-1]
+        fault.replaced, fault.seconds_lost = roles, seconds
+        version = self.roles.weight_sync.version
+        self.tracker.write(
+            f"[{self.recipe}] replaced {', '.join(roles)} in {seconds:.1f}s, with the trainer's current weights"
+            + (f" (policy version {version})" if version else "")
+            + f"; step {self.state.step} goes on"
+        )
+
     def recover(self, err: WorkerGroupError) -> None:
         """Every worker group shut down and built again, the most recent checkpoint of this run loaded (none yet:
         ``trainer.resume_mode``'s, or the start) and its weights synced; the steps after it are forgotten by
         the tracker, to be computed again. Says so on the console, before and after; ``fault/*`` metrics."""
         failed, t0, limit = self.state.step, time.perf_counter(), self.faults.max_restarts
         mode, origin = self._restart_from
+        n = self.faults.restarts + self.faults.replacements + 1
         self.tracker.write(
-            f"[{self.recipe}] FAULT at step {failed}: {err.summary()} -- restart {self.faults.restarts + 1} of "
-            f"{limit}: every worker group is rebuilt and training goes on from {origin}"
+            f"[{self.recipe}] FAULT at step {failed}: {err.summary()} -- fault {n} of {limit}, a restart: every "
+            f"worker group is rebuilt and training goes on from {origin}"
         )
         fault = Fault(failed, err.summary())
         self.faults.faults.append(fault)
@@ -195,11 +222,14 @@ class Session:
         for partial in ckpt.remove_partial(self.run.checkpoint_dir):
             self.tracker.write(f"[{self.recipe}] removed {partial}: a save the fault cut short")
         self.loader.load_state_dict(self._loader_start)
+        self._recovering = True
         try:
             self._start_workers(mode)
             self.roles.sync_weights(version=self.state.step)
         except Exception as again:
             raise self.faults.exhausted(again, failed, during_recovery=True) from again
+        finally:
+            self._recovering = False
         restored = fault.restored_step = self.state.step
         fault.seconds_lost = time.perf_counter() - self._step_started.get(restored + 1, t0)
         self.tracker.rewind(restored)

@@ -50,6 +50,14 @@ class FlakyWorker(Worker):
         time.sleep(120)  # stands in for a rank blocked in a collective on the dead peer
 
     @register(Dispatch.ONE_TO_ALL)
+    def die_after_peer_error(self):
+        if self.rank == 1:
+            time.sleep(0.3)
+            os._exit(7)
+        # rank 0's collective breaks first (gloo: "Connection reset by peer") while rank 1 is still dying
+        raise RuntimeError("collective broken: connection reset by peer")
+
+    @register(Dispatch.ONE_TO_ALL)
     def pid(self):
         return os.getpid()
 
@@ -135,6 +143,20 @@ def test_worker_killed_mid_call_fails_fast(pool):
         assert err.reason == "the worker actor died" and "died" in err.remote_traceback
         with pytest.raises(WorkerGroupError, match="rank 1 failed in 'pid': the worker actor died"):
             wg.pid()
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_death_is_named_before_the_peer_errors_it_caused(pool):
+    """Rank 0 raises at once because its peer is dying; rank 1 dies 0.3 s later: the error names the death (a
+    fault a restart can mend), not rank 0's broken collective (which would end the run as a raised error)."""
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(FlakyWorker), name_prefix="doomed")
+    try:
+        with pytest.raises(WorkerGroupError) as info:
+            wg.die_after_peer_error()
+        err = info.value
+        assert (err.rank, err.kind, err.is_fault) == (1, "died", True), err
     finally:
         wg.shutdown()
 

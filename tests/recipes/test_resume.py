@@ -156,7 +156,7 @@ def test_a_trainer_rank_killed_mid_step_is_recovered_to_the_metrics_of_a_hand_re
         len(re.findall(r"FAULT at step 3: worker group '(?:actor|ref|rollout)' rank 1 failed in", out)) == 1
     ), out
     assert (
-        "restart 1 of 2: every worker group is rebuilt and training goes on from the checkpoint of step 2"
+        "fault 1 of 2, a restart: every worker group is rebuilt and training goes on from the checkpoint of step 2"
         in out
     )
     assert "recovered in" in out and "at step 2: step 3 computed again" in out

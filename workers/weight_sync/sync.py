@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from controller import RayWorkerGroup, WorkerGroupError, wait_all
+from controller import DataProtoFuture, RayWorkerGroup, WorkerGroupError, wait_all
 
 STRATEGIES = ("colocated", "resharded", "disaggregated")
 # Method of the colocated rollout group that runs a whole in-process sync, per colocated strategy
@@ -89,6 +89,11 @@ class WeightSync:
         self.link: WeightSyncLink | None = None
         self.syncs = 0
         self.last: dict[str, float] = {}
+        self.version: int | None = None  # the policy version last synced with one (None: never given)
+        # the trainer side's call of a disaggregated sync or setup whose rollout side failed (it may still wait
+        # for the lost ranks), and how long a replacement waits for it to end
+        self._trainer_call: DataProtoFuture | None = None
+        self.abandon_timeout_s = 30.0
 
     @classmethod
     def for_groups(
@@ -109,6 +114,8 @@ class WeightSync:
         version the rollout engines then tag their tokens with (None: they keep theirs). Disaggregated only:
         ``bucket_bytes`` overrides the trainer's ``rollout.weight_bucket_mb``; ``abort_running`` aborts the
         requests that a concurrent rollout worker started on the old weights (``RolloutWorker.receive_weights``)."""
+        if version is not None:
+            self.version = version
         if self.strategy == "disaggregated":
             t0 = time.perf_counter()
             return self._record(self._stream(bucket_bytes, version, abort_running), t0)
@@ -126,6 +133,8 @@ class WeightSync:
         sync's own time, not the call it queued behind); None for the disaggregated strategy (use `sync`)."""
         if self.strategy == "disaggregated":
             return None
+        if version is not None:
+            self.version = version
         method = getattr(self.rollout, _IN_PROCESS_METHOD[self.strategy])  # it reads the trainer it shares
         pending = method.with_options(blocking=False)(version=version)
 
@@ -155,6 +164,21 @@ class WeightSync:
             ]
         )
 
+    def replace_rollout(self, rollout: RayWorkerGroup) -> None:
+        """Sync into ``rollout`` from now on (a new group in place of one whose rank died: disaggregated only).
+        The old weight-sync group is dropped; the next sync sets up one with the new ranks (trainer rank 0
+        leaves its end of the old one as it joins)."""
+        if self.strategy != "disaggregated":
+            raise ValueError(f"the {self.strategy!r} weight sync has no rollout group of its own to replace")
+        pending, self._trainer_call = self._trainer_call, None
+        if pending is not None and not pending.resolved:
+            try:  # a broadcast to a dead peer fails at once; a setup waiting for one waits out its timeout
+                pending.get(timeout_s=self.abandon_timeout_s)
+            except WorkerGroupError as err:
+                if err.kind == "timeout":  # trainer rank 0 is stuck with the lost ranks: a fault of its own
+                    raise
+        self.rollout, self.link = rollout, None
+
     # -- disaggregated ---------------------------------------------------------------------------------------
 
     def _connect(self) -> WeightSyncLink:
@@ -183,28 +207,29 @@ class WeightSync:
 
         trainer_ranks = [0] + [None] * (self.actor.world_size - 1)  # trainer rank 0 is the source
         rollout_ranks = list(range(1, world))
-        wait_all(
-            [join(self.actor, trainer_ranks), join(self.rollout, rollout_ranks)], timeout_s=timeout + 30.0
-        )
+        trainer = join(self.actor, trainer_ranks)
+        try:
+            wait_all([trainer, join(self.rollout, rollout_ranks)], timeout_s=timeout + 30.0)
+        except WorkerGroupError:
+            self._trainer_call = trainer
+            raise
         return WeightSyncLink(name, backend, world)
 
     def _stream(self, bucket_bytes: int | None, version: int | None, abort_running: bool) -> dict:
         if self.link is None:
             self.link = self._connect()
         name = self.link.group_name
-        sent, received = wait_all(
-            [
-                self.actor.send_weights.with_options(blocking=False)(
-                    bucket_bytes=bucket_bytes, group_name=name, adapter_only=self.adapter_only
-                ),
-                self.rollout.receive_weights.with_options(blocking=False)(
-                    group_name=name,
-                    version=version,
-                    abort_running=abort_running,
-                    adapter_only=self.adapter_only,
-                ),
-            ]
+        sending = self.actor.send_weights.with_options(blocking=False)(
+            bucket_bytes=bucket_bytes, group_name=name, adapter_only=self.adapter_only
         )
+        receiving = self.rollout.receive_weights.with_options(blocking=False)(
+            group_name=name, version=version, abort_running=abort_running, adapter_only=self.adapter_only
+        )
+        try:
+            sent, received = wait_all([sending, receiving])
+        except WorkerGroupError:  # a death on either side is named, not the other side's broken broadcast
+            self._trainer_call = sending
+            raise
         for rank, r in enumerate(received):
             if (r["perf/weight_sync_bytes"], r["weight_sync/tensors"]) != (
                 sent["perf/weight_sync_bytes"],
