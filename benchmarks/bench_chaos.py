@@ -7,10 +7,10 @@
 One supervised warm start (recipes/quickstart.yaml's SFT), then two GRPO runs from it with the same seeds:
 ``calm`` and ``chaos``. In ``chaos`` a thread kills (SIGKILL) one random process of the ``--targets`` roles
 (``rollout``: the rollout pool's processes, rollout engine and env; ``trainer``: the training ranks) after
-every ``--every`` seconds of training (time in steps, not in recoveries), during a step only (a kill during the recovery itself ends the run by design:
+every ``--every`` seconds of training (time in steps, not in recoveries or replacements), during a step only (a kill during the recovery itself ends the run by design:
 ``recipes/trainer/recovery.py``). The run survives by rebuilding its workers from its latest checkpoint
 (``trainer.save_freq``; ``trainer.max_restarts`` raised for the benchmark). Reported per arm: steps, faults
-injected, restarts, steps computed again, seconds lost (per fault), wall time, held-out accuracy before/after,
+injected, restarts, in-place replacements of the rollout pool, steps computed again, seconds lost (per fault), wall time, held-out accuracy before/after,
 and the prompts each step trained on (by uid): ``same_prompts`` says every step of ``chaos`` trained exactly
 the prompts of the same step of ``calm`` (none twice, none skipped), ``same_metrics`` that every step's reward,
 losses, entropy and held-out accuracy equal ``calm``'s. Table + ``outputs/<name>.json``.
@@ -69,12 +69,17 @@ class ChaosMonkey:
             out += [(target, rank, pid) for rank, pid in enumerate(groups[target].pids)]
         return sorted(set(out))
 
+    def mending(self) -> bool:
+        """A fault is being mended in the step (a rollout pool replaced in place): no kill, no time counted."""
+        faults = self.session.faults.faults if self.session is not None else []
+        return bool(faults) and faults[-1].replaced is None and faults[-1].restored_step is None
+
     def _run(self) -> None:
         trained_s = (
             0.0  # training time since the last kill: faults are spaced in steps' time, not recoveries'
         )
         while not self._stop.wait(0.1):
-            if not self.in_step.is_set():
+            if not self.in_step.is_set() or self.mending():
                 continue
             trained_s += 0.1
             victims = self.victims()
@@ -136,6 +141,7 @@ def run_arm(cfg, run, monkey: ChaosMonkey | None) -> dict:
         "steps": result["step"],
         "faults_injected": len(monkey.kills) if monkey is not None else 0,
         "restarts": final.get("fault/restarts", 0.0),
+        "replacements": final.get("fault/replacements", 0.0),
         "steps_lost": final.get("fault/steps_lost", 0.0),
         "seconds_lost": final.get("fault/seconds_lost", 0.0),
         "wall_s": wall,
@@ -172,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--sft-steps", type=int, default=None, help="warm-start steps (quickstart.yaml's if unset)"
     )
     parser.add_argument("--seed", type=int, default=0, help="the chaos thread's choice of victims")
+    parser.add_argument(
+        "--sft-model", default=None, help="an earlier run's warm start (<dir>/calm/sft_model)"
+    )
     parser.add_argument("--dir", default=None, help="work directory (default: a new temporary one)")
     parser.add_argument("--name", default="bench_chaos", help="JSON record: outputs/<name>.json")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="quickstart config overrides")
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     common = [*DEFAULTS, *steps, *args.overrides]
     if args.sft_steps is not None:
         common.append(f"sft.total_steps={args.sft_steps}")
-    arms, sft_model = {}, None
+    arms, sft_model = {}, args.sft_model
     for arm in ("calm", "chaos"):
         cfg = load_config("quickstart", [*common, f"trainer.default_local_dir={work / arm}"])
         run = start_run(cfg, "quickstart")
@@ -193,12 +202,12 @@ def main(argv: list[str] | None = None) -> dict:
     uids = [u for s in sorted(chaos) for u in chaos[s]]
     rows = []
     for arm, r in arms.items():
-        faults = max(r["restarts"], 1.0)
+        faults = r["restarts"] + r["replacements"]
         rows.append(
             {
                 "arm": arm,
                 **{k: v for k, v in r.items() if k not in ("trained", "history", "kills")},
-                "s_lost_per_fault": r["seconds_lost"] / faults if r["restarts"] else 0.0,
+                "s_lost_per_fault": r["seconds_lost"] / faults if faults else 0.0,
                 "prompts": sum(len(v) for v in r["trained"].values()),
                 "load": os.getloadavg()[0],
             }
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows[-1]["prompts_twice"] = len(uids) - len(set(uids))
     rows[-1]["same_prompts"] = sorted(calm) == sorted(chaos) and all(calm[s] == chaos[s] for s in calm)
     rows[-1]["same_metrics"] = same_metrics(arms["calm"]["history"], arms["chaos"]["history"])
-    columns = ["arm", "steps", "faults_injected", "restarts", "steps_lost", "seconds_lost", "s_lost_per_fault",
+    columns = ["arm", "steps", "faults_injected", "restarts", "replacements", "steps_lost", "seconds_lost", "s_lost_per_fault",
                "wall_s", "val_before", "val_after", "prompts", "prompts_twice", "same_prompts", "same_metrics", "load"]  # fmt: skip
     print_table(rows, columns)
     payload = {"rows": rows, "kills": arms["chaos"]["kills"], "args": vars(args), "overrides": common}
