@@ -82,9 +82,8 @@ class Session:
         self._role_options = {"critic": critic, **role_options}
         self.faults = FaultLog(cfg.trainer.max_restarts)
         self._recovering = False
-        self._step_started: dict[
-            int, float
-        ] = {}  # perf_counter() at each step's start (time lost to a fault)
+        # perf_counter() at each step's start: the time a fault lost
+        self._step_started: dict[int, float] = {}
         self._start_workers(cfg.trainer.resume_mode)
         # where a restart goes on from: the checkpoint this session resumed from or saved last (a run directory
         # may hold an older run's checkpoints, which a restart must not pick up), else the start
@@ -206,8 +205,8 @@ class Session:
         )
 
     def recover(self, err: WorkerGroupError) -> None:
-        """Every worker group shut down and built again, the most recent checkpoint of this run loaded (none yet:
-        ``trainer.resume_mode``'s, or the start) and its weights synced; the steps after it are forgotten by
+        """Every worker group shut down and built again, the checkpoint this session saved last or resumed from
+        loaded (neither: the start) and its weights synced; the steps after it are forgotten by
         the tracker, to be computed again. Says so on the console, before and after; ``fault/*`` metrics."""
         failed, t0, limit = self.state.step, time.perf_counter(), self.faults.max_restarts
         mode, origin = self._restart_from
