@@ -113,16 +113,16 @@ class Roles:
         return self._replacing(lambda: self.weight_sync.sync(version=version))
 
     def _replacing(self, call: Callable[[], T]) -> T:
-        try:
-            return call()
-        except WorkerGroupError as err:
-            rollout_pool = self.rollout_pool_roles()
-            if not (err.is_fault and err.role in rollout_pool and self.faults and self.faults.allow(err)):
-                raise
-            t0 = time.perf_counter()
-            self.replace_rollout_pool()
-            self.faults.replaced(err, time.perf_counter() - t0, sorted(rollout_pool))
-            return call()  # a second fault here is the session's to recover from
+        while True:  # each fault of the rollout pool replaced while ``faults`` allows, the call run again
+            try:
+                return call()
+            except WorkerGroupError as err:
+                rollout_pool = self.rollout_pool_roles()
+                if not (err.is_fault and err.role in rollout_pool and self.faults and self.faults.allow(err)):
+                    raise
+                t0 = time.perf_counter()
+                self.replace_rollout_pool()  # a fault while replacing is the session's to recover from
+                self.faults.replaced(err, time.perf_counter() - t0, sorted(rollout_pool))
 
     def rollout_pool_roles(self) -> set[str]:
         """The roles of a rollout pool that can be replaced (none when the rollout shares the trainer's)."""
