@@ -27,19 +27,6 @@ from controller.errors import WorkerGroupError, WorkerGroupTimeoutError
 DEATH_GRACE_S = 2.0
 
 
-def _died(ref) -> bool | None:
-    """For a finished ref: None if it holds a result, True if its worker died, False if it raised."""
-    try:
-        ray.get(ref, timeout=0)
-    except RayActorError as err:
-        return "creation task" not in str(err)
-    except OutOfMemoryError:
-        return True
-    except RayError:
-        return False
-    return None
-
-
 def _get_one(ref, role: str, rank: int, method: str):
     try:
         return ray.get(ref)
@@ -57,6 +44,15 @@ def _get_one(ref, role: str, rank: int, method: str):
         raise WorkerGroupError(role, rank, method, "out of memory", str(err), kind="died") from err
     except RayError as err:
         raise WorkerGroupError(role, rank, method, f"{type(err).__name__}", str(err), kind="ray") from err
+
+
+def _error_of(ref, call: RankCall) -> WorkerGroupError | None:
+    """The error a finished ref holds, named (`_get_one`), or None when it holds a result."""
+    try:
+        _get_one(ref, call.role, call.rank, call.method)
+    except WorkerGroupError as err:
+        return err
+    return None
 
 
 def wait_for_results(
@@ -113,8 +109,10 @@ def wait_for_calls(
             pending
         ):  # a rank's death breaks its peers' collectives: give the death the moment it takes to show
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEATH_GRACE_S)
-        failed = [i for i, ref in enumerate(refs) if ref in set(ready) and _died(ref) is not None]
-        deaths = [i for i in failed if _died(refs[i])]
-        for i in deaths[:1] or failed[:1]:  # a death is the cause; else the first failure in call order
-            _get_one(refs[i], calls[i].role, calls[i].rank, calls[i].method)
-        raise  # not reached: the ref that failed the get fails here too
+        done = set(ready)
+        errors = [
+            e for i, ref in enumerate(refs) if ref in done and (e := _error_of(ref, calls[i])) is not None
+        ]
+        deaths = [e for e in errors if e.kind == "died"]
+        first = (deaths or errors)[0]  # a death is the cause; else the first failure in call order
+        raise first from first.__cause__  # the Ray error it names (checkpoint errors read the worker's from it)

@@ -69,9 +69,8 @@ def train(cfg: RecipeConfig, run: Run, recipe: str = "grpo_async", **role_option
 
     def loop() -> None:  # run again from the latest checkpoint after a worker fault (Session.survive)
         with rollout_source(s) as source:  # the stream starts
-            s.data_state = lambda: source.checkpoint_state(
-                s.loader
-            )  # checkpoints: loader + untrained prompts
+            # checkpoints: loader + untrained prompts
+            s.data_state = lambda: source.checkpoint_state(s.loader)
             for _ in s.step_numbers():
                 metrics: dict[str, float] = {}
                 timings: dict[str, float] = {}

@@ -85,12 +85,10 @@ def step_dirs(role_dir: Path) -> list[int]:
 def remove_partial(ckpt_dir: str | os.PathLike) -> list[str]:
     """Delete what a save cut short by a dying worker left (``<role>/step_N.tmp``, never loaded); returns
     their paths. A complete ``step_N`` is kept."""
-    removed = []
-    for role_dir in Path(ckpt_dir).iterdir() if Path(ckpt_dir).is_dir() else []:
-        for partial in role_dir.glob("step_*.tmp") if role_dir.is_dir() else []:
-            shutil.rmtree(partial, ignore_errors=True)
-            removed.append(str(partial))
-    return removed
+    partial = sorted(Path(ckpt_dir).glob("*/step_*.tmp"))  # none when the directory does not exist
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return [str(path) for path in partial]
 
 
 def _worker_error(err: WorkerGroupError) -> CheckpointError | None:

@@ -3,13 +3,14 @@
 A rank of a rollout pool apart from the trainer's (``trainer.placement=disaggregated``: rollout engines, the env
 workers and PRM beside them) holds nothing a checkpoint holds: ``Roles`` replaces that pool's group in place,
 syncs the current weights into it at the current version and runs the failed call again (the whole batch, with
-the same seeds: the same samples), so the step goes on. Anywhere else a worker process that is killed, runs out of memory or hangs past its call timeout takes its collective groups
-with it (the trainer ranks' FSDP group, the weight-sync group between trainer and rollout ranks), so the
-survivors cannot go on with a stand-in. ``Session.survive`` therefore rebuilds every worker group and restores
+the same seeds: the same samples), so the step goes on. Anywhere else a worker process that is killed, runs out
+of memory or hangs past its call timeout takes its collective groups with it (the trainer ranks' FSDP group, the
+weight-sync group between trainer and rollout ranks), so the survivors cannot go on with a stand-in. ``Session.survive`` therefore rebuilds every worker group and restores
 the most recent checkpoint, exactly as a run restarted by hand with ``trainer.resume_mode=auto`` would (the
 resume tests check that this reaches the same metrics bit for bit), and goes on; the steps since that
-checkpoint are computed again. ``trainer.max_restarts`` bounds how often; ``trainer.save_freq`` bounds what a
-restart loses. An error a worker *raised* is not a fault: a fresh worker would raise it again, so it ends the
+checkpoint are computed again. ``trainer.max_restarts`` bounds the faults of a run, each one counted whether it
+was mended in place, by a restart, or not at all (a replacement cut short by another fault); ``trainer.save_freq``
+bounds what a restart loses. An error a worker *raised* is not a fault: a fresh worker would raise it again, so it ends the
 run as before.
 """
 
@@ -48,9 +49,8 @@ class FaultLog:
         return sum(f.replaced is not None for f in self.faults)
 
     def can_recover(self, err: BaseException) -> bool:
-        """A worker died or hung and a restart or replacement is left to spend on it."""
-        spent = self.restarts + self.replacements
-        return isinstance(err, WorkerGroupError) and err.is_fault and spent < self.max_restarts
+        """A worker died or hung and the run has not yet had ``max_restarts`` faults."""
+        return isinstance(err, WorkerGroupError) and err.is_fault and len(self.faults) < self.max_restarts
 
     def exhausted(self, err: BaseException, step: int, during_recovery: bool = False) -> RestartsExhausted:
         """The error that ends the run: every fault so far, ``err`` last."""

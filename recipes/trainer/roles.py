@@ -98,7 +98,6 @@ class Roles:
     # dead rank there is mended by a new group on the same pool (`rebuild_rollout_pool`, made by build_roles)
     rebuild_rollout_pool: Callable[[], tuple[RayWorkerGroup, dict[str, RayWorkerGroup]]] | None = None
     faults: FaultPolicy | None = None  # who allows and records a replacement (the session); None: never
-    replacements: int = 0
 
     def generate(self, prompts: DataProto, meta: dict) -> DataProto:
         """The generator's batch; a rollout-pool rank that dies or hangs in it is replaced and the whole batch
@@ -149,7 +148,6 @@ class Roles:
         self.extra = {name: spawned.get(name, wg) for name, wg in self.extra.items()}
         self.weight_sync.replace_rollout(self.rollout)
         self.weight_sync.sync(version=self.weight_sync.version)
-        self.replacements += 1
 
     def checkpointed(self) -> dict[str, RayWorkerGroup]:
         """The roles whose state a checkpoint holds (the reference is frozen, the rollout is synced)."""

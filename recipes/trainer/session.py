@@ -185,7 +185,7 @@ class Session:
         left to spend); says so on the console."""
         if self._recovering or not self.faults.can_recover(err):  # a fault during a recovery ends the run
             return False
-        n, limit = self.faults.restarts + self.faults.replacements + 1, self.faults.max_restarts
+        n, limit = len(self.faults.faults) + 1, self.faults.max_restarts
         self.tracker.write(
             f"[{self.recipe}] FAULT at step {self.state.step}: {err.summary()} -- fault {n} of {limit}: the rollout "
             "pool's workers are replaced and given the current weights, and the call runs again"
@@ -210,7 +210,7 @@ class Session:
         the tracker, to be computed again. Says so on the console, before and after; ``fault/*`` metrics."""
         failed, t0, limit = self.state.step, time.perf_counter(), self.faults.max_restarts
         mode, origin = self._restart_from
-        n = self.faults.restarts + self.faults.replacements + 1
+        n = len(self.faults.faults) + 1
         self.tracker.write(
             f"[{self.recipe}] FAULT at step {failed}: {err.summary()} -- fault {n} of {limit}, a restart: every "
             f"worker group is rebuilt and training goes on from {origin}"

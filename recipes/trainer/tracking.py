@@ -80,13 +80,7 @@ class Tracker:
         self.history: list[dict] = self._load_history(start_step)
         self._rewrite_history()
         self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 -- closed in close()
-        self.tb = None
-        if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(
-                log_dir=str(self.tensorboard_dir), purge_step=start_step + 1 if start_step else None
-            )
+        self.tb = self._tensorboard(start_step + 1 if start_step else None)
         self.wandb = None
         if "wandb" in self.loggers:
             import wandb
@@ -133,6 +127,14 @@ class Tracker:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         os.replace(tmp, self.metrics_path)
 
+    def _tensorboard(self, purge_step: int | None):
+        """A TensorBoard writer that drops the events from ``purge_step`` on (None: none), when it is a logger."""
+        if "tensorboard" not in self.loggers:
+            return None
+        from torch.utils.tensorboard import SummaryWriter  # heavy (pulls in TensorBoard); only when logging
+
+        return SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge_step)
+
     def rewind(self, step: int) -> None:
         """Forget the steps after ``step`` (a run that went back to its checkpoint of that step will log them
         again): metrics.jsonl rewritten, TensorBoard purged past it, the bar set back. wandb keeps what it was
@@ -142,10 +144,8 @@ class Tracker:
         self._rewrite_history()
         self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 -- closed in close()
         if self.tb is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tb.close()
-            self.tb = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=step + 1)
+            self.tb = self._tensorboard(step + 1)
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()

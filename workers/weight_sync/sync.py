@@ -114,8 +114,6 @@ class WeightSync:
         version the rollout engines then tag their tokens with (None: they keep theirs). Disaggregated only:
         ``bucket_bytes`` overrides the trainer's ``rollout.weight_bucket_mb``; ``abort_running`` aborts the
         requests that a concurrent rollout worker started on the old weights (``RolloutWorker.receive_weights``)."""
-        if version is not None:
-            self.version = version
         if self.strategy == "disaggregated":
             t0 = time.perf_counter()
             return self._record(self._stream(bucket_bytes, version, abort_running), t0)
@@ -216,6 +214,8 @@ class WeightSync:
         return WeightSyncLink(name, backend, world)
 
     def _stream(self, bucket_bytes: int | None, version: int | None, abort_running: bool) -> dict:
+        if version is not None:
+            self.version = version
         if self.link is None:
             self.link = self._connect()
         name = self.link.group_name
@@ -227,7 +227,9 @@ class WeightSync:
         )
         try:
             sent, received = wait_all([sending, receiving])
-        except WorkerGroupError:  # a death on either side is named, not the other side's broken broadcast
+        except (
+            WorkerGroupError
+        ):  # the trainer's side may still be in the broadcast: replace_rollout waits for it
             self._trainer_call = sending
             raise
         for rank, r in enumerate(received):
