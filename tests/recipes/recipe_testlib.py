@@ -28,6 +28,29 @@ BRIEF_RLM = [
 ]
 
 
+# A brief, quiet GRPO run on the nano model: 4 steps of 2 prompts x 2 samples, no validation, no checkpoints.
+BRIEF_GRPO = [
+    "model.tiny_size=nano",
+    "task.name=arithmetic",
+    "task.n_train=64",
+    "task.n_val=4",
+    "data.val_max_samples=4",
+    "data.train_batch_size=2",
+    "data.max_prompt_length=32",
+    "data.max_response_length=24",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=2",
+    "actor.optim.lr=1e-2",  # large steps: the rollout's and the trainer's log-probs drift apart visibly
+    "trainer.total_training_steps=4",
+    "trainer.test_freq=-1",
+    "trainer.val_before_train=false",
+    "trainer.save_freq=-1",
+    "trainer.progress_bar=false",
+    "trainer.logger=[console]",
+    "trainer.plot=false",
+]
+
+
 def kill_during_generation(monkeypatch, step: int, rank: int, group: str = "rollout", delay_s: float = 0.05):
     """SIGKILL the process of ``group``'s (a `Roles` field: actor, rollout, generator) rank ``rank``, ``delay_s``
     into the training generation of ``step`` (once): a real process death in the middle of a step, as an

@@ -9,7 +9,7 @@ import re
 import signal
 
 import pytest
-from recipe_testlib import BRIEF_RLM, kill_during_generation
+from recipe_testlib import BRIEF_GRPO, BRIEF_RLM, kill_during_generation
 
 from recipes import grpo, grpo_async, rlm
 from recipes.config import load_config
@@ -19,25 +19,13 @@ from recipes.trainer.run import start_run
 
 pytestmark = pytest.mark.e2e
 
+# the shared brief GRPO run, checkpointed every step (a restart's point to go on from), 3 steps, 32 tokens
 BRIEF = [
-    "model.tiny_size=nano",
-    "task.name=arithmetic",
-    "task.n_train=64",
-    "task.n_val=4",
-    "data.val_max_samples=4",
-    "data.train_batch_size=2",
-    "data.max_prompt_length=32",
+    *BRIEF_GRPO,
     "data.max_response_length=32",
-    "rollout.n=2",
-    "actor.ppo_mini_batch_size=2",
     "trainer.total_training_steps=3",
     "trainer.save_freq=1",
-    "trainer.test_freq=-1",
-    "trainer.val_before_train=false",
     "trainer.resume_mode=disable",
-    "trainer.progress_bar=false",
-    "trainer.logger=[console]",
-    "trainer.plot=false",
 ]
 DISAGGREGATED = [
     "trainer.placement=disaggregated",

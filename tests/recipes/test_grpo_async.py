@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from recipe_testlib import BRIEF_GRPO
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from controller.worker_group import RayWorkerGroup
@@ -26,26 +27,7 @@ COLLECT = async_rl.RolloutStream._collect
 CALL_RANK = RayWorkerGroup.call_rank
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _never_ready runs in a Ray worker
 
-BRIEF = [
-    "model.tiny_size=nano",
-    "task.name=arithmetic",
-    "task.n_train=64",
-    "task.n_val=4",
-    "data.val_max_samples=4",
-    "data.train_batch_size=2",
-    "data.max_prompt_length=32",
-    "data.max_response_length=24",
-    "rollout.n=2",
-    "actor.ppo_mini_batch_size=2",
-    "actor.optim.lr=1e-2",  # large steps: the rollout's and the trainer's log-probs drift apart visibly
-    "trainer.total_training_steps=4",
-    "trainer.test_freq=-1",
-    "trainer.val_before_train=false",
-    "trainer.save_freq=-1",
-    "trainer.progress_bar=false",
-    "trainer.logger=[console]",
-    "trainer.plot=false",
-]
+BRIEF = BRIEF_GRPO
 
 
 def run(tmp_path, *overrides, record=None, monkeypatch=None, before_step=None):
