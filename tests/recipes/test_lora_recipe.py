@@ -122,28 +122,57 @@ def test_async_grpo_with_lora_swaps_adapters_into_running_generations(ray_sessio
     assert max(max(token_versions(last, r)) for r in range(len(last))) >= 2
 
 
-def test_the_quickstart_with_lora_exports_the_merged_model_and_the_adapter(ray_session, tmp_path):
-    """The user's command with ``actor.lora.*``, brief: it warm-starts in full, trains adapters and exports both
-    forms (the full run's figure, 0.285 -> 0.71 held-out accuracy: benchmarks/results/quickstart_lora.json)."""
+SEVENS_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """The share of the response's characters that are the digit 7."""
+    return solution_str.count("7") / max(len(solution_str), 1)
+'''
+
+
+def test_the_quickstart_with_lora_learns_and_exports_the_merged_model_and_the_adapter(ray_session, tmp_path):
+    """The user's command with ``actor.lora.*``, brief: it warm-starts in full, then RL trains the adapters alone
+    and raises a reward, and the run exports both forms (the full run's figure, 0.285 -> 0.71 held-out accuracy:
+    benchmarks/results/quickstart_lora.json).
+
+    The reward is one the warm start rarely earns but can learn in a few steps (the share of 7s it writes). A
+    warm start is what makes LoRA learn at all here: on a random model the frozen, tiny output head keeps every
+    logit within about +-0.6 whatever the adapters do; 100 SFT steps give the head a spread to use."""
     from peft import PeftConfig
     from test_recipes_e2e import TINY
 
     from recipes import quickstart
 
+    reward = tmp_path / "sevens.py"
+    reward.write_text(SEVENS_REWARD)
     run_dir = tmp_path / "qs"
+    steps = 10
     out = quickstart.main(
         [
             *TINY,
             f"trainer.default_local_dir={run_dir}",
-            "sft.total_steps=4",
-            "sft.batch_size=8",
-            "sft.optim.total_steps=4",
-            "actor.ppo_mini_batch_size=4",
-            "trainer.total_training_steps=1",
-            "trainer.test_freq=1",
+            f"custom_reward_function.path={reward}",
+            "trainer.logger=[console]",
+            "sft.total_steps=100",
+            "sft.batch_size=16",
+            "sft.optim.lr=1e-2",
+            "sft.optim.warmup_steps=5",
+            "sft.optim.total_steps=100",
+            "data.train_batch_size=8",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=8",
+            f"trainer.total_training_steps={steps}",
+            f"trainer.test_freq={steps}",
+            "trainer.save_freq=-1",
             f"actor.lora.rank={RANK}",
             "actor.lora.alpha=8",
+            "actor.optim.lr=3e-2",
         ]
+    )
+    scores = [r["critic/score/mean"] for r in out["history"] if "critic/score/mean" in r]
+    assert len(scores) == steps
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert first < 0.1 and last > 0.25 and last > 3 * first, (
+        f"the adapters did not raise the reward: {scores}"
     )
     adapter = PeftConfig.from_pretrained(f"{out['hf_model']}/adapter")
     assert adapter.r == RANK and adapter.base_model_name_or_path == out["sft_model"]
