@@ -91,6 +91,35 @@ def summarize(seeds: list[dict]) -> list[dict]:
     return rows
 
 
+def plot(seeds: list[dict], path: str) -> str:
+    """Held-out accuracy against training seconds, one line per arm and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for s in seeds:
+        for arm, color in (("full", "tab:blue"), ("lora", "tab:orange")):
+            points = s["arms"][arm]
+            label = arm if s is seeds[0] else None
+            ax.plot(
+                [p["train_s"] for p in points],
+                [p["val"] for p in points],
+                color=color,
+                marker=".",
+                label=label,
+            )
+    ax.set_xlabel("training seconds (validation not counted)")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title(f"quickstart: LoRA (rank 16) against full fine-tuning, {len(seeds)} seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
         "load": load,
     }
     path = write_json(args.name, payload)
-    print(f"wrote {path}")
+    print(f"wrote {path} and {plot(seeds, path.removesuffix('.json') + '.png')}")
     return {"rows": rows, "curves": seeds, "path": path}
 
 

@@ -28,8 +28,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pandas as pd
 import ray
@@ -40,6 +42,7 @@ from recipes import grpo
 from recipes.data import PromptDataset
 from recipes.tasks import generate_splits, write_parquet
 from recipes.trainer import demonstrations, parse_args, start_run, warm_start
+from recipes.trainer.tracking import Tracker
 from workers.models.loading import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +120,6 @@ def common_overrides(files: dict[str, str], run_dir: Path) -> list[str]:
         f"data.val_max_samples={N_VAL}",
         f"data.max_response_length={WORK['max_new_tokens']}",
         f"trainer.default_local_dir={run_dir}",
-        "trainer.logger=[console]",
         "trainer.resume_mode=disable",
         "trainer.n_gpus_per_node=1",
         "trainer.placement=colocated",
@@ -207,7 +209,11 @@ def hyflow_round(
 ) -> dict:
     """``steps`` steps of ``recipes.grpo`` on the work (with ``race_s``: as many as fit in that many seconds of
     training); per step: seconds (``timing_s/step``), completion tokens and mean reward; the greedy held-out
-    accuracy before the first step (and with ``race_s``, after the last)."""
+    accuracy before the first step (and with ``race_s``, after the last).
+
+    ``line_s``: the step as its user sees it, the wall time between two consecutive step lines of the console
+    (``Tracker.log`` returns once the line, metrics.jsonl and TensorBoard are written): the recipe's whole loop,
+    batch loading, metrics and tracking included, with ``grpo.yaml``'s own loggers and progress bar."""
     n_rows = WORK["n_prompts"] * WORK["n_samples"]
     overrides = [
         *grpo_overrides(model_dir, files, run_dir, seed),
@@ -222,12 +228,22 @@ def hyflow_round(
         "trainer.save_freq=-1",
         "trainer.export_hf=false",
     ]
-    result = in_own_ray(grpo.main, overrides)
+    line_at: list[float] = []
+    log = Tracker.log
+
+    def timed_log(tracker: Tracker, metrics: dict, step: int) -> None:
+        log(tracker, metrics, step)
+        if step > 0:  # step 0: the validation before training
+            line_at.append(time.perf_counter())
+
+    with patch.object(Tracker, "log", timed_log):
+        result = in_own_ray(grpo.main, overrides)
     history = [row for row in result["history"] if "timing_s/step" in row]  # not the validation row of step 0
     return {
         "val_accuracy_before": result["val_history"][0][1]["val/accuracy"],
         "val_accuracy_after": result["val_history"][-1][1]["val/accuracy"] if race_s else None,
         "step_s": [row["timing_s/step"] for row in history],
+        "line_s": [b - a for a, b in zip(line_at, line_at[1:])],  # line_s[i] ends with step i + 2's line
         "completion_tokens": [row["response_length/mean"] * n_rows for row in history],
         "reward": [row["critic/score/mean"] for row in history],
         # where a step goes: each stage the recipe times (gen, reward, update_actor, update_weights, ...)
@@ -366,17 +382,31 @@ def trl_stage_medians(rounds: list[dict], warmup: int) -> dict[str, float]:
 
 
 def summarize(rounds: list[dict], warmup: int) -> dict:
-    """Median / p90 step seconds over each round's steps after ``warmup``; mean tokens per step and reward."""
+    """Median / p90 step seconds over each round's steps after ``warmup``; the same of the step as the user sees
+    it (``line_s``: console line to console line) and the median of what the user's step spends outside the
+    timed step (``outside_step_s``: line_s minus that step's step_s); mean tokens per step and reward."""
     times = sorted(t for r in rounds for t in r["step_s"][warmup:])
+    lines = sorted(t for r in rounds for t in r["line_s"][max(warmup - 1, 0) :])
+    # line_s[i] holds step i + 1 (0-based step_s) and what the loop does around it
+    outside = [
+        line - r["step_s"][i + 1] for r in rounds for i, line in enumerate(r["line_s"]) if i + 1 >= warmup
+    ]
     tokens = [t for r in rounds for t in r["completion_tokens"]]
     rewards = [x for r in rounds for x in r["reward"]]
     return {
         "median_step_s": statistics.median(times),
-        "p90_step_s": times[min(len(times) - 1, int(0.9 * len(times)))],
+        "p90_step_s": _p90(times),
+        "median_line_s": statistics.median(lines),
+        "p90_line_s": _p90(lines),
+        "outside_step_s": statistics.median(outside),
         "steps_counted": len(times),
         "completion_tokens_per_step": statistics.fmean(tokens),
         "mean_reward": statistics.fmean(rewards),
     }
+
+
+def _p90(sorted_times: list[float]) -> float:
+    return sorted_times[min(len(sorted_times) - 1, int(0.9 * len(sorted_times)))]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -438,8 +468,9 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [{"side": side, **s} for side, s in summary.items()]
     print_table(
         rows,
-        ["side", "median_step_s", "p90_step_s", "steps_counted", "completion_tokens_per_step", "mean_reward"],
-    )
+        ["side", "median_step_s", "p90_step_s", "median_line_s", "p90_line_s", "outside_step_s", "steps_counted",
+         "completion_tokens_per_step", "mean_reward"],
+    )  # fmt: skip
     stages = stage_medians(rounds["hyflow"], args.warmup)
     print("hyflow's step by stage, median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
     trl_stages = trl_stage_medians(rounds["trl"], args.warmup) if rounds["trl"] else None
@@ -450,9 +481,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     load = {"before": load_before, "after": os.getloadavg()}
     print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
-    ratio = summary["hyflow"]["median_step_s"] / summary["trl"]["median_step_s"] if "trl" in summary else None
-    if ratio is not None:
-        print(f"hyflow / TRL median step time: {ratio:.2f}")
+    ratio = line_ratio = None
+    if "trl" in summary:
+        ratio = summary["hyflow"]["median_step_s"] / summary["trl"]["median_step_s"]
+        line_ratio = summary["hyflow"]["median_line_s"] / summary["trl"]["median_line_s"]
+        print(
+            f"hyflow / TRL median step time: {ratio:.2f}; as the user sees it (line to line): {line_ratio:.2f}"
+        )
     payload = {
         "work": WORK,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -462,6 +497,7 @@ def main(argv: list[str] | None = None) -> dict:
         "hyflow_stage_ms": stages,
         "trl_stage_ms": trl_stages,
         "ratio_hyflow_over_trl": ratio,
+        "line_ratio_hyflow_over_trl": line_ratio,
         "load_average": load,
         "rounds": rounds,
         "trl_versions": rounds["trl"][0]["versions"] if rounds["trl"] else None,

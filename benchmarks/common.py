@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -75,8 +76,29 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
+# the CPU features that decide which kernels torch runs (vector width, bf16 / AMX matmuls)
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and which of ``CPU_FLAGS`` it has (``/proc/cpuinfo``, as ``lscpu`` reports them)."""
+    model, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:  # not Linux
+        pass
+    return {"cpu_model": model, "cpu_flags": [f for f in CPU_FLAGS if f in flags]}
+
+
 def machine_info() -> dict:
     return {
+        **cpu_info(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),

@@ -135,6 +135,7 @@ def train(spec: dict) -> dict:
         def __init__(self):
             self.step_s: list[float] = []
             self.logs: list[dict] = []
+            self.line_at: list[float] = []
             self._t0 = 0.0
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -150,8 +151,9 @@ def train(spec: dict) -> dict:
                 control.should_training_stop = True
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
+            if logs and "reward" in logs:  # a step's log line (logging_steps=1), as the user sees it printed
                 self.logs.append(dict(logs))
+                self.line_at.append(time.perf_counter())
 
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
@@ -185,6 +187,7 @@ def train(spec: dict) -> dict:
         "held_out_accuracy_before": before,
         "held_out_accuracy": accuracy,
         "step_s": timer.step_s,
+        "line_s": [b - a for a, b in zip(timer.line_at, timer.line_at[1:])],
         "generate_s": generate_s,
         "completion_tokens": [mean * batch for mean in lengths],
         "reward": [log["reward"] for log in timer.logs],

@@ -61,8 +61,11 @@ def test_hyflow_round_reports_real_steps(task, warm_model, tmp_path):
     assert all(t > 0 for t in r["step_s"])
     assert all(0 < n <= 32 * 16 for n in r["completion_tokens"])  # 4 prompts x 8 samples, <= 16 new tokens
     assert all(0.0 <= x <= 1.0 for x in r["reward"]) and 0.0 <= r["val_accuracy_before"] <= 1.0
+    # the step as the user sees it: console line to console line, the timed step inside it
+    assert len(r["line_s"]) == 1 and r["line_s"][0] > r["step_s"][1]
     s = bench.summarize([r], warmup=1)
     assert s["steps_counted"] == 1 and s["median_step_s"] == s["p90_step_s"] == r["step_s"][1]
+    assert s["median_line_s"] == r["line_s"][0] and s["outside_step_s"] == r["line_s"][0] - r["step_s"][1]
     # the stage breakdown: a strictly on-policy step has no old-log-prob pass (algorithm.old_log_prob=auto)
     stages = bench.stage_medians([r], warmup=1)
     assert stages["gen"] > 0 and stages["update_actor"] > 0 and stages["update_weights"] > 0
@@ -91,14 +94,28 @@ def test_summary_leaves_out_each_rounds_warmup():
     rounds: list[dict] = [
         {
             "step_s": [9.0, 1.0, 2.0, 3.0],
+            "line_s": [
+                1.5,
+                2.5,
+                3.5,
+            ],  # console line to line: each ends with steps 2, 3, 4, 0.5 s around the step
             "completion_tokens": [240.0, 250.0, 244.0, 246.0],
             "reward": [0, 1, 0, 1],
         },
-        {"step_s": [8.0, 4.0, 5.0, 6.0], "completion_tokens": [240.0] * 4, "reward": [0.5] * 4},
+        {
+            "step_s": [8.0, 4.0, 5.0, 6.0],
+            "line_s": [4.25, 5.25, 6.25],
+            "completion_tokens": [240.0] * 4,
+            "reward": [0.5] * 4,
+        },
     ]
     s = bench.summarize(rounds, warmup=1)
     assert s["steps_counted"] == 6 and s["median_step_s"] == 3.5 and s["p90_step_s"] == 6.0
     assert s["completion_tokens_per_step"] == pytest.approx(242.5) and s["mean_reward"] == 0.5
+    assert s["median_line_s"] == (3.5 + 4.25) / 2 and s["outside_step_s"] == (0.5 + 0.25) / 2
+    # warmup 2 leaves out the line that ends with step 2 too
+    s = bench.summarize(rounds, warmup=2)
+    assert s["median_line_s"] == (3.5 + 5.25) / 2 and s["p90_line_s"] == 6.25
 
 
 def test_trls_step_splits_into_generation_and_the_rest():
