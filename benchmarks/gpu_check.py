@@ -23,6 +23,8 @@ Order (what a GPU can tell us that nothing here can, most valuable first):
                       passed, 12 failed mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
   (after grpo_step) lora  LoRA against full fine-tuning at the 0.5B shape: the training engine's peak memory,
                       adapter vs full sync bytes and time into the native engine on CUDA (benchmarks.bench_lora)
+  9. compile          model.compile against eager: the train step and the native engine's generation, with
+                      the compile time apart (benchmarks.bench_compile; on a 2-core CPU it does not pay)
 SGLang is not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
 """
 
@@ -98,6 +100,9 @@ def steps() -> list[Step]:
         Step("megatron_parity",
              ["-m", "benchmarks.engine_parity", "--engines", "megatron", "--precisions", "fp32", "--out",
               "{work}/megatron_parity.json"], SAME, 120, 40, "{work}/megatron_parity.json"),
+        Step("compile", ["-m", "benchmarks.bench_compile", "--size", "small", "--repeats", "3"],
+             ["-m", "benchmarks.bench_compile", "--size", "nano", "--repeats", "1", "--rows", "8", "--batch", "4",
+              "--fixed-new", "8"], 120, 50, "outputs/bench_compile.json"),
     ]  # fmt: skip
 
 

@@ -655,6 +655,11 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
     if error:
         errors.append(error)
     _check_lora(errors, cfg)
+    if cfg.model.compile and cfg.actor.strategy != "fsdp":
+        errors.append(
+            f"model.compile=true compiles the FSDP engine's layers; actor.strategy={cfg.actor.strategy!r} does "
+            "not compile (use actor.strategy=fsdp or model.compile=false)"
+        )
     if cfg.data.train_batch_size >= 1:
         _check_ppo_batches(
             errors,

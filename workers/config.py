@@ -13,6 +13,9 @@ class ModelConfig:
     dtype: str = "float32"  # parameter dtype of the training engine
     attn_implementation: str = "auto"
     activation_checkpointing: bool = False
+    # torch.compile the training engines' decoder layers and the native rollout engine's layer blocks; compiles
+    # on first use (tens of seconds). On a 2-core CPU it does not pay at the tiny sizes (BENCHMARKS.md)
+    compile: bool = False
     trust_remote_code: bool = False
 
 

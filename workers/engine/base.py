@@ -54,6 +54,7 @@ class EngineConfig:
     param_dtype: str = "float32"  # dtype the parameters (and optimizer state) are kept in
     mixed_precision: bool | None = None  # bf16 compute with fp32 reduce; None: on for CUDA, off on CPU
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile each decoder layer (fsdp_engine.compile_layers)
     attn_implementation: str = "auto"  # auto: flash_attention_2 if installed on CUDA, else hyflow_varlen
     use_fsdp: bool | None = None  # None: FSDP2 when torch.distributed has world size > 1
     reshard_after_forward: bool = True

@@ -56,6 +56,25 @@ def moves_with_state(key: str, group: dict) -> bool:
     return key != "step" or bool(group.get("fused") or group.get("capturable"))
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (its ``_no_split_modules`` classes): FSDP2's units, and what compiles."""
+    layer_names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in layer_names]
+
+
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (forward and backward), before FSDP2 shards it: FSDP's
+    gathers stay outside the compiled code, and one graph with a dynamic token count serves every layer and
+    every packed micro-batch. Attention is a graph break with the varlen kernel. Compiles on first use."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(
+            f"model.compile: {type(model).__name__} names no decoder layers (_no_split_modules) to compile"
+        )
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 class FSDPEngine(EngineSteps):
     """Model + optimizer + schedule on this rank; FSDP2-sharded over ``dp`` when world size > 1."""
 
@@ -142,6 +161,8 @@ class FSDPEngine(EngineSteps):
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ac_kwargs)
 
+        if config.compile:
+            compile_layers(model)
         if self.use_fsdp:
             self.device_mesh = device_mesh or self._make_mesh()
             self._shard(model)
@@ -171,12 +192,11 @@ class FSDPEngine(EngineSteps):
             if self.mixed_precision
             else MixedPrecisionPolicy()
         )
-        layer_names = set(getattr(model, "_no_split_modules", None) or [])
-        layers = [m for m in model.modules() if type(m).__name__ in layer_names]
+        layers = decoder_layers(model)
         if not layers:
             warnings.warn(
-                f"workers/engine/fsdp_engine.py: no decoder layers ({layer_names}) found in "
-                f"{type(model).__name__}; sharding the root module only",
+                f"workers/engine/fsdp_engine.py: no decoder layers ({getattr(model, '_no_split_modules', None)}) "
+                f"found in {type(model).__name__}; sharding the root module only",
                 stacklevel=2,
             )
         kw = dict(

@@ -51,6 +51,9 @@ def _segment_bounds(kwargs: dict, total_len: int) -> list[int]:
     return bounds
 
 
+# Compiled layers (model.compile) run it eagerly: its plan is read from the packed sequences' bounds (host data,
+# cached by value), which a traced graph could not follow.
+@torch.compiler.disable
 def varlen_sdpa_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -77,6 +77,7 @@ def engine_config(
         value_head=value_head,
         param_dtype=model.dtype,
         activation_checkpointing=model.activation_checkpointing,
+        compile=model.compile,
         attn_implementation=model.attn_implementation,
         seed=seed,
         trust_remote_code=model.trust_remote_code,

@@ -32,6 +32,7 @@ from workers.engine import (
     verify_checkpoint,
 )
 from workers.engine.distributed import run_in_processes
+from workers.engine.fsdp_engine import decoder_layers
 from workers.engine.packing import restore_order
 
 R = 10  # response length of T.make_batch
@@ -202,6 +203,27 @@ def test_micro_batching_does_not_change_loss_or_gradient(model_dir):
             torch.testing.assert_close(
                 g[k], ref_g[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k, kw=kw: f"{kw} {k}: {m}"
             )
+
+
+def test_compiled_layers_give_the_eager_loss_gradients_and_log_probs(model_dir):
+    """``model.compile``: every decoder layer compiled in place (``compile_layers``). Packed micro-batches of
+    three different token counts run through one dynamic graph and give the eager loss, gradients and
+    log-probs within float rounding; the parameter names (checkpoints, weight sync) do not change."""
+    b = T.make_batch(8, seed=7)
+    eager, compiled = _engine(model_dir), _engine(model_dir, compile=True)
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(compiled.model))
+    assert [n for n, _ in compiled.model.named_parameters()] == [n for n, _ in eager.model.named_parameters()]
+    loss, g = T.accumulate_grads(eager, b, T.pg_loss)
+    c_loss, c_g = T.accumulate_grads(compiled, b, T.pg_loss, micro_batch_size=3)
+    assert c_loss == pytest.approx(loss, abs=1e-6)
+    for k in g:
+        torch.testing.assert_close(c_g[k], g[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    torch.testing.assert_close(
+        compiled.compute_log_prob(b, max_token_len=30)["log_probs"],
+        eager.compute_log_prob(b)["log_probs"],
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_train_steps_lr_schedule_and_mini_batches(model_dir):

@@ -100,16 +100,21 @@ class CharTokenizer:
 # ---- parity with HF -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 3, 16])
-def test_greedy_equals_hf_generate_batched_and_one_at_a_time(model, max_num_seqs):
+@pytest.mark.parametrize(
+    "max_num_seqs, compile", [(1, False), (3, False), (16, False), pytest.param(3, True, id="3-compiled")]
+)
+def test_greedy_equals_hf_generate_batched_and_one_at_a_time(model, max_num_seqs, compile):
     """Different prompt lengths and budgets; 1 slot = strictly one at a time, 3 slots = requests joining
-    and leaving mid-flight, 16 = all together. Small prefill chunks, forced attention groups."""
+    and leaving mid-flight, 16 = all together. Small prefill chunks, forced attention groups. Compiled
+    (``model.compile``): the same tokens, log-probs within the same tolerance."""
     lengths = [5, 17, 9, 30, 2, 11, 40, 1]
     budgets = [20, 7, 13, 25, 3, 18, 30, 22]
     prompts = make_prompts(lengths)
     engine = NativeEngine(
         model,
-        config=EngineConfig(max_num_seqs=max_num_seqs, max_model_len=128, max_prefill_tokens=48),
+        config=EngineConfig(
+            max_num_seqs=max_num_seqs, max_model_len=128, max_prefill_tokens=48, compile=compile
+        ),
     )
     engine.model.GROUP_COST_TOKENS = 0  # split decode attention into per-length groups whenever possible
     params = [SamplingParams(temperature=0.0, max_new_tokens=b) for b in budgets]
@@ -123,11 +128,14 @@ def test_greedy_equals_hf_generate_batched_and_one_at_a_time(model, max_num_seqs
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_greedy_parity_other_architectures(kind):
+@pytest.mark.parametrize(
+    "kind, compile", [("qwen3", False), ("llama", False), pytest.param("qwen3", True, id="qwen3-compiled")]
+)
+def test_greedy_parity_other_architectures(kind, compile):
+    """Qwen3's q/k norms and head_dim, Llama's untied head and no biases; compiled too (Qwen3: the most ops)."""
     model = tiny_model(kind)
     prompts = make_prompts([7, 19, 3])
-    engine = NativeEngine(model, config=EngineConfig(max_num_seqs=4, max_model_len=64))
+    engine = NativeEngine(model, config=EngineConfig(max_num_seqs=4, max_model_len=64, compile=compile))
     outs = engine.generate_batch(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
     for prompt, (out,) in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, prompt, 12)

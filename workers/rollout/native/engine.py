@@ -70,6 +70,7 @@ class EngineConfig:
     seed: int | None = None  # draws seeds for requests that bring none; None: from os.urandom
     detokenize: bool = True  # fill GenerationOutput.text when a tokenizer is present
     step_in_thread: bool = True  # async API: run each step on a worker thread
+    compile: bool = False  # torch.compile the layer blocks around attention (NativeCausalLM.compile_blocks)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -163,6 +164,8 @@ class NativeEngine(RolloutEngine):
             device=self.config.device,
             tp_group=tp_group,
         )
+        if self.config.compile:
+            self.model.compile_blocks()
         # global rank of TP rank 0, the rank whose sampled tokens every TP rank takes
         self._sample_src = dist.get_global_rank(tp_group, 0) if self.model.tp_group is not None else None
         self.max_model_len = max_len
@@ -248,6 +251,7 @@ class NativeEngine(RolloutEngine):
             pad_token_id=pad_token_id_of(tokenizer, hf_config),
             response_length=rollout.response_length,
             seed=rollout_seed(rollout, rank),
+            compile=model.compile,
         )
         load = dict(dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code)
         if not can_build_on_meta(model.path):

@@ -36,6 +36,7 @@ The per-rank slices are exactly ``workers/weight_sync/reshard_plan.py``'s genera
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
@@ -365,6 +366,9 @@ class NativeCausalLM:
         self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).to(self.device)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # a layer's two blocks around attention, as the forward passes call them (compile_blocks swaps them)
+        self.qkv_block: Callable = self._layer_qkv
+        self.out_block: Callable = self._layer_out
 
     # ---- weights -------------------------------------------------------------------------------------
 
@@ -457,6 +461,16 @@ class NativeCausalLM:
 
     # ---- forward passes ------------------------------------------------------------------------------
 
+    def compile_blocks(self) -> None:
+        """``torch.compile`` the two blocks of a layer around attention (norms, projections, RoPE, the MLP, the
+        residuals): one graph each, with a dynamic token count, for every layer, prefill and decode. Attention
+        stays eager (its key length changes every step); so does the row-parallel block under tensor
+        parallelism (its all-reduce). Same numbers as eager within float rounding (tests/workers/rollout/
+        test_native_compile.py); compiles on first use."""
+        self.qkv_block = torch.compile(self._layer_qkv, dynamic=True)
+        if self.tp_group is None:
+            self.out_block = torch.compile(self._layer_out, dynamic=True)
+
     def _layer_qkv(self, h, layer: _Layer, cos, sin_signed):
         """h [n, H] -> (q [n, nq, hd], k [n, nkv, hd], v [n, nkv, hd]) with Qwen3 q/k norms and RoPE."""
         s = self.spec
@@ -547,7 +561,7 @@ class NativeCausalLM:
         assert self.embed is not None, "weights released"
         h = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
-            q, k, v = self._layer_qkv(h, layer, cos, sin_signed)
+            q, k, v = self.qkv_block(h, layer, cos, sin_signed)
             k_cache[li].view(-1, hd).index_copy_(0, cache_rows, k.reshape(-1, hd))
             v_cache[li].view(-1, hd).index_copy_(0, cache_rows, v.reshape(-1, hd))
             parts = []
@@ -560,7 +574,7 @@ class NativeCausalLM:
                     q_pad, keys, values, is_causal=True, scale=hd**-0.5, enable_gqa=gqa
                 )
                 parts.append(attn.transpose(1, 2).reshape((e - a) * t, s.q_size).index_select(0, padded))
-            h = self._layer_out(h, parts[0] if len(parts) == 1 else torch.cat(parts), layer)
+            h = self.out_block(h, parts[0] if len(parts) == 1 else torch.cat(parts), layer)
         return self._logits(h[starts + lens - 1])
 
     def _row_groups(
@@ -621,7 +635,7 @@ class NativeCausalLM:
         assert self.embed is not None, "weights released"
         h = F.embedding(tokens_t, self.embed)
         for li, layer in enumerate(self.layers):
-            q, k, v = self._layer_qkv(h, layer, cos, sin_signed)
+            q, k, v = self.qkv_block(h, layer, cos, sin_signed)
             kc, vc = k_cache[li], v_cache[li]
             kc.view(-1, hd).index_copy_(0, cache_rows, k.reshape(B * nkv, hd))
             vc.view(-1, hd).index_copy_(0, cache_rows, v.reshape(B * nkv, hd))
@@ -633,5 +647,5 @@ class NativeCausalLM:
                 scores = torch.baddbmm(m, q[a * nkv : e * nkv], keys.transpose(1, 2), alpha=scale)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
                 torch.bmm(probs, values, out=attn[a * nkv : e * nkv])
-            h = self._layer_out(h, attn.view(B, s.q_size), layer)
+            h = self.out_block(h, attn.view(B, s.q_size), layer)
         return self._logits(h)

@@ -1,0 +1,165 @@
+"""``model.compile`` (torch.compile) against eager, for the training step and for the native engine's generation.
+
+    python -m benchmarks.bench_compile [--size tiny] [--repeats 5] [--threads 1]
+
+Both in one process, eager and compiled side by side on the same weights and the same work:
+
+* ``train``: one GRPO-shaped update of the FSDP engine (``workers/engine``): ``--rows`` rows of a 20-token
+  prompt and a 40-token response, packed forward, backward and AdamW step, with each decoder layer compiled
+  (``fsdp_engine.compile_layers``) or not;
+* ``generate``: the native engine (``workers/rollout/native``) generating ``--fixed-new`` tokens greedily for
+  ``--batch`` prompts of 16-128 tokens, with its layer blocks compiled (``NativeCausalLM.compile_blocks``) or
+  not; the compiled engine's tokens must equal the eager one's (``tokens_equal``).
+
+Per side: the median seconds of a call after the first, and the first call's extra seconds over that median
+(``compile_s``: tracing and code generation, paid once per process and shape family). ``speedup`` is eager /
+compiled; ``break_even_calls`` is how many calls repay the compile time (none when compiled is not faster).
+Prints a table and writes ``outputs/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import print_table, write_json
+from workers.engine import EngineConfig, FSDPEngine, OptimConfig
+from workers.models.tiny import ensure_tiny_model
+from workers.rollout.native import EngineConfig as NativeConfig
+from workers.rollout.native import NativeEngine
+from workers.rollout.sampling import SamplingParams
+
+
+def grpo_batch(rows: int, vocab: int, prompt: int = 20, response: int = 40, seed: int = 0) -> dict:
+    """Left-padded prompts and right-padded responses of varied lengths, with advantages: a GRPO batch's
+    layout (dataproto/BATCH_LAYOUT.md)."""
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(prompt // 2, prompt + 1, (rows,), generator=g)
+    r_len = torch.randint(response // 4, response + 1, (rows,), generator=g)
+    ids = torch.randint(4, vocab, (rows, prompt + response), generator=g)
+    mask = torch.zeros(rows, prompt + response, dtype=torch.long)
+    for i in range(rows):
+        mask[i, prompt - p_len[i] : prompt + r_len[i]] = 1
+    position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    response_mask = mask[:, prompt:].float()
+    return {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "responses": (ids * mask)[:, prompt:],
+        "response_mask": response_mask,
+        "advantages": torch.randn(rows, response, generator=g) * response_mask,
+    }
+
+
+def pg_loss(outputs, micro, ctx):
+    """A policy-gradient loss of the batch's advantages (token mean): what an update differentiates."""
+    mask = micro["response_mask"]
+    return -(outputs["log_probs"] * micro["advantages"] * mask).sum() / ctx.global_num_tokens, {}
+
+
+def timed(fn, repeats: int) -> dict:
+    """The first call's seconds and the median of ``repeats`` more."""
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return {"median_s": median, "compile_s": max(first - median, 0.0)}
+
+
+def train_side(model_dir: str, compile: bool, batch: dict, repeats: int) -> dict:
+    engine = FSDPEngine(
+        EngineConfig(model_path=model_dir, compile=compile, optim=OptimConfig(lr=1e-5, grad_clip=1.0))
+    )
+    return timed(lambda: engine.train_step(batch, pg_loss), repeats)
+
+
+def generate_side(model_dir: str, compile: bool, prompts, new: int, repeats: int) -> tuple[dict, list]:
+    from transformers import AutoModelForCausalLM
+
+    from workers.engine.distributed import default_device
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(default_device()).eval()
+    engine = NativeEngine(
+        model,
+        config=NativeConfig(
+            max_num_seqs=len(prompts), max_model_len=128 + new + 1, eos_token_ids=[], compile=compile
+        ),
+    )
+    params = SamplingParams(temperature=0.0, max_new_tokens=new)
+    out: list = []
+
+    def generate():
+        out[:] = [o[0].token_ids for o in engine.generate_batch(prompts, params)]
+
+    return timed(generate, repeats), out
+
+
+def row(work: str, eager: dict, compiled: dict, **extra) -> dict:
+    gain = eager["median_s"] - compiled["median_s"]
+    return {
+        "work": work,
+        "eager_s": eager["median_s"],
+        "compiled_s": compiled["median_s"],
+        "speedup": eager["median_s"] / compiled["median_s"],
+        "compile_s": compiled["compile_s"],
+        "break_even_calls": compiled["compile_s"] / gain if gain > 0 else None,
+        **extra,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size", default="tiny", help="workers/models/tiny.py preset")
+    parser.add_argument("--rows", type=int, default=128, help="rows of the training batch (16 prompts x 8)")
+    parser.add_argument("--batch", type=int, default=32, help="prompts generated at once")
+    parser.add_argument("--fixed-new", type=int, default=64, help="tokens generated per prompt")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--work", nargs="+", default=["train", "generate"], choices=["train", "generate"])
+    parser.add_argument("--name", default="bench_compile", help="JSON record: outputs/<name>.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_tiny_model(args.size)
+    vocab = 1024
+    load_before, rows = os.getloadavg(), []
+    if "train" in args.work:
+        batch = grpo_batch(args.rows, vocab)
+        eager = train_side(model_dir, False, batch, args.repeats)
+        compiled = train_side(model_dir, True, batch, args.repeats)
+        rows.append(row("train", eager, compiled, tokens_equal=None))
+    if "generate" in args.work:
+        g = torch.Generator().manual_seed(args.batch)
+        prompts = [
+            torch.randint(4, vocab, (int(n),), generator=g).tolist()
+            for n in torch.randint(16, 129, (args.batch,), generator=g)
+        ]
+        eager, eager_tokens = generate_side(model_dir, False, prompts, args.fixed_new, args.repeats)
+        compiled, compiled_tokens = generate_side(model_dir, True, prompts, args.fixed_new, args.repeats)
+        rows.append(row("generate", eager, compiled, tokens_equal=eager_tokens == compiled_tokens))
+    print(
+        f"model.compile on the {args.size} model, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+    )
+    print_table(
+        rows, ["work", "eager_s", "compiled_s", "speedup", "compile_s", "break_even_calls", "tokens_equal"]
+    )
+    load = {"before": load_before, "after": os.getloadavg()}
+    print(f"load average (1, 5, 15 min) before {load['before']}, after {load['after']}")
+    path = write_json(args.name, {"rows": rows, "args": vars(args), "load": load})
+    print(f"wrote {path}")
+    return {"rows": rows, "path": path}
+
+
+if __name__ == "__main__":
+    main()
