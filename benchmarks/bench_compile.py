@@ -1,4 +1,5 @@
-"""``model.compile`` (torch.compile) against eager, for the training step and for the native engine's generation.
+"""torch.compile against eager: ``model.compile`` for the training step, ``rollout.compile`` for the native
+engine's generation.
 
     python -m benchmarks.bench_compile [--size tiny] [--repeats 5] [--threads 1]
 
@@ -11,7 +12,8 @@ Both in one process, eager and compiled side by side on the same weights and the
   ``--batch`` prompts of 16-128 tokens, with its layer blocks compiled (``NativeCausalLM.compile_blocks``) or
   not; the compiled engine's tokens must equal the eager one's (``tokens_equal``).
 
-Per side: the median seconds of a call after the first, and the first call's extra seconds over that median
+Per side: the median seconds of a call after the first (the two sides' calls alternate), and the first call's
+extra seconds over that median
 (``compile_s``: tracing and code generation, paid once per process and shape family). ``speedup`` is eager /
 compiled; ``break_even_calls`` is how many calls repay the compile time (none when compiled is not faster).
 Prints a table and writes ``outputs/<name>.json``.
@@ -62,28 +64,37 @@ def pg_loss(outputs, micro, ctx):
     return -(outputs["log_probs"] * micro["advantages"] * mask).sum() / ctx.global_num_tokens, {}
 
 
-def timed(fn, repeats: int) -> dict:
-    """The first call's seconds and the median of ``repeats`` more."""
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
+def timed_pair(eager, compiled, repeats: int) -> tuple[dict, dict]:
+    """Each side's first call (timed alone: the compiled side compiles there), then ``repeats`` calls of each,
+    alternating call by call so the machine's noise hits both alike: the median of a call and the first call's
+    seconds over it (``compile_s``)."""
+    first, times = {}, {"eager": [], "compiled": []}
+    sides = {"eager": eager, "compiled": compiled}
+    for name, fn in sides.items():
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    return {"median_s": median, "compile_s": max(first - median, 0.0)}
+        first[name] = time.perf_counter() - start
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    result = {
+        name: {"median_s": statistics.median(t), "compile_s": max(first[name] - statistics.median(t), 0.0)}
+        for name, t in times.items()
+    }
+    return result["eager"], result["compiled"]
 
 
-def train_side(model_dir: str, compile: bool, batch: dict, repeats: int) -> dict:
+def train_call(model_dir: str, compile: bool, batch: dict):
     engine = FSDPEngine(
         EngineConfig(model_path=model_dir, compile=compile, optim=OptimConfig(lr=1e-5, grad_clip=1.0))
     )
-    return timed(lambda: engine.train_step(batch, pg_loss), repeats)
+    return lambda: engine.train_step(batch, pg_loss)
 
 
-def generate_side(model_dir: str, compile: bool, prompts, new: int, repeats: int) -> tuple[dict, list]:
+def generate_call(model_dir: str, compile: bool, prompts, new: int, out: list):
+    """A call that generates for ``prompts`` and leaves each one's tokens in ``out``."""
     from transformers import AutoModelForCausalLM
 
     from workers.engine.distributed import default_device
@@ -96,12 +107,11 @@ def generate_side(model_dir: str, compile: bool, prompts, new: int, repeats: int
         ),
     )
     params = SamplingParams(temperature=0.0, max_new_tokens=new)
-    out: list = []
 
     def generate():
         out[:] = [o[0].token_ids for o in engine.generate_batch(prompts, params)]
 
-    return timed(generate, repeats), out
+    return generate
 
 
 def row(work: str, eager: dict, compiled: dict, **extra) -> dict:
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=128, help="rows of the training batch (16 prompts x 8)")
     parser.add_argument("--batch", type=int, default=32, help="prompts generated at once")
     parser.add_argument("--fixed-new", type=int, default=64, help="tokens generated per prompt")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11, help="calls of each side, alternating")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--work", nargs="+", default=["train", "generate"], choices=["train", "generate"])
     parser.add_argument("--name", default="bench_compile", help="JSON record: outputs/<name>.json")
@@ -136,8 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     load_before, rows = os.getloadavg(), []
     if "train" in args.work:
         batch = grpo_batch(args.rows, vocab)
-        eager = train_side(model_dir, False, batch, args.repeats)
-        compiled = train_side(model_dir, True, batch, args.repeats)
+        eager, compiled = timed_pair(
+            train_call(model_dir, False, batch), train_call(model_dir, True, batch), args.repeats
+        )
         rows.append(row("train", eager, compiled, tokens_equal=None))
     if "generate" in args.work:
         g = torch.Generator().manual_seed(args.batch)
@@ -145,11 +156,16 @@ def main(argv: list[str] | None = None) -> dict:
             torch.randint(4, vocab, (int(n),), generator=g).tolist()
             for n in torch.randint(16, 129, (args.batch,), generator=g)
         ]
-        eager, eager_tokens = generate_side(model_dir, False, prompts, args.fixed_new, args.repeats)
-        compiled, compiled_tokens = generate_side(model_dir, True, prompts, args.fixed_new, args.repeats)
+        eager_tokens: list = []
+        compiled_tokens: list = []
+        eager, compiled = timed_pair(
+            generate_call(model_dir, False, prompts, args.fixed_new, eager_tokens),
+            generate_call(model_dir, True, prompts, args.fixed_new, compiled_tokens),
+            args.repeats,
+        )
         rows.append(row("generate", eager, compiled, tokens_equal=eager_tokens == compiled_tokens))
     print(
-        f"model.compile on the {args.size} model, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+        f"torch.compile against eager on the {args.size} model, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
     )
     print_table(
         rows, ["work", "eager_s", "compiled_s", "speedup", "compile_s", "break_even_calls", "tokens_equal"]

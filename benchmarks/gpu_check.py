@@ -23,8 +23,8 @@ Order (what a GPU can tell us that nothing here can, most valuable first):
                       passed, 12 failed mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
   (after grpo_step) lora  LoRA against full fine-tuning at the 0.5B shape: the training engine's peak memory,
                       adapter vs full sync bytes and time into the native engine on CUDA (benchmarks.bench_lora)
-  9. compile          model.compile against eager: the train step and the native engine's generation, with
-                      the compile time apart (benchmarks.bench_compile; on a 2-core CPU it does not pay)
+  9. compile          model.compile / rollout.compile against eager: the train step and the native engine's
+                      generation, the compile time apart (benchmarks.bench_compile)
 SGLang is not in the check: its CUDA kernels are hundreds of MB, over what a run may carry (64 MiB).
 """
 

@@ -13,8 +13,8 @@ class ModelConfig:
     dtype: str = "float32"  # parameter dtype of the training engine
     attn_implementation: str = "auto"
     activation_checkpointing: bool = False
-    # torch.compile the training engines' decoder layers and the native rollout engine's layer blocks; compiles
-    # on first use (tens of seconds). On a 2-core CPU it does not pay at the tiny sizes (BENCHMARKS.md)
+    # torch.compile the training engines' decoder layers (the rollout engine's: rollout.compile); compiles on
+    # first use (~20 s). On a 2-core CPU a tiny model's train step is 1.06-1.12x as fast (BENCHMARKS.md)
     compile: bool = False
     trust_remote_code: bool = False
 
@@ -92,6 +92,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     # weights and KV cache of the rollout engine: auto = bfloat16 on CUDA, model.dtype on CPU; or a dtype name
     dtype: str = "auto"
+    # native engine: torch.compile the layer blocks around attention (~7 s on first use); on a 2-core CPU a tiny
+    # model generates 0.77-0.86x as fast compiled (BENCHMARKS.md): it is for GPUs
+    compile: bool = False
     seed: int = 0
     # validation sampling: greedy by default so held-out accuracy is deterministic
     val_temperature: float = 0.0

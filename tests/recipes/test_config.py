@@ -264,6 +264,10 @@ def test_rollout_engine_is_checked_before_ray(monkeypatch):
     assert "rollout.name=sglang needs the sglang package: `make sglang-cpu`" in _errors(
         ["rollout.name=sglang"]
     )
+    # rollout.compile is the native engine's; SGLang compiles by its own server argument
+    assert "rollout.compile=true compiles the native engine; rollout.name=sglang does not take it" in _errors(
+        ["rollout.name=sglang", "rollout.compile=true"]
+    )
 
 
 def test_the_recipe_schema_carries_the_recipes_own_rules():

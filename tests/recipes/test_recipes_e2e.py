@@ -287,8 +287,8 @@ def test_grpo_without_the_old_log_prob_pass_trains_the_same(ray_session, tmp_pat
 
 
 def test_grpo_with_model_compile_trains_as_eager(ray_session, tmp_path):
-    """``model.compile=true`` through the recipe: the trainer's decoder layers and the native engine's layer
-    blocks compiled, in one colocated process. The same steps as eager: same samples (rewards, lengths), losses
+    """``model.compile=true rollout.compile=true`` through the recipe: the trainer's decoder layers and the native
+    engine's layer blocks compiled, in one colocated process. The same steps as eager: same samples (rewards, lengths), losses
     and gradients to float rounding, and the compiled engine's log-probs equal the compiled trainer's."""
     reward = tmp_path / "digits.py"
     reward.write_text(DIGIT_REWARD)  # advantages that are not all zero: the updates change the policy
@@ -301,7 +301,9 @@ def test_grpo_with_model_compile_trains_as_eager(ray_session, tmp_path):
         "trainer.val_before_train=false",  # step 1's generation is the native engine's first: its compile
     ]
     eager, compiled = (
-        _run(grpo, "grpo", tmp_path / name, [*common, f"model.compile={flag}"])["history"]
+        _run(grpo, "grpo", tmp_path / name, [*common, f"model.compile={flag}", f"rollout.compile={flag}"])[
+            "history"
+        ]
         for name, flag in (("eager", "false"), ("compiled", "true"))
     )
     keys = ["actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy"]

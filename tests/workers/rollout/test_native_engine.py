@@ -106,7 +106,7 @@ class CharTokenizer:
 def test_greedy_equals_hf_generate_batched_and_one_at_a_time(model, max_num_seqs, compile):
     """Different prompt lengths and budgets; 1 slot = strictly one at a time, 3 slots = requests joining
     and leaving mid-flight, 16 = all together. Small prefill chunks, forced attention groups. Compiled
-    (``model.compile``): the same tokens, log-probs within the same tolerance."""
+    (``rollout.compile``): the same tokens, log-probs within the same tolerance."""
     lengths = [5, 17, 9, 30, 2, 11, 40, 1]
     budgets = [20, 7, 13, 25, 3, 18, 30, 22]
     prompts = make_prompts(lengths)

@@ -251,7 +251,7 @@ class NativeEngine(RolloutEngine):
             pad_token_id=pad_token_id_of(tokenizer, hf_config),
             response_length=rollout.response_length,
             seed=rollout_seed(rollout, rank),
-            compile=model.compile,
+            compile=rollout.compile,
         )
         load = dict(dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code)
         if not can_build_on_meta(model.path):

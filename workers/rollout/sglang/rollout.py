@@ -294,12 +294,18 @@ class SGLangRollout(RolloutEngine):
 
     @classmethod
     def config_errors(cls, model, rollout) -> list[str]:
+        errors = []
         if importlib.util.find_spec("sglang") is None:
-            return [
+            errors.append(
                 f"rollout.name={rollout.name} needs the sglang package: `make sglang-cpu` (CPU engine, for tests "
                 "and CI) or `pip install hyflow[sglang]` on a CUDA machine"
-            ]
-        return []
+            )
+        if rollout.compile:  # SGLang compiles (and captures CUDA graphs) by its own server arguments
+            errors.append(
+                f"rollout.compile=true compiles the native engine; rollout.name={rollout.name} does not take it "
+                "(SGLang's own torch.compile is its enable_torch_compile server argument)"
+            )
+        return errors
 
     @classmethod
     def inference_options(cls) -> tuple[str, ...]:
