@@ -655,11 +655,13 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
     if error:
         errors.append(error)
     _check_lora(errors, cfg)
-    if cfg.model.compile and cfg.actor.strategy != "fsdp":
-        errors.append(
-            f"model.compile=true compiles the FSDP engine's layers; actor.strategy={cfg.actor.strategy!r} does "
-            "not compile (use actor.strategy=fsdp or model.compile=false)"
-        )
+    for role in ("actor", "critic"):
+        strategy = getattr(cfg, role).strategy
+        if cfg.model.compile and strategy != "fsdp":
+            errors.append(
+                f"model.compile=true compiles the FSDP engine's layers; {role}.strategy={strategy!r} does not "
+                f"compile (use {role}.strategy=fsdp or model.compile=false)"
+            )
     if cfg.data.train_batch_size >= 1:
         _check_ppo_batches(
             errors,

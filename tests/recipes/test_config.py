@@ -342,11 +342,13 @@ def test_schema_nodes_of_frozen_dataclasses_take_merged_values():
     assert OmegaConf.to_object(merged).env.sandbox.timeout_s == 3.5
 
 
-def test_model_compile_with_the_megatron_engine_is_a_config_error_naming_both_keys():
+def test_model_compile_with_the_megatron_engine_is_a_config_error_naming_the_role():
     cfg = load_config("grpo", ["model.compile=true"])
     errors: list[str] = []
     check_actor(errors, cfg)
     assert errors == []  # the FSDP engine compiles
-    cfg.actor.strategy = "megatron"
+    cfg.actor.strategy = cfg.critic.strategy = "megatron"
     check_actor(errors, cfg)
-    assert len(errors) == 1 and "model.compile=true" in errors[0] and "actor.strategy='megatron'" in errors[0]
+    assert len(errors) == 2
+    assert all("model.compile=true compiles the FSDP engine's layers" in e for e in errors)
+    assert "actor.strategy='megatron'" in errors[0] and "critic.strategy='megatron'" in errors[1]

@@ -465,8 +465,8 @@ class NativeCausalLM:
         """``torch.compile`` the two blocks of a layer around attention (norms, projections, RoPE, the MLP, the
         residuals): one graph each, with a dynamic token count, for every layer, prefill and decode. Attention
         stays eager (its key length changes every step); so does the row-parallel block under tensor
-        parallelism (its all-reduce). Same numbers as eager within float rounding (tests/workers/rollout/
-        test_native_compile.py); compiles on first use."""
+        parallelism (its all-reduce). Same tokens as eager, log-probs within float rounding (the ``compiled``
+        cases of tests/workers/rollout/test_native_engine.py); compiles on first use."""
         self.qkv_block = torch.compile(self._layer_qkv, dynamic=True)
         if self.tp_group is None:
             self.out_block = torch.compile(self._layer_out, dynamic=True)
