@@ -83,7 +83,7 @@ def hybrid_step(
     # 4. the hint-conditioned teacher's log-probs of the policy's tokens (OPD)
     if hybrid:
         with timer("teacher", timings):
-            add_teacher_hints(batch, cfg.hybrid.hint_template)
+            add_teacher_hints(batch, cfg.hybrid.hint_template, cfg.hybrid.teacher_reads_hint)
             batch = batch.union(roles.ref.compute_teacher_log_prob(batch))
     # 5. advantages on the controller
     with timer("adv", timings):

@@ -136,6 +136,9 @@ class HybridWeightsConfig:
     opd_clip: float | None = 5.0  # bound on |log pi_teacher - log pi_old| per token (None: none)
     use_prm_reward: bool = True  # add the normalised PRM step advantage to the RL term
     hint_template: str = "Hint: {hint}\n"  # what goes between the prompt and the response for the teacher
+    # false: the teacher is the plain reference, the hint kept out of its prompt, on the same hinted rows (the
+    # ablation "OPD without the hint": recipes/compare_hybrid.py --arms opd_no_hint)
+    teacher_reads_hint: bool = True
     # warm start: this fraction of the rows also shown as [prompt + judge's hint + correct solution], so the
     # reference (the teacher) learns to use a hint (recipes/trainer/hybrid.py: hinted_demonstrations)
     hinted_demos: float = 0.0

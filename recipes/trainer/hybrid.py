@@ -100,12 +100,13 @@ class PRMRole:
                 self.manager.remove()
 
 
-def add_teacher_hints(batch: DataProto, template: str) -> float:
-    """``teacher_hint`` = the template around each row's PRM hint ("" where the PRM chose no intervention);
-    returns the fraction of rows with a hint."""
+def add_teacher_hints(batch: DataProto, template: str, reads_hint: bool = True) -> float:
+    """``teacher_hint`` = the template around each row's PRM hint ("" where the PRM chose no intervention, and
+    everywhere without ``reads_hint``: the plain reference as the teacher); returns the fraction of rows with a
+    hint (the rows the OPD term applies to either way)."""
     hints = [str(h) if h is not None else "" for h in batch.non_tensor_batch["hint"]]
     col = np.empty(len(hints), dtype=object)
-    col[:] = [template.format(hint=h) if h else "" for h in hints]
+    col[:] = [template.format(hint=h) if h and reads_hint else "" for h in hints]
     batch.non_tensor_batch["teacher_hint"] = col
     return sum(bool(h) for h in hints) / max(len(hints), 1)
 

@@ -289,11 +289,13 @@ def _hint_gap_by_hand(model_path: str, rows: list[dict], env, template: str) -> 
     return float(with_hint.mean()), float(without.mean()), float((first_with - first_without).mean())
 
 
-def test_compare_hybrid_seeds_from_one_warm_start(ray_session, tmp_path):
+def test_compare_hybrid_seeds_from_one_warm_start(ray_session, tmp_path, monkeypatch):
     """``python -m recipes.compare_hybrid``: one warm start and its held-out hint gap, then both recipes for two
-    seeds each (1 step here), summarised per validation step over seeds."""
+    seeds each (1 step here) and an ablation, summarised per validation step over seeds and paired by seed at
+    the last; run again, it reads every finished run instead of running it."""
     overrides = [*TINY, "trainer.total_training_steps=1", "hybrid.hinted_demos=0.5"]
-    res = compare_hybrid.main(["--out", str(tmp_path), "--seeds", "0,1", *overrides])
+    argv = ["--out", str(tmp_path), "--seeds", "0,1", "--arms", "hybrid,grpo,opd_no_hint", *overrides]
+    res = compare_hybrid.main(argv)
     # the hint gap's arms, each recomputed here from the warm model: with the hint and without, not swapped and
     # not one run twice (a hint changes the log-probs)
     gap = res["hint_gap"]
@@ -336,11 +338,70 @@ def test_compare_hybrid_seeds_from_one_warm_start(ray_session, tmp_path):
                     "max": max(vals),
                     "seeds": 2,
                 }
+    terms = res["hybrid_terms"]
+    assert sorted(terms) == ["hybrid", "opd_no_hint"]  # the arms with the hybrid estimator
     for seed in (0, 1):  # the nano model fails everything: the rule judge hints every trajectory with steps
-        assert 0 < res["hybrid_terms"][seed]["hybrid/hint_frac"] <= 1
-        assert res["hybrid_terms"][seed]["hybrid/opd_term/abs_mean"] > 0
+        assert 0 < terms["hybrid"][seed]["hybrid/hint_frac"] <= 1
+        assert terms["hybrid"][seed]["hybrid/opd_term/abs_mean"] > 0
+        # the ablation's teacher is the plain reference, which at step 1 is the policy itself: no OPD signal,
+        # on as many hinted rows
+        assert terms["opd_no_hint"][seed]["hybrid/hint_frac"] == terms["hybrid"][seed]["hybrid/hint_frac"]
+        assert terms["opd_no_hint"][seed]["hybrid/opd_term/abs_mean"] == 0
+    final = res["final"]
+    assert final["seeds"] == [0, 1] and sorted(final["equal_steps"]) == ["grpo", "hybrid", "opd_no_hint"]
+    diff = final["equal_steps"]["hybrid"]["pass@1"]["diff"]
+    assert (
+        diff["wins"] + diff["ties"] + diff["losses"] == 2
+        and "diff" not in final["equal_steps"]["grpo"]["pass@1"]
+    )
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["summary"] == res["summary"] and (tmp_path / "pass_at_k.png").stat().st_size > 0
+
+    # run again: the warm start and every arm and seed finished, so each is read from its record and none is run
+    def no_run(*args):
+        raise AssertionError(f"ran again: {args}")
+
+    monkeypatch.setattr(hybrid_rl, "main", no_run)
+    monkeypatch.setattr(compare_hybrid, "warm_start", no_run)
+    again = compare_hybrid.main(argv)
+    assert again["summary"] == res["summary"] and again["final"] == res["final"]
+
+
+def test_paired_tests_by_hand():
+    every_seed_better = compare_hybrid.paired_tests([1.0] * 8)
+    assert (every_seed_better["wins"], every_seed_better["losses"]) == (8, 0)
+    # a fair coin gives 8 of 8 (either way) with p 2/256; of 256 sign flips, two reach |sum| 8
+    assert every_seed_better["sign_p"] == every_seed_better["permutation_p"] == 2 / 256
+    mixed = compare_hybrid.paired_tests([0.3, -0.1, 0.2])
+    # sign: 2 wins 1 loss -> p = 2 * (C(3,0) + C(3,1)) / 8 = 1; flips of (0.3, 0.1, 0.2) with |sum| >= 0.4:
+    # 0.6, 0.4, -0.4, -0.6 of 8
+    assert (mixed["wins"], mixed["ties"], mixed["losses"], mixed["sign_p"]) == (2, 0, 1, 1.0)
+    assert mixed["permutation_p"] == 0.5
+    assert compare_hybrid.paired_tests([0.0, 0.1])["ties"] == 1
+
+
+def test_final_comparison_scores_equal_steps_and_equal_training_time():
+    def run(vals, step_s):
+        return {
+            "val_history": [[s, {"val/pass@1": v}] for s, v in vals],
+            "step_s": {"1": step_s, "2": step_s},
+        }
+
+    records = {  # grpo: 1 s a step, validated at 0 and 2; hybrid: 1.5 s a step, validated at 0, 1 and 2
+        "grpo": {0: run([(0, 0.2), (2, 0.4)], 1.0), 1: run([(0, 0.2), (2, 0.3)], 1.0)},
+        "hybrid": {0: run([(0, 0.2), (1, 0.5), (2, 0.6)], 1.5), 1: run([(0, 0.2), (1, 0.25), (2, 0.5)], 1.5)},
+    }
+    final = compare_hybrid.final_comparison(records, [1])
+    assert final["budget_s"] == {0: 2.0, 1: 2.0}  # grpo's 2 steps; hybrid's step 2 ends at 3 s
+    steps, time_ = final["equal_steps"]["hybrid"]["pass@1"], final["equal_time"]["hybrid"]["pass@1"]
+    assert steps["per_seed"] == [0.6, 0.5] and steps["diff"]["mean"] == pytest.approx(0.2)
+    assert steps["diff"]["se"] == pytest.approx(0.0, abs=1e-12) and steps["diff"]["wins"] == 2
+    assert time_["per_seed"] == [0.5, 0.25]  # at 2 s hybrid has validated at step 1 only
+    assert time_["diff"]["mean"] == pytest.approx(0.025) and (
+        time_["diff"]["wins"],
+        time_["diff"]["losses"],
+    ) == (1, 1)
+    assert final["equal_time"]["grpo"]["pass@1"]["per_seed"] == [0.4, 0.3]
 
 
 def test_config_checks_name_keys(tmp_path):
