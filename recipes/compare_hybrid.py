@@ -49,6 +49,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     ),  # OPD's teacher: the plain reference
 }
 BASELINE = "grpo"
+ZERO_VAR = "reward/zero_variance_groups"
 # training metrics of the hybrid runs averaged over steps: how often a hint was given, the OPD term's size
 HYBRID_TERMS = ("hybrid/hint_frac", "hybrid/opd_term/abs_mean", "hybrid/opd/abs_mean", "prm/score/mean")
 
@@ -163,6 +164,8 @@ def run_arm(out: Path, arm: str, seed: int, model: str, overrides: list[str]) ->
         "argv": argv_run,
         "val_history": [[step, m] for step, m in res["val_history"]],
         "step_s": {str(m["step"]): m["timing_s/step"] for m in res["history"] if "timing_s/step" in m},
+        # the share of GRPO groups whose samples all scored alike: no outcome signal (where GRPO starves)
+        "zero_variance_groups": {str(m["step"]): m[ZERO_VAR] for m in res["history"] if ZERO_VAR in m},
         "wall_s": res["wall_s"],
         "terms": {
             t: float(np.mean(v)) for t in HYBRID_TERMS if (v := [m[t] for m in res["history"] if t in m])
@@ -311,6 +314,10 @@ def main(argv: list[str] | None = None) -> dict:
             }
             for n, by_seed in runs.items()
         },  # fmt: skip
+        "zero_variance_groups": {
+            arm: {seed: r.get("zero_variance_groups", {}) for seed, r in by_seed.items()}
+            for arm, by_seed in records.items()
+        },
         "run_wall_s": {
             arm: float(np.mean([r["wall_s"] for r in by_seed.values()])) for arm, by_seed in records.items()
         },
@@ -319,6 +326,13 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "compare.json").write_text(json.dumps(result, indent=1))
     print_table(summary, ks)
     print_final(final, ks)
+    for arm, by_seed in records.items():
+        shares = [r.get("zero_variance_groups", {}) for r in by_seed.values()]
+        first = [z["1"] for z in shares if "1" in z]
+        every = [v for z in shares for v in z.values()]
+        if every:
+            print(f"{arm}: groups without outcome signal ({ZERO_VAR}) at step 1 {np.mean(first):.2f}, "
+                  f"over all steps {np.mean(every):.2f}")  # fmt: skip
     for arm, by_seed in result["hybrid_terms"].items():
         means = {t: np.mean([v[t] for v in by_seed.values() if t in v]) for t in HYBRID_TERMS}
         print(
