@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import print_table, time_paired, write_json
 from workers.engine import EngineConfig, FSDPEngine, OptimConfig
 from workers.models.tiny import ensure_tiny_model
 from workers.rollout.native import EngineConfig as NativeConfig
@@ -65,23 +64,19 @@ def pg_loss(outputs, micro, ctx):
 
 
 def timed_pair(eager, compiled, repeats: int) -> tuple[dict, dict]:
-    """Each side's first call (timed alone: the compiled side compiles there), then ``repeats`` calls of each,
-    alternating call by call so the machine's noise hits both alike: the median of a call and the first call's
-    seconds over it (``compile_s``)."""
-    first, times = {}, {"eager": [], "compiled": []}
+    """Each side's first call timed alone (the compiled side compiles there), then ``repeats`` calls of each,
+    alternating (``benchmarks.common.time_paired``): the median of a call and the first call's seconds over it
+    (``compile_s``)."""
     sides = {"eager": eager, "compiled": compiled}
+    first = {}
     for name, fn in sides.items():
         start = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - start
-    for _ in range(repeats):
-        for name, fn in sides.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    stats = time_paired(sides, repeats, warmup=0)
     result = {
-        name: {"median_s": statistics.median(t), "compile_s": max(first[name] - statistics.median(t), 0.0)}
-        for name, t in times.items()
+        name: {"median_s": s["median_s"], "compile_s": max(first[name] - s["median_s"], 0.0)}
+        for name, s in stats.items()
     }
     return result["eager"], result["compiled"]
 
