@@ -5,10 +5,13 @@ the hint fraction and the OPD term, as a table, JSON and a PNG.
     python -m recipes.compare_hybrid --out runs/cmp                      # 3 seeds, hybrid and grpo
     python -m recipes.compare_hybrid --out runs/cmp --seeds 0,1,2,3,4,5,6,7 --arms grpo,hybrid,no_opd,no_prm,opd_no_hint
     python -m recipes.compare_hybrid --out runs/cmp2 --warm-model runs/cmp/warm/sft_model   # reuse a warm start
+    python -m recipes.compare_hybrid --out runs/cmp3 --teacher-sft-steps 2000 sft.total_steps=600  # a stronger teacher
 
 1. one warm start (``recipes/hybrid_rl.yaml``'s ``sft``, ``hybrid.hinted_demos`` of it hint-conditioned) into
    ``<out>/warm/sft_model``, and the hint's effect on that model before any RL (``hint_gap``: the mean
-   log-prob of the held-out problems' correct solutions with the hindsight judge's hint and without);
+   log-prob of the held-out problems' correct solutions with the hindsight judge's hint and without); with
+   ``--teacher-sft-steps N`` a second one trained N steps into ``<out>/teacher/sft_model``, the OPD teacher of
+   every arm with an OPD term (``hybrid.teacher_path``), and its ``hint_gap``;
 2. for every seed (``data.seed``, ``rollout.seed``, ``prm.seed``), each arm of ``--arms`` (``ARMS``: the recipe's
    YAML and its overrides) from that model (``model.path=<sft_model> sft.enable=false``) with the same overrides,
    one after the other, so within a seed the arms differ only by what their overrides change. A run that
@@ -54,23 +57,34 @@ ZERO_VAR = "reward/zero_variance_groups"
 HYBRID_TERMS = ("hybrid/hint_frac", "hybrid/opd_term/abs_mean", "hybrid/opd/abs_mean", "prm/score/mean")
 
 
-def warm_model(out: Path, overrides: list[str], model: str | None = None) -> tuple[str, dict[str, float]]:
-    """The shared warm start (``model``: one trained before, e.g. by an earlier comparison; else this comparison's
-    own from an earlier run with the same overrides, else trained now), and ``hint_gap`` of it on the held-out
-    split."""
-    cfg = load_config(hybrid_rl.RECIPE, [*overrides, f"trainer.default_local_dir={out / 'warm'}"])
+def warm_model(
+    out: Path, overrides: list[str], model: str | None = None, name: str = "warm"
+) -> tuple[str, dict[str, float]]:
+    """A warm start in ``<out>/<name>`` (``model``: one trained before, e.g. by an earlier comparison; else this
+    comparison's own from an earlier run with the same overrides, else trained now), and ``hint_gap`` of it on
+    the held-out split."""
+    cfg = load_config(hybrid_rl.RECIPE, [*overrides, f"trainer.default_local_dir={out / name}"])
     run = start_run(cfg, hybrid_rl.RECIPE)
-    stamp = (
-        out / "warm" / "compare_warm.json"
-    )  # a comparison run again reuses its warm start (minutes of SFT)
+    stamp = out / name / "compare_warm.json"  # a comparison run again reuses its warm start (minutes of SFT)
     if model is None and stamp.is_file() and json.loads(stamp.read_text())["overrides"] == overrides:
         model = json.loads(stamp.read_text())["model"]
-        print(f"[compare] the warm start of an earlier run of this comparison: {model}", flush=True)
+        print(f"[compare] the {name} start of an earlier run of this comparison: {model}", flush=True)
     if model is None:
         model = warm_start(cfg, run, hybrid_rl.warm_start_data(cfg))
         stamp.write_text(json.dumps({"overrides": overrides, "model": model}))
     rows = pd.read_parquet(run.val_files[0]).to_dict("records")
     return model, hint_gap(model, rows, run.tokenizer, cfg.env, cfg.hybrid.hint_template)
+
+
+def uses_teacher(arm: str, overrides: list[str]) -> bool:
+    """Whether the arm's runs have an OPD term, hence a teacher (the hybrid estimator)."""
+    yaml, arm_overrides = ARMS[arm]
+    cfg = load_config(
+        hybrid_rl.RECIPE,
+        [*overrides, *arm_overrides],
+        config_path=str(Path(hybrid_rl.__file__).with_name(yaml)),
+    )
+    return cfg.algorithm.adv_estimator == "hybrid"
 
 
 def summarize(runs: dict[str, dict[int, list[tuple[int, dict]]]], ks: list[int]) -> dict:
@@ -135,10 +149,15 @@ def print_table(summary: dict, ks: list[int]) -> None:
         print(f"{step:>5} " + " ".join(f"{c:>17}" for c in cells))
 
 
-def run_arm(out: Path, arm: str, seed: int, model: str, overrides: list[str]) -> dict:
+def run_arm(
+    out: Path, arm: str, seed: int, model: str, overrides: list[str], teacher: str | None = None
+) -> dict:
     """One arm's run for one seed (``ARMS``), or the record of the same run finished before (same warm start and
-    overrides): its validation history, training seconds per step, wall time and mean hybrid terms."""
+    overrides): its validation history, training seconds per step, wall time and mean hybrid terms.
+    ``teacher``: the OPD teacher of the arms that have one (``hybrid.teacher_path``; None: the warm start)."""
     yaml, arm_overrides = ARMS[arm]
+    if teacher is not None and uses_teacher(arm, overrides):
+        arm_overrides = [*arm_overrides, f"hybrid.teacher_path={teacher}"]
     run_dir = out / arm / f"seed{seed}"
     argv_run = [
         "--config",
@@ -275,6 +294,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--warm-model", default=None, help="an earlier warm start's HF directory (skips step 1)"
     )
+    parser.add_argument(
+        "--teacher-sft-steps",
+        type=int,
+        default=None,
+        help="a second warm start, trained this many SFT steps (<out>/teacher), as the OPD teacher of the arms "
+        "that have one (hybrid.teacher_path); default: the policy's warm start teaches",
+    )
+    parser.add_argument(
+        "--teacher-model", default=None, help="an earlier teacher's HF directory (skips training one)"
+    )
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="applied to every run")
     args = parser.parse_args(argv)
     unknown = [a for a in args.arms if a not in ARMS]
@@ -285,10 +314,18 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     model, gap = warm_model(out, args.overrides, args.warm_model)
     print(f"[compare] warm start: {model}; held-out hint gap: {json.dumps(gap)}")
+    teacher = None
+    if args.teacher_sft_steps is not None or args.teacher_model is not None:
+        steps = [] if args.teacher_sft_steps is None else [f"sft.total_steps={args.teacher_sft_steps}"]
+        path, teacher_gap = warm_model(out, [*args.overrides, *steps], args.teacher_model, name="teacher")
+        teacher = {"model": path, "sft_steps": args.teacher_sft_steps, "hint_gap": teacher_gap}
+        print(f"[compare] OPD teacher: {path}; held-out hint gap: {json.dumps(teacher_gap)}")
     records: dict[str, dict[int, dict]] = {arm: {} for arm in args.arms}
     for seed in args.seeds:
         for arm in args.arms:
-            records[arm][seed] = run_arm(out, arm, seed, model, args.overrides)
+            records[arm][seed] = run_arm(
+                out, arm, seed, model, args.overrides, teacher["model"] if teacher else None
+            )
     runs = {arm: {seed: r["val_history"] for seed, r in by_seed.items()} for arm, by_seed in records.items()}
     ks = sorted(set(load_config(hybrid_rl.RECIPE, args.overrides).eval.pass_k))
     summary = summarize(runs, ks)
@@ -301,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "warm_model": model,
         "hint_gap": gap,
+        "teacher": teacher,  # None: the warm start teaches
         "seeds": args.seeds,
         "arms": args.arms,
         "overrides": args.overrides,

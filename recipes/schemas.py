@@ -26,6 +26,8 @@ Each section checks itself (``recipes.sections``); a schema adds the rules of it
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 from recipes.sections import (
@@ -139,6 +141,10 @@ class HybridWeightsConfig:
     # false: the teacher is the plain reference, the hint kept out of its prompt, on the same hinted rows (the
     # ablation "OPD without the hint": recipes/compare_hybrid.py --arms opd_no_hint)
     teacher_reads_hint: bool = True
+    # the OPD teacher's HF directory (same tokenizer as the policy), e.g. a model trained longer on hinted
+    # demonstrations; null: the reference model (the policy's start). The reference role loads it, so no KL term
+    # may use the reference at the same time
+    teacher_path: str | None = None
     # warm start: this fraction of the rows also shown as [prompt + judge's hint + correct solution], so the
     # reference (the teacher) learns to use a hint (recipes/trainer/hybrid.py: hinted_demonstrations)
     hinted_demos: float = 0.0
@@ -152,6 +158,34 @@ class HybridWeightsConfig:
             errors.append(f"hybrid.hint_template must contain {{hint}}, got {self.hint_template!r}")
         if not 0.0 <= self.hinted_demos <= 1.0:
             errors.append(f"hybrid.hinted_demos must be in [0, 1], got {self.hinted_demos}")
+        if self.teacher_path is not None:
+            self._check_teacher(errors, cfg)
+
+    def _check_teacher(self, errors: list[str], cfg: RecipeConfig) -> None:
+        path = os.path.expanduser(self.teacher_path)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            errors.append(f"hybrid.teacher_path={self.teacher_path!r} is not a Hugging Face model directory "
+                          "(no config.json)")  # fmt: skip
+        elif cfg.model.path is not None and os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+            vocab = [_vocab_size(p) for p in (path, cfg.model.path)]
+            if vocab[0] != vocab[1]:
+                errors.append(f"hybrid.teacher_path={self.teacher_path!r} has vocab_size {vocab[0]}, the policy "
+                              f"(model.path) {vocab[1]}: the teacher scores the policy's tokens, so they must "
+                              "share the tokenizer")  # fmt: skip
+        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            errors.append("hybrid.teacher_path: the reference role loads the teacher, so actor.use_kl_loss and "
+                          "algorithm.use_kl_in_reward (a KL to the reference) must be false")  # fmt: skip
+        if cfg.actor.lora.enabled:
+            errors.append("hybrid.teacher_path: with actor.lora the reference is the actor's frozen base, so "
+                          "there is no reference role to load a teacher; train without LoRA")  # fmt: skip
+        if cfg.algorithm.adv_estimator != "hybrid":
+            errors.append(f"hybrid.teacher_path is set, but algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+                          "has no OPD term to use a teacher")  # fmt: skip
+
+
+def _vocab_size(model_dir: str) -> int | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("vocab_size")
 
 
 @dataclass

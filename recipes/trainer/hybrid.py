@@ -21,6 +21,7 @@ and the hybrid advantage with its metrics.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -57,8 +58,11 @@ def prm_colocated(cfg: HybridConfig) -> bool:
 
 def role_options(cfg: HybridConfig, run) -> dict:
     """``build_roles``' options: the tool env generates (the env role beside the rollout role); with
-    ``prm.placement=colocated`` the PRM is a role in the same processes too."""
+    ``prm.placement=colocated`` the PRM is a role in the same processes too; ``hybrid.teacher_path``: the
+    reference role loads that teacher."""
     options = env_generator(cfg, run, cfg.env)
+    if cfg.hybrid.teacher_path:
+        options["reference_path"] = os.path.expanduser(cfg.hybrid.teacher_path)
     if prm_colocated(cfg):
         prm = RayClassWithInitArgs(PRMWorker, config=cfg.prm, reference_path=run.model_path)
         options["extra_roles"] |= {"prm": PooledRole(prm, beside="rollout")}

@@ -204,11 +204,13 @@ def pool_roles(
     critic: bool = False,
     extra_roles: Mapping[str, PooledRole] | None = None,
     async_rollout: bool = False,
+    reference_path: str | None = None,
 ) -> dict[str, dict[str, RayClassWithInitArgs]]:
     """``{pool: {role: worker class with arguments}}``, each pool's roles in build order, from the placement
     plan: the actor's pool holds actor (colocated: + the rollout role sharing it), reference, critic (unless on
     its own pool), reward; the rollout and critic roles go to their own pools where the plan says so; each of
-    ``extra_roles`` joins its ``beside`` role's pool."""
+    ``extra_roles`` joins its ``beside`` role's pool; ``reference_path``: the reference role's model (default: the
+    policy's start, ``run.model_path``)."""
     mc = model_config(cfg, run.model_path)
     # asynchronous recipes: the rollout workers take weights and aborts while they generate
     rollout_kw = {"concurrent": True} if async_rollout else {}
@@ -226,7 +228,11 @@ def pool_roles(
         )
         roles["rollout"] = (plan.pool_of("rollout"), rollout)
     if needs_reference(cfg) and not reference_is_actor(cfg):
-        roles["ref"] = (plan.pool_of("ref"), RayClassWithInitArgs(RefWorker, model=mc, rollout=cfg.rollout))
+        ref_mc = model_config(cfg, reference_path) if reference_path else mc
+        roles["ref"] = (
+            plan.pool_of("ref"),
+            RayClassWithInitArgs(RefWorker, model=ref_mc, rollout=cfg.rollout),
+        )
     if critic:
         critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)
         spec = RayClassWithInitArgs(CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout)
@@ -256,6 +262,7 @@ def build_roles(
     extra_roles: Mapping[str, PooledRole] | None = None,
     generator: str = "rollout",
     async_rollout: bool = False,
+    reference_path: str | None = None,
 ) -> Roles:
     """Create the pools and one worker group per pool (its roles composed into each process, `pool_roles`),
     and initialise every role (``init_model``, in build order: a shared role before the roles that share it).
@@ -264,11 +271,15 @@ def build_roles(
     rollout role); ``generator``: the role whose ``generate_sequences`` makes the batch (``roles.generate``), the
     rollout role or one of ``extra_roles``. ``async_rollout`` (asynchronous recipes): the rollout workers take
     weights and aborts while they generate (``RolloutWorker(concurrent=True)``, Ray actors running several
-    calls at once)."""
+    calls at once). ``reference_path``: another model for the reference role (the hybrid recipe's OPD teacher,
+    ``hybrid.teacher_path``)."""
     t = cfg.trainer
     counts = device_counts(cfg)
     plan = plan_of(cfg)
-    pools = pool_roles(cfg, run, plan, critic=critic, extra_roles=extra_roles, async_rollout=async_rollout)
+    pools = pool_roles(
+        cfg, run, plan, critic=critic, extra_roles=extra_roles, async_rollout=async_rollout,
+        reference_path=reference_path,
+    )  # fmt: skip
     if not any(generator in roles for roles in pools.values()):
         names = sorted(r for roles in pools.values() for r in roles)
         raise ValueError(f"generator role {generator!r} is not a role of this run: {names}")

@@ -22,6 +22,7 @@ from recipes import compare_hybrid, hybrid_rl
 from recipes.config import ConfigError, load_config, validate
 from workers.agents.replay import reference_trajectories, sft_batch
 from workers.models import load_tokenizer
+from workers.models.tiny import tiny_config
 from workers.prm import parse_hint
 
 pytestmark = pytest.mark.e2e
@@ -368,6 +369,24 @@ def test_compare_hybrid_seeds_from_one_warm_start(ray_session, tmp_path, monkeyp
     again = compare_hybrid.main(argv)
     assert again["summary"] == res["summary"] and again["final"] == res["final"]
 
+    # a teacher trained longer (--teacher-sft-steps): the arms with an OPD term load it as their reference, so
+    # the ablation's teacher, without a hint, now differs from the policy at step 1; GRPO has no teacher
+    monkeypatch.undo()
+    argv = ["--out", str(tmp_path), "--seeds", "0", "--arms", "opd_no_hint,grpo", "--teacher-sft-steps", "4"]
+    taught = compare_hybrid.main([*argv, *overrides])
+    teacher = taught["teacher"]
+    assert teacher["model"] == str(tmp_path / "teacher" / "sft_model") and teacher["sft_steps"] == 4
+    assert teacher["hint_gap"]["log_prob_with_hint"] != gap["log_prob_with_hint"]  # the teacher's own
+    assert taught["warm_model"] == res["warm_model"]
+    configs = {
+        arm: yaml.safe_load((tmp_path / arm / "seed0" / "config.yaml").read_text())["hybrid"]
+        for arm in ("opd_no_hint", "grpo")
+    }
+    assert (
+        configs["opd_no_hint"]["teacher_path"] == teacher["model"] and configs["grpo"]["teacher_path"] is None
+    )
+    assert taught["hybrid_terms"]["opd_no_hint"][0]["hybrid/opd_term/abs_mean"] > 0
+
 
 def test_paired_tests_by_hand():
     every_seed_better = compare_hybrid.paired_tests([1.0] * 8)
@@ -425,6 +444,21 @@ def test_config_checks_name_keys(tmp_path):
         load_config("hybrid_rl", ["prm.scorer=http"])  # no endpoint
     with pytest.raises(ConfigError, match="prm.voets"):
         load_config("hybrid_rl", ["prm.voets=3"])
+    # hybrid.teacher_path: a model directory sharing the policy's tokenizer, loaded by the reference role
+    for name, vocab in (("policy", 100), ("teacher", 100), ("other", 200)):
+        tiny_config("nano", vocab_size=vocab).save_pretrained(tmp_path / name)
+    teach = [f"model.path={tmp_path / 'policy'}", f"hybrid.teacher_path={tmp_path / 'teacher'}"]
+    validate(load_config("hybrid_rl", teach))
+    bad_teacher = {
+        f"hybrid.teacher_path={tmp_path / 'missing'}": "is not a Hugging Face model directory",
+        f"hybrid.teacher_path={tmp_path / 'other'}": "vocab_size 200, the policy",
+        "actor.use_kl_loss=true": "use_kl_loss",
+        "actor.lora.rank=4": "actor.lora",
+        "algorithm.adv_estimator=grpo": "no OPD term",
+    }
+    for override, message in bad_teacher.items():
+        with pytest.raises(ConfigError, match=message):
+            validate(load_config("hybrid_rl", [*teach, override]))
     base = load_config(
         "hybrid_rl", [], config_path=hybrid_rl.__file__.replace("hybrid_rl.py", "hybrid_rl_grpo.yaml")
     )
