@@ -166,8 +166,10 @@ class HybridWeightsConfig:
         if not os.path.isfile(os.path.join(path, "config.json")):
             errors.append(f"hybrid.teacher_path={self.teacher_path!r} is not a Hugging Face model directory "
                           "(no config.json)")  # fmt: skip
-        elif cfg.model.path is not None and os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-            vocab = [_vocab_size(p) for p in (path, cfg.model.path)]
+        elif cfg.model.path and os.path.isfile(
+            os.path.join(os.path.expanduser(cfg.model.path), "config.json")
+        ):
+            vocab = [_vocab_size(p) for p in (path, os.path.expanduser(cfg.model.path))]
             if vocab[0] != vocab[1]:
                 errors.append(f"hybrid.teacher_path={self.teacher_path!r} has vocab_size {vocab[0]}, the policy "
                               f"(model.path) {vocab[1]}: the teacher scores the policy's tokens, so they must "

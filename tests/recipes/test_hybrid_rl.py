@@ -452,8 +452,8 @@ def test_config_checks_name_keys(tmp_path):
     bad_teacher = {
         f"hybrid.teacher_path={tmp_path / 'missing'}": "is not a Hugging Face model directory",
         f"hybrid.teacher_path={tmp_path / 'other'}": "vocab_size 200, the policy",
-        "actor.use_kl_loss=true": "use_kl_loss",
-        "actor.lora.rank=4": "actor.lora",
+        "actor.use_kl_loss=true": "the reference role loads the teacher, so actor.use_kl_loss",
+        "actor.lora.rank=4": "no reference role to load a teacher",
         "algorithm.adv_estimator=grpo": "no OPD term",
     }
     for override, message in bad_teacher.items():
