@@ -206,10 +206,12 @@ def hyflow_round(
     run_dir: Path,
     race_s: float | None = None,
     seed: int = WORK["seed"],
+    extra: list[str] | None = None,
 ) -> dict:
     """``steps`` steps of ``recipes.grpo`` on the work (with ``race_s``: as many as fit in that many seconds of
     training); per step: seconds (``timing_s/step``), completion tokens and mean reward; the greedy held-out
-    accuracy before the first step (and with ``race_s``, after the last).
+    accuracy before the first step (and with ``race_s``, after the last). ``extra``: more overrides for hyflow's
+    side (``--hyflow-override``, e.g. ``model.compile=true``).
 
     ``line_s``: the step as its user sees it, the wall time between two consecutive step lines of the console
     (``Tracker.log`` returns once the line, metrics.jsonl and TensorBoard are written): the recipe's whole loop,
@@ -227,6 +229,7 @@ def hyflow_round(
         ),
         "trainer.save_freq=-1",
         "trainer.export_hf=false",
+        *(extra or []),
     ]
     line_at: list[float] = []
     log = Tracker.log
@@ -318,6 +321,7 @@ def race(
     seconds: float,
     work_dir: Path,
     seeds: int = 1,
+    extra: list[str] | None = None,
 ) -> dict:
     """For each of ``seeds`` seeds (prompt order and sampling, the same seed on both sides), each side trains
     ``seconds`` of wall time from the same warm start (start-up and validation not counted); steps done and
@@ -326,7 +330,13 @@ def race(
     runs: list[dict] = []
     for seed in range(seeds):
         ours = hyflow_round(
-            model_dir, files, RACE_MAX_STEPS, work_dir / f"race_hyflow_s{seed}", race_s=seconds, seed=seed
+            model_dir,
+            files,
+            RACE_MAX_STEPS,
+            work_dir / f"race_hyflow_s{seed}",
+            race_s=seconds,
+            seed=seed,
+            extra=extra,
         )
         # before: each side's own greedy evaluation of the same warm start (hyflow's engine, HF generate): equal
         runs.append(race_row("hyflow", seed, ours, ours["val_accuracy_before"], ours["val_accuracy_after"]))
@@ -384,7 +394,9 @@ def trl_stage_medians(rounds: list[dict], warmup: int) -> dict[str, float]:
 def summarize(rounds: list[dict], warmup: int) -> dict:
     """Median / p90 step seconds over each round's steps after ``warmup``; the same of the step as the user sees
     it (``line_s``: console line to console line) and the median of what the user's step spends outside the
-    timed step (``outside_step_s``: line_s minus that step's step_s); mean tokens per step and reward."""
+    timed step (``outside_step_s``: line_s minus that step's step_s); mean tokens per step and reward.
+    ``first_step_extra_s``: what the first step of a round takes beyond a counted one (one-time costs: a
+    compiled step's compilation), averaged over the rounds."""
     times = sorted(t for r in rounds for t in r["step_s"][warmup:])
     lines = sorted(t for r in rounds for t in r["line_s"][max(warmup - 1, 0) :])
     # line_s[i] holds step i + 1 (0-based step_s) and what the loop does around it
@@ -400,6 +412,7 @@ def summarize(rounds: list[dict], warmup: int) -> dict:
         "p90_line_s": _p90(lines),
         "outside_step_s": statistics.median(outside),
         "steps_counted": len(times),
+        "first_step_extra_s": statistics.fmean(r["step_s"][0] for r in rounds) - statistics.median(times),
         "completion_tokens_per_step": statistics.fmean(tokens),
         "mean_reward": statistics.fmean(rewards),
     }
@@ -436,6 +449,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--hyflow-only", action="store_true", help="no TRL rounds (hyflow's side of the table only)"
     )
+    p.add_argument(
+        "--hyflow-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for hyflow's side, e.g. model.compile=true (repeatable)",
+    )
     return p.parse_args(argv)
 
 
@@ -458,7 +478,11 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()  # the machine is shared: the load beside the numbers
     rounds: dict[str, list[dict]] = {"hyflow": [], "trl": []}
     for i in range(args.rounds):
-        rounds["hyflow"].append(hyflow_round(model_dir, files, args.steps, args.work_dir / f"hyflow_{i}"))
+        rounds["hyflow"].append(
+            hyflow_round(
+                model_dir, files, args.steps, args.work_dir / f"hyflow_{i}", extra=args.hyflow_override
+            )
+        )
         if python is not None:
             result = trl_round(python, spec, args.work_dir / f"trl_{i}")
             if result["prompt_ids"] != prompt_ids:
@@ -469,7 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(
         rows,
         ["side", "median_step_s", "p90_step_s", "median_line_s", "p90_line_s", "outside_step_s", "steps_counted",
-         "completion_tokens_per_step", "mean_reward"],
+         "first_step_extra_s", "completion_tokens_per_step", "mean_reward"],
     )  # fmt: skip
     stages = stage_medians(rounds["hyflow"], args.warmup)
     print("hyflow's step by stage, median ms: " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
@@ -503,7 +527,9 @@ def main(argv: list[str] | None = None) -> dict:
         "trl_versions": rounds["trl"][0]["versions"] if rounds["trl"] else None,
     }
     if args.race_s:
-        payload["race"] = race(python, model_dir, files, args.race_s, args.work_dir, args.race_seeds)
+        payload["race"] = race(
+            python, model_dir, files, args.race_s, args.work_dir, args.race_seeds, args.hyflow_override
+        )
     path = write_json("bench_vs_trl", payload)
     print(f"wrote {path}")
     return payload

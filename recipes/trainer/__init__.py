@@ -20,8 +20,8 @@
 * ``checkpoint``: checkpoint layout, ``latest_step`` marker, Ctrl-C-safe saves
 * ``async_rl``: where an asynchronous recipe's batches come from (``rollout_source``: ``SyncRollout`` or the
   ``RolloutStream`` of one-step off-policy / fully asynchronous generation; imported from its module)
-* ``reward``, ``hybrid``: the reward worker with the tasks' scorers; the hybrid recipe's PRM role, teacher
-  hints and advantage (imported from their modules, not re-exported here)
+* ``hybrid``: the hybrid recipe's PRM role, teacher hints and advantage (imported from its module, not
+  re-exported here)
 """
 
 from recipes.trainer.checkpoint import hold_interrupts, latest_step

@@ -41,7 +41,6 @@ from controller import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupError, c
 from dataproto import DataProto
 from recipes.schemas import RecipeConfig
 from recipes.sections import device_counts, needs_reference, reference_is_actor, syncs_adapters
-from recipes.trainer.reward import TaskRewardWorker
 from recipes.trainer.run import Run, model_config
 from resource_pools import (
     InsufficientResourcesError,
@@ -51,7 +50,7 @@ from resource_pools import (
     placement_plan,
 )
 from workers.agents.env_worker import env_role
-from workers.roles import ActorWorker, CriticWorker, RefWorker, RolloutWorker, hybrid_roles
+from workers.roles import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker, hybrid_roles
 from workers.weight_sync import WeightSync
 
 logger = logging.getLogger("recipes")
@@ -238,7 +237,7 @@ def pool_roles(
         spec = RayClassWithInitArgs(CriticWorker, model=critic_mc, critic=cfg.critic, rollout=cfg.rollout)
         roles["critic"] = (plan.pool_of("critic"), spec)
     crf = cfg.custom_reward_function
-    reward = RayClassWithInitArgs(TaskRewardWorker, run.model_path, cfg.reward, crf.path, crf.name)
+    reward = RayClassWithInitArgs(RewardWorker, run.model_path, cfg.reward, crf.path, crf.name)
     roles["reward"] = (plan.pool_of("reward"), reward)
     for name, extra in (extra_roles or {}).items():
         if name in roles:

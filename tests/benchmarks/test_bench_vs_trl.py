@@ -9,6 +9,7 @@ import json
 import pandas as pd
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from benchmarks import bench_vs_trl as bench
@@ -82,9 +83,15 @@ def test_hyflow_race_stops_on_time_and_validates_after(task, warm_model, tmp_pat
 
 def test_race_runs_each_seed_and_averages_them(task, warm_model, tmp_path):
     _, files = task
-    out = bench.race(None, warm_model, files, seconds=0.001, work_dir=tmp_path, seeds=2)  # hyflow's side only
+    # hyflow's side only; --hyflow-override reaches each run's recipe config
+    out = bench.race(
+        None, warm_model, files, seconds=0.001, work_dir=tmp_path, seeds=2, extra=["actor.optim.lr=3e-5"]
+    )
     assert [(r["side"], r["seed"], r["steps"]) for r in out["runs"]] == [("hyflow", 0, 1), ("hyflow", 1, 1)]
     assert (tmp_path / "race_hyflow_s1" / "metrics.jsonl").is_file()  # each seed its own run
+    for seed in (0, 1):
+        cfg = yaml.safe_load((tmp_path / f"race_hyflow_s{seed}" / "config.yaml").read_text())
+        assert cfg["actor"]["optim"]["lr"] == 3e-5
     after = [r["held_out_after"] for r in out["runs"]]
     assert out["mean"]["hyflow"]["held_out_after"] == pytest.approx(sum(after) / 2)
     assert set(out["load_average"]) == {"before", "after"}
@@ -111,6 +118,7 @@ def test_summary_leaves_out_each_rounds_warmup():
     ]
     s = bench.summarize(rounds, warmup=1)
     assert s["steps_counted"] == 6 and s["median_step_s"] == 3.5 and s["p90_step_s"] == 6.0
+    assert s["first_step_extra_s"] == 8.5 - 3.5  # the rounds' first steps (9, 8) beyond a counted one
     assert s["completion_tokens_per_step"] == pytest.approx(242.5) and s["mean_reward"] == 0.5
     assert s["median_line_s"] == (3.5 + 4.25) / 2 and s["outside_step_s"] == (0.5 + 0.25) / 2
     # warmup 2 leaves out the line that ends with step 2 too

@@ -165,7 +165,7 @@ def test_a_hang_is_a_fault_recovered_and_the_next_past_max_restarts_ends_the_run
             tmp_path,
             f"custom_reward_function.path={reward}",
             "trainer.max_restarts=1",
-            "trainer.call_timeout_s=8",
+            "trainer.call_timeout_s=5",  # the other calls' margin on a loaded machine; the hang proves the rest
             "trainer.call_timeout_per_row_s=0.1",
         )
     out = capsys.readouterr().out
@@ -177,7 +177,7 @@ def test_a_hang_is_a_fault_recovered_and_the_next_past_max_restarts_ends_the_run
     assert msg.startswith("more than trainer.max_restarts=1 worker faults; the faults in order:")
     lines = msg.splitlines()[1:]
     assert len(lines) == 2 and all(
-        "'reward' rank 0 failed in 'compute_rm_score': no result after 8.4s" in x for x in lines
+        "'reward' rank 0 failed in 'compute_rm_score': no result after 5.4s" in x for x in lines
     )
     assert lines[0].startswith("  1. step 1:") and lines[1].startswith("  2. step 1:")
 

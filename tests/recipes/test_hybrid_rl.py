@@ -294,7 +294,13 @@ def test_compare_hybrid_seeds_from_one_warm_start(ray_session, tmp_path, monkeyp
     """``python -m recipes.compare_hybrid``: one warm start and its held-out hint gap, then both recipes for two
     seeds each (1 step here) and an ablation, summarised per validation step over seeds and paired by seed at
     the last; run again, it reads every finished run instead of running it."""
-    overrides = [*TINY, "trainer.total_training_steps=1", "hybrid.hinted_demos=0.5"]
+    # the PRM in the rollout worker's process: one process per run, not two (the separate pool: the recipe's tests)
+    overrides = [
+        *TINY,
+        "trainer.total_training_steps=1",
+        "hybrid.hinted_demos=0.5",
+        "prm.placement=colocated",
+    ]
     argv = ["--out", str(tmp_path), "--seeds", "0,1", "--arms", "hybrid,grpo,opd_no_hint", *overrides]
     res = compare_hybrid.main(argv)
     # the hint gap's arms, each recomputed here from the warm model: with the hint and without, not swapped and

@@ -105,8 +105,6 @@ def _worker_classes() -> list[type]:
 
 
 def test_every_worker_class_is_at_most_four_classes_deep():
-    import recipes.trainer.reward  # noqa: F401  (the recipe's reward role)
-
     # Ray's own subclasses (ray.remote makes them in the driver), alive as an earlier test's may be
     remote_actor = ray.remote(ActorWorker)
     classes = _worker_classes()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from workers.reward import extract_boxed, get_scorer, register_scorer, score_batch
+from workers.reward import extract_boxed, get_scorer, load_custom_scorer, register_scorer, score_batch
 from workers.reward.scorers import parse_number
 
 
@@ -66,3 +66,23 @@ def test_unknown_data_source_names_it_and_default_applies():
     with pytest.raises(KeyError, match="'nope'.*registered"):
         score_batch(["x"], ["nope"], ["y"])
     assert score_batch([r"\boxed{2}"], ["nope"], ["2"], default_scorer="math").scores == [1.0]
+
+
+def test_a_custom_reward_function_scores_every_source_and_bad_files_are_named(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return len(solution_str) + (0.5 if data_source == 'nope' else 0.0)\n"
+        "def broken(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise ValueError('no')\n"
+    )
+    custom = load_custom_scorer(str(path))
+    # a source no scorer is registered for is no error: the custom function scores it
+    result = score_batch(["abc", "de"], ["nope", "hyflow/arithmetic"], ["1", "2"], custom=custom)
+    assert result.scores == [3.5, 2.0] and result.errors == 0
+    failing = score_batch(["x"], ["nope"], ["1"], custom=load_custom_scorer(str(path), "broken"))
+    assert failing.scores == [0.0] and failing.error_messages == ["row 0 (nope): ValueError: no"]
+    with pytest.raises(FileNotFoundError, match="custom_reward_function.path='/no/such.py'"):
+        load_custom_scorer("/no/such.py")
+    with pytest.raises(AttributeError, match="defines no function 'absent'"):
+        load_custom_scorer(str(path), "absent")

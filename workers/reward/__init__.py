@@ -12,6 +12,7 @@ from workers.reward.scorers import (
     compute_score,
     extract_boxed,
     get_scorer,
+    load_custom_scorer,
     register_scorer,
     score_batch,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "compute_score",
     "extract_boxed",
     "get_scorer",
+    "load_custom_scorer",
     "register_scorer",
     "score_batch",
 ]

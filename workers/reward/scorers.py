@@ -7,10 +7,13 @@ naming the data source and the registered ones, unless a default scorer is confi
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 Scorer = Callable[[str, object, dict | None], float]
 SCORERS: dict[str, Scorer] = {}
@@ -127,6 +130,25 @@ class ScoreResult:
     error_messages: list[str] = field(default_factory=list)  # "row i (data_source): error", first few only
 
 
+# verl's custom reward function: ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float``
+CustomScorer = Callable[[str, str, object, dict | None], float]
+
+
+def load_custom_scorer(path: str, name: str = "compute_score") -> CustomScorer:
+    """Function ``name`` of the Python file ``path`` (``custom_reward_function.path`` / ``.name``); errors name
+    both."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"custom_reward_function.path={path!r} is not a file")
+    spec = importlib.util.spec_from_file_location(f"hyflow_custom_reward_{abs(hash(path))}", path)
+    assert spec is not None and spec.loader is not None  # a file path always has a source loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"custom_reward_function: {path} defines no function {name!r}")
+    return fn
+
+
 def score_batch(
     solutions: Sequence[str],
     data_sources: Sequence[str],
@@ -134,14 +156,17 @@ def score_batch(
     extra_infos: Sequence[dict | None] | None = None,
     default_scorer: str | None = None,
     max_messages: int = 5,
+    custom: CustomScorer | None = None,
 ) -> ScoreResult:
-    """Score a batch. A scorer that raises, or returns a non-finite value, gives that row 0 and an error."""
+    """Score a batch. A scorer that raises, or returns a non-finite value, gives that row 0 and an error.
+    ``custom`` scores every data source instead of the registered scorers."""
     result = ScoreResult(scores=[])
     extra_infos = extra_infos if extra_infos is not None else [None] * len(solutions)
     for row, (text, source, truth, extra) in enumerate(
         zip(solutions, data_sources, ground_truths, extra_infos)
     ):
-        scorer = get_scorer(source, default_scorer)  # unknown source: a config error, raised
+        # an unknown source without a custom function: a config error, raised
+        scorer = get_scorer(source, default_scorer) if custom is None else partial(custom, source)
         try:
             score = float(scorer(text, truth, extra))
             if not math.isfinite(score):

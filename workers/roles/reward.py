@@ -5,7 +5,8 @@ Scorers come from `workers.reward` (registered by ``data_source``; ``reward.defa
 without one). A scorer that raises, or a row without ``reward_model["ground_truth"]``, fails only that row:
 its score is 0, ``non_tensor_batch["reward_error"]`` holds the message, and the errors are counted in
 ``meta_info["metrics"]["reward/errors"]`` (the first messages in ``meta_info["reward_error_messages"]``). A data
-source with no scorer and no default is a configuration error and fails the call.
+source with no scorer and no default is a configuration error and fails the call. A custom reward function
+(``custom_path`` / ``custom_name``: verl's ``custom_reward_function``) scores every data source instead.
 
 With a group of several ranks ``reward/errors`` is summed over the ranks (``dataproto/metrics_merge.py``) and
 ``reward_error_messages`` is rank 0's; the per-row ``reward_error`` column covers every row.
@@ -21,7 +22,7 @@ from controller import Dispatch, Inputs, Worker, register
 from dataproto import DataProto
 from workers.config import RewardConfig
 from workers.models import load_tokenizer
-from workers.reward import score_batch
+from workers.reward import load_custom_scorer, score_batch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,9 +38,16 @@ RM_SCORE_INPUTS = Inputs(
 
 
 class RewardWorker(Worker):
-    def __init__(self, model_path_or_tokenizer_path: str, reward: RewardConfig):
+    def __init__(
+        self,
+        model_path_or_tokenizer_path: str,
+        reward: RewardConfig,
+        custom_path: str | None = None,
+        custom_name: str = "compute_score",
+    ):
         self.tokenizer_path = str(model_path_or_tokenizer_path)
         self.reward_config = reward
+        self.custom_scorer = load_custom_scorer(custom_path, custom_name) if custom_path else None
         self.tokenizer: PreTrainedTokenizerBase | None = None
         if reward.reward_manager != "outcome":
             raise ValueError(
@@ -101,7 +109,12 @@ class RewardWorker(Worker):
             extra = extra_infos[i] if extra_infos is not None else None
             try:
                 result = score_batch(
-                    [text], [source], [rm["ground_truth"]], [extra], self.reward_config.default_scorer
+                    [text],
+                    [source],
+                    [rm["ground_truth"]],
+                    [extra],
+                    self.reward_config.default_scorer,
+                    custom=self.custom_scorer,
                 )
             except KeyError as err:  # no scorer for this data source: a configuration error
                 raise KeyError(f"{self.tag}: compute_rm_score {where[i]}: {err.args[0]}") from None
