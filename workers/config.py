@@ -16,6 +16,9 @@ class ModelConfig:
     # torch.compile the training engines' decoder layers (the rollout engine's: rollout.compile); compiles on
     # first use (~20 s). On a 2-core CPU a tiny model's train step is 1.06-1.12x as fast (BENCHMARKS.md)
     compile: bool = False
+    # the samples of one prompt in a training micro-batch share one forward/backward of that prompt (exact: the
+    # same log-probs and gradients; hyflow_varlen attention, i.e. not with flash_attention_2 or sliding windows)
+    share_prompts: bool = True
     trust_remote_code: bool = False
 
 

@@ -56,6 +56,8 @@ class EngineConfig:
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile each decoder layer (fsdp_engine.compile_layers)
     attn_implementation: str = "auto"  # auto: flash_attention_2 if installed on CUDA, else hyflow_varlen
+    # rows of a micro-batch with one prompt share its forward/backward (hyflow_varlen attention only; exact)
+    share_prompts: bool = True
     use_fsdp: bool | None = None  # None: FSDP2 when torch.distributed has world size > 1
     reshard_after_forward: bool = True
     seed: int = 0  # same on every rank: a fresh value head is initialised identically everywhere

@@ -10,6 +10,8 @@ Conventions
   every rank in the same order.
 * Padding: sequences are unpadded and packed into one row per micro-batch (`packing.pack_sequences`); no
   compute is spent on pad tokens. Logits are projected only at the positions that predict response tokens.
+  Rows of a micro-batch with the same prompt (a GRPO group) share one copy of it (``share_prompts``, with the
+  ``hyflow_varlen`` attention): the same log-probs, values and gradients, the prompt computed once.
 * Gradients: ``loss_fn`` returns each micro-batch's share of the *global* loss (normalised by counts over the
   whole mini-batch across all DP ranks, which the engine passes in `LossContext`). The engine back-propagates
   each micro-batch loss as is, gradients accumulate (sum) over micro-batches, and FSDP's reduce-scatter SUMS
@@ -122,6 +124,9 @@ class FSDPEngine(EngineSteps):
         if attn == VARLEN_ATTENTION:
             register_varlen_attention()
         self.attn_implementation = attn
+        # shared prompts need attention that keeps each response from its siblings: hyflow_varlen's, without
+        # sliding windows (checked once the model is built)
+        self.share_prompts = config.share_prompts and attn == VARLEN_ATTENTION
 
         build = dict(
             value_head=config.value_head,
@@ -154,6 +159,9 @@ class FSDPEngine(EngineSteps):
         self.is_value_model = is_value_model(model)
         if hasattr(model, "config"):
             model.config.use_cache = False
+            layer_types = getattr(model.config, "layer_types", None) or ()
+            if getattr(model.config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+                self.share_prompts = False
         if config.activation_checkpointing:
             ac_kwargs = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -257,7 +265,9 @@ class FSDPEngine(EngineSteps):
         calculate_entropy: bool,
     ) -> dict[str, torch.Tensor]:
         """Packed forward of one micro-batch; outputs are [b, R] (zeros at response padding)."""
-        packed = pack_sequences(micro["input_ids"], micro["attention_mask"], response_length)
+        packed = pack_sequences(
+            micro["input_ids"], micro["attention_mask"], response_length, share_prompts=self.share_prompts
+        )
         with self._autocast():
             if self.is_value_model:
                 out = self.model(**packed.model_kwargs())

@@ -6,6 +6,11 @@ Layout (dataproto/BATCH_LAYOUT.md): ``input_ids``/``attention_mask`` are [B, P+R
 responses right-padded; ``responses`` is [B, R]. The token at padded position ``P + j`` (response token j) is
 predicted by the logits at position ``P + j - 1``. A packed micro-batch is one row holding only the real tokens of
 its sequences, one after another, with ``position_ids`` restarting at 0 for each sequence.
+
+With ``share_prompts`` the rows of a micro-batch that share a prompt (a GRPO group's samples) become one segment:
+the prompt once, then each row's response as a branch that attends to the prompt and to itself only
+(``workers/models/attention.py``), at the positions it has in its own row. Each row's log-probs are the same
+numbers, and the prompt's forward and backward run once for the group instead of once per sample.
 """
 
 from __future__ import annotations
@@ -133,14 +138,17 @@ class PackedBatch:
     keep_index: torch.Tensor  # [n] packed positions whose logits predict a real response token
     labels: torch.Tensor  # [n] the response tokens those logits predict
     response_valid: torch.Tensor  # [b, R] bool, True on real response tokens (attention_mask of the response)
+    # per segment, the lengths of its shared-prompt branches (() for a plain sequence); None: no shared prompts
+    branches: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
     def model_kwargs(self) -> dict:
-        """Keyword arguments for an HF forward: no 2D mask, no cache, FlashAttention-style varlen metadata."""
-        return dict(
+        """Keyword arguments for an HF forward: no 2D mask, no cache, FlashAttention-style varlen metadata (and
+        the shared-prompt branches, which only ``hyflow_varlen`` attention reads)."""
+        kwargs = dict(
             input_ids=self.input_ids,
             position_ids=self.position_ids,
             attention_mask=None,
@@ -150,15 +158,19 @@ class PackedBatch:
             max_length_q=self.max_seqlen,
             max_length_k=self.max_seqlen,
         )
+        if self.branches is not None:
+            kwargs["hyflow_branches"] = self.branches
+        return kwargs
 
 
 def pack_sequences(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, share_prompts: bool = False
 ) -> PackedBatch:
     """Remove padding from [b, P+R] ``input_ids`` and pack the b sequences into one row.
 
     Every response token j of row i with ``attention_mask[i, P+j] == 1`` must be preceded by a real token
-    (a non-empty prompt), since its log-prob comes from the logits at ``P + j - 1``.
+    (a non-empty prompt), since its log-prob comes from the logits at ``P + j - 1``. ``share_prompts``: rows
+    with the same prompt tokens share one copy of them (see the module docstring).
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(
@@ -189,6 +201,10 @@ def pack_sequences(
         )
     keep_index = pred_pos[response_valid]
     labels = input_ids[:, prompt_len:][response_valid]
+    if share_prompts:
+        shared = _share_prompts(input_ids, mask, prompt_len, response_valid, labels)
+        if shared is not None:
+            return shared
     cu = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
     cu[1:] = lengths.cumsum(0)
     return PackedBatch(
@@ -199,6 +215,62 @@ def pack_sequences(
         keep_index=keep_index,
         labels=labels,
         response_valid=response_valid,
+    )
+
+
+def _share_prompts(
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    prompt_len: int,
+    response_valid: torch.Tensor,
+    labels: torch.Tensor,
+) -> PackedBatch | None:
+    """``pack_sequences`` with one segment per distinct prompt: its tokens, then each of its rows' responses as
+    branches. None when no two rows share a prompt (the plain packing is the same then)."""
+    prompt_mask = mask[:, :prompt_len]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (ids, real) in enumerate(zip(input_ids[:, :prompt_len].tolist(), prompt_mask.tolist())):
+        groups.setdefault(tuple(t for t, m in zip(ids, real) if m), []).append(i)
+    if len(groups) == len(input_ids):
+        return None
+    # a row's real response tokens are a prefix of its response (pack_sequences checked that each follows a real
+    # token): its branch
+    device = input_ids.device
+    lens = response_valid.sum(dim=1).tolist()
+    responses = input_ids[:, prompt_len:]
+    pieces, positions, bounds, branches = [], [], [0], []
+    first_pred = [0] * len(input_ids)  # packed position predicting each row's first response token
+    branch_at = [0] * len(input_ids)  # packed position of each row's first response token
+    for prompt, rows in groups.items():
+        p, start = len(prompt), bounds[-1]
+        pieces.append(torch.tensor(prompt, dtype=input_ids.dtype, device=device))
+        positions.append(torch.arange(p, device=device))
+        offset = start + p
+        members = rows if len(rows) > 1 else []
+        for i in rows:
+            first_pred[i], branch_at[i] = start + p - 1, offset
+            pieces.append(responses[i, : lens[i]])
+            positions.append(torch.arange(p, p + lens[i], device=device))
+            offset += lens[i]
+        bounds.append(offset)
+        # a branch of no tokens is no branch; a lone row is a plain sequence
+        branches.append(tuple(lens[i] for i in members if lens[i]) if len(rows) > 1 else ())
+    # response token j of row i is predicted by the token before it: the prompt's last for j = 0
+    keep = [
+        first_pred[i] if j == 0 else branch_at[i] + j - 1
+        for i in range(len(input_ids))
+        for j in range(lens[i])
+    ]
+    seg_lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    return PackedBatch(
+        input_ids=torch.cat(pieces)[None],
+        position_ids=torch.cat(positions)[None],
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
+        max_seqlen=max(seg_lens),
+        keep_index=torch.tensor(keep, dtype=torch.long, device=device),
+        labels=labels,
+        response_valid=response_valid,
+        branches=tuple(branches),
     )
 
 

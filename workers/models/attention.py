@@ -15,6 +15,11 @@ gathered into one padded [n, heads, L, head_dim] call with a causal mask over ea
 the padding stays small (`attention_plan`). Sequence boundaries come from the FlashAttention-style kwargs
 ``cu_seq_lens_q`` that the engine passes through the model forward, or else from the positions where
 ``position_ids == 0``. Anything else (a 2D padding mask, a KV cache, batch > 1) falls back to `sdpa`.
+
+Shared prompts (``hyflow_branches``, from `workers.engine.packing.pack_sequences(share_prompts=True)`): a segment
+may hold one prompt followed by several responses to it (a GRPO group), each response a *branch* that sees the
+prompt and itself but no other branch, so the prompt is computed once for the whole group. ``hyflow_branches``
+holds, per segment, the lengths of its branches (empty for a plain sequence).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def varlen_sdpa_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """Attention over a packed row [1, heads, T, head_dim]; returns [1, T, heads, head_dim] like HF's sdpa."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    branches = kwargs.pop("hyflow_branches", None) or ()
     packed = (
         attention_mask is None
         and causal
@@ -76,6 +82,11 @@ def varlen_sdpa_attention_forward(
         and kwargs.get("output_attentions") is not True
     )
     if not packed:
+        if any(branches):  # sdpa would let each response see its siblings: wrong, so refuse
+            raise ValueError(
+                "workers/models/attention.py: shared-prompt segments (hyflow_branches) need a packed row "
+                "without a padding mask or KV cache"
+            )
         return sdpa_attention_forward(
             module,
             query,
@@ -89,7 +100,7 @@ def varlen_sdpa_attention_forward(
         )
     total = query.shape[2]
     bounds = _segment_bounds(kwargs, total)
-    plan = attention_plan(tuple(bounds), sliding_window)
+    plan = attention_plan(tuple(bounds), sliding_window, tuple(branches))
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for group in plan.groups:
@@ -127,9 +138,10 @@ MAX_GROUP_SCORES = 1 << 22
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Sequences attended in one call: ``span`` (start, end) of a single sequence (``index`` None), or
-    ``index`` [n, L] packed positions of n sequences padded to the longest L (padding repeats a sequence's
-    first position), ``valid`` [n, L] the real ones and ``mask`` [n, 1, L, L] causal over real keys."""
+    """Sequences attended in one call: ``span`` (start, end) of a single plain sequence (``index`` None), or
+    ``index`` [n, L] packed positions of n segments padded to the longest L (padding repeats a segment's
+    first position), ``valid`` [n, L] the real ones and ``mask`` [n, 1, L, L] over real keys: causal, and for
+    a segment of shared-prompt branches, each branch's tokens see the prompt and their own branch only."""
 
     span: tuple[int, int]
     index: torch.Tensor | None = None
@@ -143,13 +155,42 @@ class AttentionPlan:
     restore: torch.Tensor | None  # packed order of the groups' concatenated outputs; None: already in order
 
 
+def segment_mask(length: int, branch_lengths: tuple[int, ...], width: int) -> torch.Tensor:
+    """[width, width] bool: query q may attend key k of a segment of ``length`` tokens (padded to ``width``) --
+    k <= q, and with ``branch_lengths`` (a shared prompt then its branches) k is in the prompt or in q's own
+    branch."""
+    steps = torch.arange(width)
+    allowed = steps[None, :] <= steps[:, None]
+    if branch_lengths:
+        prompt = length - sum(branch_lengths)
+        if prompt < 1 or min(branch_lengths) < 1:
+            raise ValueError(
+                f"a shared-prompt segment of {length} tokens cannot hold branches {branch_lengths}"
+            )
+        # where each token's own branch starts (a prompt token: 0, the whole causal prefix)
+        branch_start = torch.zeros(width, dtype=torch.long)
+        start = prompt
+        for n in branch_lengths:
+            branch_start[start : start + n] = start
+            start += n
+        allowed &= (steps[None, :] < prompt) | (steps[None, :] >= branch_start[:, None])
+    return allowed
+
+
 @functools.lru_cache(maxsize=16)
-def attention_plan(bounds: tuple[int, ...], sliding_window: int | None = None) -> AttentionPlan:
+def attention_plan(
+    bounds: tuple[int, ...], sliding_window: int | None = None, branches: tuple[tuple[int, ...], ...] = ()
+) -> AttentionPlan:
     """How to attend within the sequences of one packed row: one call per sequence costs a kernel launch and
     its autograd node each, which dominates for many short sequences (RL responses of a few dozen tokens), so
     sequences are batched, longest first, into padded calls while the padding stays within
-    ``MAX_PADDING_RATIO``. Cached: every layer of a forward (and its backward) sees the same boundaries."""
+    ``MAX_PADDING_RATIO``. ``branches``: per segment, the lengths of its shared-prompt branches (empty or
+    missing: a plain causal sequence). Cached: every layer of a forward (and its backward) sees the same
+    boundaries."""
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    branches = branches + ((),) * (len(lengths) - len(branches))
+    if sliding_window is not None and any(branches):
+        raise ValueError("workers/models/attention.py: shared-prompt segments with sliding-window attention")
     order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
     members: list[list[int]] = []
     for i in order:
@@ -165,7 +206,8 @@ def attention_plan(bounds: tuple[int, ...], sliding_window: int | None = None) -
     for group in members:
         starts = torch.tensor([bounds[i] for i in group])
         lens = torch.tensor([lengths[i] for i in group])
-        if len(group) == 1 and (sliding_window is None or lengths[group[0]] <= sliding_window):
+        plain = not branches[group[0]]
+        if len(group) == 1 and plain and (sliding_window is None or lengths[group[0]] <= sliding_window):
             groups.append(AttentionGroup(span=(bounds[group[0]], bounds[group[0] + 1])))
             positions.append(torch.arange(bounds[group[0]], bounds[group[0] + 1]))
             continue
@@ -173,10 +215,10 @@ def attention_plan(bounds: tuple[int, ...], sliding_window: int | None = None) -
         steps = torch.arange(longest)
         valid = steps[None, :] < lens[:, None]
         index = torch.where(valid, starts[:, None] + steps[None, :], starts[:, None])
-        allowed = steps[None, :] <= steps[:, None]  # causal
+        allowed = torch.stack([segment_mask(lengths[i], branches[i], longest) for i in group])
         if sliding_window is not None:
-            allowed &= steps[:, None] - steps[None, :] < sliding_window
-        mask = (allowed[None] & valid[:, None, :]).unsqueeze(1)
+            allowed &= (steps[:, None] - steps[None, :] < sliding_window)[None]
+        mask = (allowed & valid[:, None, :]).unsqueeze(1)
         groups.append(AttentionGroup(span=(0, 0), index=index, valid=valid, mask=mask))
         positions.append(index[valid])
     order_out = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)

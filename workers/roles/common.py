@@ -78,6 +78,7 @@ def engine_config(
         param_dtype=model.dtype,
         activation_checkpointing=model.activation_checkpointing,
         compile=model.compile,
+        share_prompts=model.share_prompts,
         attn_implementation=model.attn_implementation,
         seed=seed,
         trust_remote_code=model.trust_remote_code,

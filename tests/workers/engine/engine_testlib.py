@@ -74,6 +74,27 @@ def make_batch(n: int, prompt_len: int = 12, resp_len: int = 10, seed: int = 0, 
     }
 
 
+def make_group_batch(
+    groups: int, samples: int, prompt_len: int = 12, resp_len: int = 10, seed: int = 0
+) -> dict:
+    """``make_batch``'s layout with GRPO's rows: ``samples`` consecutive rows per prompt, each with its own
+    response (random lengths; one row's response is empty)."""
+    batch = make_batch(groups * samples, prompt_len, resp_len, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for group in range(groups):
+        rows = slice(group * samples, (group + 1) * samples)
+        batch["prompts"][rows] = batch["prompts"][group * samples]
+        batch["attention_mask"][rows, :prompt_len] = batch["attention_mask"][group * samples, :prompt_len]
+    empty = int(torch.randint(0, groups * samples, (1,), generator=g))
+    batch["responses"][empty] = PAD
+    batch["attention_mask"][empty, prompt_len:] = 0
+    batch["response_mask"][empty] = 0.0
+    batch["advantages"][empty] = 0.0
+    batch["input_ids"] = torch.cat([batch["prompts"], batch["responses"]], dim=1)
+    batch["position_ids"] = (batch["attention_mask"].cumsum(dim=1) - 1).clamp(min=0)
+    return batch
+
+
 def pg_loss(outputs, micro, ctx):
     """Token-mean PPO-style surrogate (no clipping) + a small entropy bonus when entropy is present;
     normalised by the global token count, as the engine's contract asks."""

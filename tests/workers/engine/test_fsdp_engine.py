@@ -169,6 +169,37 @@ def test_varlen_attention_equals_hf_packed_sdpa(model_dir):
     torch.testing.assert_close(varlen, dense, atol=1e-5, rtol=0)
 
 
+def test_shared_prompts_give_the_unshared_log_probs_values_and_gradients(model_dir):
+    """``share_prompts`` (on by default): the samples of one prompt in a micro-batch share one forward/backward of
+    it. Log-probs and entropy equal a padded HF forward, the loss and gradients equal the unshared packing's
+    (whole batch, and micro-batches that split a group), and so do a critic's values; the packed row holds
+    each prompt once."""
+    b = T.make_group_batch(groups=3, samples=4, seed=12)
+    shared, plain = _engine(model_dir), _engine(model_dir, share_prompts=False)
+    assert shared.share_prompts and not plain.share_prompts
+    ref_lp, ref_ent = _padded_forward(model_dir, b)
+    out = shared.compute_log_prob(b, calculate_entropy=True)
+    torch.testing.assert_close(out["log_probs"], ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["entropy"], ref_ent, atol=1e-5, rtol=0)
+    for kw in ({}, {"micro_batch_size": 3}, {"max_token_len": 40}):
+        loss, g = T.accumulate_grads(shared, b, T.pg_loss, **kw)
+        ref_loss, ref_g = T.accumulate_grads(plain, b, T.pg_loss, **kw)
+        assert loss == pytest.approx(ref_loss, abs=1e-6), kw
+        for k in ref_g:
+            torch.testing.assert_close(
+                g[k], ref_g[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{kw} {k}: {m}"
+            )
+    values = _engine(model_dir, value_head=True).compute_values(b)["values"]
+    plain_values = _engine(model_dir, value_head=True, share_prompts=False).compute_values(b)["values"]
+    torch.testing.assert_close(values, plain_values, atol=1e-5, rtol=0)
+    packed = pack_sequences(b["input_ids"], b["attention_mask"], R, share_prompts=True)
+    prompts = b["attention_mask"][::4, :-R].sum()
+    assert packed.num_tokens == prompts + b["attention_mask"][:, -R:].sum()  # each prompt once
+    assert len(packed.branches) == 3 and packed.branches == tuple(
+        tuple(n for n in b["attention_mask"][g * 4 : g * 4 + 4, -R:].sum(1).tolist() if n) for g in range(3)
+    )
+
+
 def test_dataproto_meta_info_drives_temperature_and_micro_batching(model_dir):
     from dataproto import DataProto
 

@@ -172,6 +172,31 @@ def test_request_joining_mid_flight(model):
     assert engine.stats["decode_steps"] == 29  # a's 29 decode steps covered all of b's
 
 
+@pytest.mark.parametrize("max_num_seqs", [8, 2])  # 2: a prompt's requests admitted over several steps
+def test_requests_of_one_prompt_share_its_prefill(model, max_num_seqs):
+    """Group sampling (rollout.n samples of a prompt): a prompt's requests admitted together share one prefill,
+    its keys/values copied into each request's slot. Greedy tokens equal HF; sampled tokens equal the same
+    request's prefilled alone, and their log-probs HF's forward."""
+    a, b = make_prompts([11, 19], seed=7)
+    prompts = [a, b, a, a, b]  # interleaved, as a batch of groups may arrive
+    engine = NativeEngine(model, config=EngineConfig(max_num_seqs=max_num_seqs, max_model_len=64))
+    greedy = engine.generate_batch(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+    assert [out.token_ids for (out,) in greedy] == [hf_greedy(model, p, 16) for p in prompts]
+    assert engine.stats["prompt_tokens"] == 3 * 11 + 2 * 19
+    if max_num_seqs == 8:  # all five admitted at once: each prompt computed once
+        assert engine.stats["prefill_tokens"] == 11 + 19
+    else:
+        assert 11 + 19 < engine.stats["prefill_tokens"] < engine.stats["prompt_tokens"]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=16, seed=s, logprobs=True) for s in range(5)]
+    shared = engine.generate_batch(prompts, params)
+    for prompt, p, (out,) in zip(prompts, params, shared):
+        (alone,) = engine.generate_batch([prompt], p)[0]
+        assert out.token_ids == alone.token_ids
+        ref = hf_logprobs(model, prompt, out.token_ids)
+        assert (torch.tensor(out.log_probs) - ref).abs().max() < LOGPROB_TOL
+    assert len({tuple(out.token_ids) for (out,) in shared}) == 5  # sampled, not copied
+
+
 # ---- sampling -----------------------------------------------------------------------------------------
 
 

@@ -209,6 +209,7 @@ class NativeEngine(RolloutEngine):
             "decode_steps": 0,
             "prefill_forwards": 0,
             "prompt_tokens": 0,
+            "prefill_tokens": 0,  # prompt tokens computed: a prompt shared by several requests counts once
             "generated_tokens": 0,
             "prefill_time_s": 0.0,
             "decode_time_s": 0.0,  # wall time of decode forwards + sampling (synchronised by .tolist())
@@ -378,25 +379,45 @@ class NativeEngine(RolloutEngine):
             self._evict()
 
     def _prefill(self, new: list[Request], finished: list[Request]) -> None:
-        # Longest first, so a chunk holds prompts of similar lengths (attention pads to the longest).
-        new = sorted(new, key=lambda r: len(r.prompt), reverse=True)
+        # Requests with the same prompt (group sampling: a prompt's rollout.n samples) share one prefill: the
+        # first of them is computed, the others copy its keys/values into their own slots and sample from its
+        # logits (the same numbers the forward would give them). Longest first, so a chunk holds prompts of
+        # similar lengths (attention pads to the longest); the token budget counts each prompt once.
+        groups: dict[tuple[int, ...], list[Request]] = {}
+        for r in sorted(new, key=lambda r: len(r.prompt), reverse=True):
+            groups.setdefault(tuple(r.prompt), []).append(r)
+        sharing = list(groups.values())
         budget = self.config.max_prefill_tokens
         i = 0
-        while i < len(new):
-            j, total = i + 1, len(new[i].prompt)
-            while j < len(new) and total + len(new[j].prompt) <= budget:
-                total += len(new[j].prompt)
+        while i < len(sharing):
+            j, total = i + 1, len(sharing[i][0].prompt)
+            while j < len(sharing) and total + len(sharing[j][0].prompt) <= budget:
+                total += len(sharing[j][0].prompt)
                 j += 1
-            chunk = new[i:j]
+            chunk_groups = sharing[i:j]
             i = j
             t0 = time.perf_counter()
             slot0 = len(self._running)
-            logits = self.model.prefill([r.prompt for r in chunk], slot0)
+            logits = self.model.prefill([g[0].prompt for g in chunk_groups], slot0)
+            # slots: the computed prompts first (slot0 + k), then each group's copies after them
+            chunk = [g[0] for g in chunk_groups]
+            rows = list(range(len(chunk)))
+            for k, g in enumerate(chunk_groups):
+                if len(g) > 1:
+                    first = len(chunk)
+                    chunk += g[1:]
+                    rows += [k] * (len(g) - 1)
+                    self.model.copy_slot(
+                        slot0 + k, list(range(slot0 + first, slot0 + len(chunk))), len(g[0].prompt)
+                    )
             for k, r in enumerate(chunk):
                 r.slot = slot0 + k
                 r.seq_len = len(r.prompt)
                 self._running.append(r)
-            self.stats["prompt_tokens"] += total
+            if len(chunk) > len(chunk_groups):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            self.stats["prompt_tokens"] += sum(len(r.prompt) for r in chunk)
+            self.stats["prefill_tokens"] += total
             self.stats["prefill_forwards"] += 1
             self._accept(chunk, self._make_sampler(chunk), logits, finished)
             self.stats["prefill_time_s"] += time.perf_counter() - t0

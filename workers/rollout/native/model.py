@@ -455,9 +455,15 @@ class NativeCausalLM:
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first ``length`` cache positions of slot ``src`` into slot ``dst`` (all layers)."""
+        self.copy_slot(src, [dst], length)
+
+    def copy_slot(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy the first ``length`` cache positions of slot ``src`` into each slot of ``dsts`` (all layers, one
+        copy per cache)."""
         k_cache, v_cache = self._kv_cache()
-        k_cache[:, dst, :, :length] = k_cache[:, src, :, :length]
-        v_cache[:, dst, :, :length] = v_cache[:, src, :, :length]
+        index = torch.tensor(dsts, device=k_cache.device)
+        k_cache[:, index, :, :length] = k_cache[:, src : src + 1, :, :length]
+        v_cache[:, index, :, :length] = v_cache[:, src : src + 1, :, :length]
 
     # ---- forward passes ------------------------------------------------------------------------------
 
