@@ -187,7 +187,7 @@ def test_shared_prompts_give_the_unshared_log_probs_values_and_gradients(model_d
         assert loss == pytest.approx(ref_loss, abs=1e-6), kw
         for k in ref_g:
             torch.testing.assert_close(
-                g[k], ref_g[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k: f"{kw} {k}: {m}"
+                g[k], ref_g[k], atol=1e-6, rtol=1e-5, msg=lambda m, k=k, kw=kw: f"{kw} {k}: {m}"
             )
     values = _engine(model_dir, value_head=True).compute_values(b)["values"]
     plain_values = _engine(model_dir, value_head=True, share_prompts=False).compute_values(b)["values"]
