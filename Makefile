@@ -31,7 +31,10 @@ typecheck: $(STAMP)
 
 # Two pytest-xdist workers, a test module each at a time (tests/conftest.py: SGLang modules share one, slowest first).
 # Short tracebacks: a long one (Ray's frames print their whole source) pushed a CI failure's message out of view.
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (CI machines), each of the suite's ~300 Ray worker and
+# recipe processes would otherwise compile the repository's modules from source again.
 test: lint typecheck
+	$(BIN)/python -m compileall -q algorithms controller dataproto recipes resource_pools workers benchmarks
 	$(BIN)/python -m pytest -q -rs --tb=short --durations=40 -n 2 --dist loadgroup --no-loadscope-reorder tests
 
 # The documentation site into site/ (mkdocs.yml): the README as its home, the guides in docs/, the API reference.

@@ -11,11 +11,15 @@ lengths drawn uniformly from [16, 128] (fixed seeds):
   Both are credited with the same tokens: the sum of the budgets.
 * ``fixed``: every request generates exactly ``--fixed-new`` tokens (64): no early finishers, so this
   isolates per-step efficiency (packed prefill, static KV cache, no per-step framework overhead).
+* ``grouped`` (GRPO's shape, not in the default set): B / ``--group-size`` distinct prompts, each repeated
+  ``--group-size`` times, every request ``--fixed-new`` tokens. The native engine prefills each distinct prompt
+  once and copies its keys and values to the group's slots; ``generate`` computes every copy.
 
 Throughput = credited tokens / wall time of the whole call (prefill included), best of ``--repeats``;
 ``cpu-time`` is the same ratio from process CPU time, steadier on a shared machine (both engines run
 single-threaded on CPU by default, so the two agree on an idle one).
-The outputs are checked against HF token for token (``rows_equal_hf``).
+The outputs are checked against HF token for token (``rows_equal_hf``); ``prefill`` is the prompt tokens the
+native engine computed per call (a shared prompt counts once).
 
 On CUDA it also reports the native engine's decode-only tokens/s against the memory-bandwidth bound: per
 decode step the weights and the KV entries attended must be read from HBM, so the bound time is
@@ -160,6 +164,7 @@ def run_workload(name, model, engine, prompts, budgets, repeats, device, bandwid
         "speedup_cpu_time": hf_cpu / nat_cpu,
         "rows_equal_hf": f"{same}/{B}",
         "native_decode_steps": delta["decode_steps"],
+        "native_prefill_tokens": delta["prefill_tokens"],
     }
     decode_tokens = delta["generated_tokens"] - B  # each request's first token comes from its prefill
     if delta["decode_time_s"] > 0:
@@ -187,7 +192,8 @@ def main() -> None:
     ap.add_argument("--response-min", type=int, default=16)
     ap.add_argument("--response-max", type=int, default=128)
     ap.add_argument("--fixed-new", type=int, default=64)
-    ap.add_argument("--workloads", default="mixed,fixed")
+    ap.add_argument("--workloads", default="mixed,fixed", help="of mixed, fixed, grouped")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt in the grouped workload")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--threads",
@@ -235,15 +241,21 @@ def main() -> None:
 
     rows = []
     for B in batch_sizes:
-        prompts = make_prompts(B, vocab, args.prompt_min, args.prompt_max, seed=B)
+        distinct = make_prompts(B, vocab, args.prompt_min, args.prompt_max, seed=B)
         rng = random.Random(1000 + B)
         for name in workloads:
+            prompts = distinct
             if name == "mixed":
                 budgets = [rng.randint(args.response_min, args.response_max) for _ in range(B)]
             elif name == "fixed":
                 budgets = [args.fixed_new] * B
+            elif name == "grouped":
+                if B % args.group_size:
+                    raise ValueError(f"--group-size {args.group_size} does not divide batch size {B}")
+                prompts = [p for p in distinct[: B // args.group_size] for _ in range(args.group_size)]
+                budgets = [args.fixed_new] * B
             else:
-                raise ValueError(f"unknown workload {name!r} (mixed, fixed)")
+                raise ValueError(f"unknown workload {name!r} (mixed, fixed, grouped)")
             rows.append(run_workload(name, model, engine, prompts, budgets, args.repeats, device, bandwidth))
 
     title = (
@@ -252,14 +264,14 @@ def main() -> None:
         f"tokens, greedy, no EOS, best of {args.repeats}"
     )
     print(title)
-    header = f"{'workload':>8} {'batch':>5} {'tokens':>7} {'HF tok/s':>9} {'native tok/s':>12} {'speedup':>8} {'cpu-time':>8} {'=HF':>6}"
+    header = f"{'workload':>8} {'batch':>5} {'tokens':>7} {'HF tok/s':>9} {'native tok/s':>12} {'speedup':>8} {'cpu-time':>8} {'=HF':>6} {'prefill':>7}"
     if on_gpu:
         header += f" {'decode tok/s':>12} {'bound tok/s':>12} {'of bound':>8}"
     print(header)
     for r in rows:
         line = (
             f"{r['workload']:>8} {r['batch']:>5} {r['tokens']:>7} {r['hf_tok_s']:>9.0f} "
-            f"{r['native_tok_s']:>12.0f} {r['speedup']:>7.2f}x {r['speedup_cpu_time']:>7.2f}x {r['rows_equal_hf']:>6}"
+            f"{r['native_tok_s']:>12.0f} {r['speedup']:>7.2f}x {r['speedup_cpu_time']:>7.2f}x {r['rows_equal_hf']:>6} {r['native_prefill_tokens']:>7.0f}"
         )
         if "bound_decode_tok_s" in r:
             line += (
