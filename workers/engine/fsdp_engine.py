@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from workers.engine.lora import adapter_named_tensors, add_adapters, base_name, 
 from workers.engine.optim import build_optimizer
 from workers.engine.packing import (
     entropy_from_logits,
+    group_rows_by_prompt,
     log_probs_from_logits,
     pack_sequences,
     plan_micro_batches,
@@ -232,18 +234,31 @@ class FSDPEngine(EngineSteps):
         return contextlib.nullcontext()
 
     def _plan(
-        self, lengths: list[int], micro_batch_size: int | None, max_token_len: int | None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        response_length: int,
+        micro_batch_size: int | None,
+        max_token_len: int | None,
     ) -> list[list[int]]:
-        """Micro-batches for this rank, padded with empty ones so that every DP rank runs the same count."""
-        parts = plan_micro_batches(lengths, micro_batch_size=micro_batch_size, max_token_len=max_token_len)
+        """Micro-batches for this rank, padded with empty ones so that every DP rank runs the same count. With
+        shared prompts a token budget keeps each prompt's rows together (``plan_micro_batches``)."""
+        lengths = tensors["attention_mask"].sum(dim=1).tolist()
+        groups = None
+        if self.share_prompts and max_token_len is not None:
+            prompt_len = tensors["input_ids"].shape[1] - response_length
+            by_prompt = group_rows_by_prompt(tensors["input_ids"], tensors["attention_mask"], prompt_len)
+            groups = [(len(prompt), rows) for prompt, rows in by_prompt.items()]
+        plan = partial(
+            plan_micro_batches,
+            lengths,
+            micro_batch_size=micro_batch_size,
+            max_token_len=max_token_len,
+            prompt_groups=groups,
+        )
+        parts = plan()
         k = int(self.dp_all_reduce(torch.tensor(len(parts)), dist.ReduceOp.MAX).item())
         if k > len(parts):
-            parts = plan_micro_batches(
-                lengths,
-                micro_batch_size=micro_batch_size,
-                max_token_len=max_token_len,
-                min_num_micro_batches=k,
-            )
+            parts = plan(min_num_micro_batches=k)
             parts += [[] for _ in range(k - len(parts))]
         return parts
 
@@ -294,8 +309,7 @@ class FSDPEngine(EngineSteps):
     def _forward(self, call: EngineCall, calculate_entropy: bool) -> dict[str, torch.Tensor]:
         tensors = {k: call.tensors[k] for k in ("input_ids", "attention_mask", "responses")}
         response_length = call.response_length
-        lengths = tensors["attention_mask"].sum(dim=1).tolist()
-        parts = self._plan(lengths, call.micro_batch_size, call.max_token_len)
+        parts = self._plan(tensors, response_length, call.micro_batch_size, call.max_token_len)
         self.model.eval()
         chunks: dict[str, list[torch.Tensor]] = {}
         dev = self._to_device(tensors)
@@ -316,8 +330,7 @@ class FSDPEngine(EngineSteps):
         self, call: EngineCall, rows: list[int], loss_fn: LossFn, context, calculate_entropy: bool
     ) -> tuple[torch.Tensor, list[dict[str, float]]]:
         mini = self._rows(call.tensors, rows)
-        lengths = mini["attention_mask"].sum(dim=1).tolist()
-        parts = self._plan(lengths, call.micro_batch_size, call.max_token_len)
+        parts = self._plan(mini, call.response_length, call.micro_batch_size, call.max_token_len)
         mini_dev = self._to_device(mini)
         step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         metrics = []

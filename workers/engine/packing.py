@@ -10,7 +10,9 @@ its sequences, one after another, with ``position_ids`` restarting at 0 for each
 With ``share_prompts`` the rows of a micro-batch that share a prompt (a GRPO group's samples) become one segment:
 the prompt once, then each row's response as a branch that attends to the prompt and to itself only
 (``workers/models/attention.py``), at the positions it has in its own row. Each row's log-probs are the same
-numbers, and the prompt's forward and backward run once for the group instead of once per sample.
+numbers, and the prompt's forward and backward run once for the group instead of once per sample. A token
+budget (``plan_micro_batches(prompt_groups=...)``) then keeps a group in one micro-batch and counts its prompt
+once.
 """
 
 from __future__ import annotations
@@ -67,12 +69,18 @@ def plan_micro_batches(
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
     min_num_micro_batches: int = 1,
+    prompt_groups: list[tuple[int, list[int]]] | None = None,
 ) -> list[list[int]]:
     """Row indices of each micro-batch.
 
     - ``max_token_len`` (dynamic batch size): the fewest micro-batches (at least ``min_num_micro_batches``)
       such that a Karmarkar-Karp split of the rows by token count keeps every micro-batch within
       ``max_token_len`` tokens. A single row longer than the budget is an error.
+      With ``prompt_groups`` (``[(prompt tokens, rows)]``, from ``group_rows_by_prompt``: rows that
+      ``pack_sequences(share_prompts=True)`` packs with one copy of their prompt) the split is of groups: a
+      group stays in one micro-batch and its prompt counts once against the budget. A group that does not
+      fit is cut into as few pieces as fit, each paying for the prompt. (Splitting rows instead would
+      scatter a GRPO group over the micro-batches and recompute its prompt in each.)
     - else ``micro_batch_size`` rows per micro-batch in order (the last may be smaller); with
       ``min_num_micro_batches`` larger than that count, the rows are spread over that many groups.
     - neither: one micro-batch with every row.
@@ -90,13 +98,19 @@ def plan_micro_batches(
                 f"max_token_len={max_token_len} is smaller than the longest sequence ({longest} tokens); "
                 "raise max_token_len (it must be >= prompt + response length)"
             )
-        k = max(min_num_micro_batches, math.ceil(sum(lengths) / max_token_len), 1)
+        items = [[i] for i in range(n)]
+        weights = list(lengths)
+        if prompt_groups is not None:
+            items, weights = _group_pieces(lengths, prompt_groups, max_token_len)
+        k = max(min_num_micro_batches, math.ceil(sum(weights) / max_token_len), 1)
+        if k > len(items):  # more micro-batches than pieces (DP ranks in step): split the rows instead
+            items, weights = [[i] for i in range(n)], list(lengths)
         while True:
-            parts = karmarkar_karp(lengths, k)
-            if all(sum(lengths[i] for i in p) <= max_token_len for p in parts) or k >= n:
+            parts = karmarkar_karp(weights, k)
+            if all(sum(weights[j] for j in p) <= max_token_len for p in parts) or k >= len(items):
                 break
             k += 1
-        return parts
+        return [sorted(i for j in p for i in items[j]) for p in parts]
     if micro_batch_size is not None:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -111,6 +125,30 @@ def plan_micro_batches(
     # spread n rows over k groups in order, sizes differing by at most one
     bounds = [round(i * n / k) for i in range(k + 1)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
+
+
+def _group_pieces(
+    lengths: list[int], prompt_groups: list[tuple[int, list[int]]], max_token_len: int
+) -> tuple[list[list[int]], list[int]]:
+    """The groups cut into pieces within ``max_token_len`` (rows in order), and each piece's packed tokens:
+    the prompt once plus its rows' responses."""
+    if sorted(i for _, rows in prompt_groups for i in rows) != list(range(len(lengths))):
+        raise ValueError(f"prompt_groups must hold each of the {len(lengths)} rows exactly once")
+    pieces: list[list[int]] = []
+    weights: list[int] = []
+    for prompt, rows in prompt_groups:
+        piece, tokens = [], prompt
+        for i in rows:
+            response = lengths[i] - prompt
+            if piece and tokens + response > max_token_len:
+                pieces.append(piece)
+                weights.append(tokens)
+                piece, tokens = [], prompt
+            piece.append(i)
+            tokens += response
+        pieces.append(piece)
+        weights.append(tokens)
+    return pieces, weights
 
 
 def restore_order(chunks: list[torch.Tensor], parts: list[list[int]]) -> torch.Tensor:
@@ -161,6 +199,18 @@ class PackedBatch:
         if self.branches is not None:
             kwargs["hyflow_branches"] = self.branches
         return kwargs
+
+
+def group_rows_by_prompt(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int
+) -> dict[tuple[int, ...], list[int]]:
+    """Rows with the same real prompt tokens (the first ``prompt_len`` columns, padding left out), in order of
+    first appearance: prompt tokens -> row indices."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    real = attention_mask[:, :prompt_len].bool().tolist()
+    for i, (ids, keep) in enumerate(zip(input_ids[:, :prompt_len].tolist(), real)):
+        groups.setdefault(tuple(t for t, m in zip(ids, keep) if m), []).append(i)
+    return groups
 
 
 def pack_sequences(
@@ -227,10 +277,7 @@ def _share_prompts(
 ) -> PackedBatch | None:
     """``pack_sequences`` with one segment per distinct prompt: its tokens, then each of its rows' responses as
     branches. None when no two rows share a prompt (the plain packing is the same then)."""
-    prompt_mask = mask[:, :prompt_len]
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, (ids, real) in enumerate(zip(input_ids[:, :prompt_len].tolist(), prompt_mask.tolist())):
-        groups.setdefault(tuple(t for t, m in zip(ids, real) if m), []).append(i)
+    groups = group_rows_by_prompt(input_ids, mask, prompt_len)
     if len(groups) == len(input_ids):
         return None
     # a row's real response tokens are a prefix of its response (pack_sequences checked that each follows a real

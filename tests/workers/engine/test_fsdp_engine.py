@@ -33,7 +33,7 @@ from workers.engine import (
 )
 from workers.engine.distributed import run_in_processes
 from workers.engine.fsdp_engine import decoder_layers
-from workers.engine.packing import restore_order
+from workers.engine.packing import group_rows_by_prompt, restore_order
 
 R = 10  # response length of T.make_batch
 
@@ -172,8 +172,8 @@ def test_varlen_attention_equals_hf_packed_sdpa(model_dir):
 def test_shared_prompts_give_the_unshared_log_probs_values_and_gradients(model_dir):
     """``share_prompts`` (on by default): the samples of one prompt in a micro-batch share one forward/backward of
     it. Log-probs and entropy equal a padded HF forward, the loss and gradients equal the unshared packing's
-    (whole batch, and micro-batches that split a group), and so do a critic's values; the packed row holds
-    each prompt once."""
+    (whole batch, micro-batches that split a group, token budgets planned by group), and so do a critic's
+    values; the packed row holds each prompt once."""
     b = T.make_group_batch(groups=3, samples=4, seed=12)
     shared, plain = _engine(model_dir), _engine(model_dir, share_prompts=False)
     assert shared.share_prompts and not plain.share_prompts
@@ -181,7 +181,9 @@ def test_shared_prompts_give_the_unshared_log_probs_values_and_gradients(model_d
     out = shared.compute_log_prob(b, calculate_entropy=True)
     torch.testing.assert_close(out["log_probs"], ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(out["entropy"], ref_ent, atol=1e-5, rtol=0)
-    for kw in ({}, {"micro_batch_size": 3}, {"max_token_len": 40}):
+    # a budget of whole groups, and one that cuts every group (the engine plans by prompt groups; the plain
+    # engine by rows)
+    for kw in ({}, {"micro_batch_size": 3}, {"max_token_len": 40}, {"max_token_len": 25}):
         loss, g = T.accumulate_grads(shared, b, T.pg_loss, **kw)
         ref_loss, ref_g = T.accumulate_grads(plain, b, T.pg_loss, **kw)
         assert loss == pytest.approx(ref_loss, abs=1e-6), kw
@@ -198,6 +200,39 @@ def test_shared_prompts_give_the_unshared_log_probs_values_and_gradients(model_d
     assert len(packed.branches) == 3 and packed.branches == tuple(
         tuple(n for n in b["attention_mask"][g * 4 : g * 4 + 4, -R:].sum(1).tolist() if n) for g in range(3)
     )
+
+
+def test_a_token_budget_keeps_prompt_groups_together():
+    """``plan_micro_batches(prompt_groups=...)``, as the engine plans with shared prompts: a token budget splits a
+    GRPO batch by its groups and counts each prompt once, which is what ``pack_sequences(share_prompts=True)``
+    packs. Groups that fit stay whole; a group over the budget is cut into pieces that fit. Either way the
+    batch needs fewer micro-batches than the row split, which counts the prompt in every row."""
+    b = T.make_group_batch(groups=4, samples=8, seed=5)
+    prompt_len = b["input_ids"].shape[1] - R
+    lengths = b["attention_mask"].sum(dim=1).tolist()
+    by_prompt = group_rows_by_prompt(b["input_ids"], b["attention_mask"], prompt_len)
+    assert list(by_prompt.values()) == [list(range(g * 8, g * 8 + 8)) for g in range(4)]
+    groups = [(len(prompt), rows) for prompt, rows in by_prompt.items()]
+
+    def packed_tokens(rows):
+        return pack_sequences(
+            b["input_ids"][rows], b["attention_mask"][rows], R, share_prompts=True
+        ).num_tokens
+
+    whole = 2 * max(packed_tokens(rows) for _, rows in groups)  # two groups fit in a micro-batch
+    cut = max(lengths) + 4  # a group does not, a row does
+    assert cut < min(packed_tokens(rows) for _, rows in groups)
+    for budget in (whole, cut):
+        parts = plan_micro_batches(lengths, max_token_len=budget, prompt_groups=groups)
+        assert sorted(i for p in parts for i in p) == list(range(32)), budget
+        assert all(packed_tokens(p) <= budget for p in parts), budget
+        assert len(parts) < len(plan_micro_batches(lengths, max_token_len=budget)), budget
+    parts = plan_micro_batches(lengths, max_token_len=whole, prompt_groups=groups)
+    assert len(parts) == 2 and all(
+        set(rows) <= set(p) or not set(rows) & set(p) for _, rows in groups for p in parts
+    )
+    with pytest.raises(ValueError, match="each of the 32 rows exactly once"):
+        plan_micro_batches(lengths, max_token_len=whole, prompt_groups=groups[1:])
 
 
 def test_dataproto_meta_info_drives_temperature_and_micro_batching(model_dir):
