@@ -293,7 +293,6 @@ def _share_prompts(
         pieces.append(torch.tensor(prompt, dtype=input_ids.dtype, device=device))
         positions.append(torch.arange(p, device=device))
         offset = start + p
-        members = rows if len(rows) > 1 else []
         for i in rows:
             first_pred[i], branch_at[i] = start + p - 1, offset
             pieces.append(responses[i, : lens[i]])
@@ -301,7 +300,7 @@ def _share_prompts(
             offset += lens[i]
         bounds.append(offset)
         # a branch of no tokens is no branch; a lone row is a plain sequence
-        branches.append(tuple(lens[i] for i in members if lens[i]) if len(rows) > 1 else ())
+        branches.append(tuple(lens[i] for i in rows if lens[i]) if len(rows) > 1 else ())
     # response token j of row i is predicted by the token before it: the prompt's last for j = 0
     keep = [
         first_pred[i] if j == 0 else branch_at[i] + j - 1

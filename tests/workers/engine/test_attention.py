@@ -44,6 +44,16 @@ def packed_inputs(lengths, seed=0):
     return q, k, v, bounds
 
 
+def assert_same_outputs_and_gradients(out, ref, inputs):
+    """``out`` equals ``ref``, and so do the gradients of one random projection of each through ``inputs``."""
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    grad = torch.randn_like(out)
+    mine = torch.autograd.grad((out * grad).sum(), inputs)
+    theirs = torch.autograd.grad((ref * grad).sum(), inputs)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "lengths, window",
     [
@@ -59,12 +69,7 @@ def test_batched_attention_equals_one_call_per_sequence(lengths, window):
         CausalModule(), q, k, v, None, sliding_window=window, cu_seq_lens_q=cu
     )
     ref = per_sequence(q, k, v, bounds, window)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
-    grad = torch.randn_like(out)
-    mine = torch.autograd.grad((out * grad).sum(), (q, k, v))
-    theirs = torch.autograd.grad((ref * grad).sum(), (q, k, v))
-    for a, b in zip(mine, theirs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_outputs_and_gradients(out, ref, (q, k, v))
 
 
 def test_plan_batches_short_sequences_and_keeps_padding_bounded():
@@ -118,12 +123,7 @@ def test_shared_prompt_branches_equal_each_branch_after_its_own_prompt(segments)
         [per_branch(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], p, b) for (p, b), s, e in
          zip(segments, bounds[:-1], bounds[1:])], dim=1,
     )  # fmt: skip
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
-    grad = torch.randn_like(out)
-    mine = torch.autograd.grad((out * grad).sum(), (q, k, v))
-    theirs = torch.autograd.grad((ref * grad).sum(), (q, k, v))
-    for a, b in zip(mine, theirs):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert_same_outputs_and_gradients(out, ref, (q, k, v))
 
 
 def test_shared_prompts_are_refused_where_they_cannot_be_honoured():

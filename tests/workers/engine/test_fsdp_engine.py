@@ -202,6 +202,27 @@ def test_shared_prompts_give_the_unshared_log_probs_values_and_gradients(model_d
     )
 
 
+def test_shared_prompts_turn_off_where_the_attention_cannot_keep_branches_apart(model_dir, tmp_path):
+    """``share_prompts`` needs ``hyflow_varlen`` attention without sliding windows: with sdpa, or a model whose
+    layers slide, the engine packs each row with its own prompt, and the log-probs of a GRPO batch still equal
+    a padded HF forward (with branches, a sliding-window model's attention would raise)."""
+    b = T.make_group_batch(groups=2, samples=3, seed=4)
+    sliding = tmp_path / "sliding"
+    shutil.copytree(model_dir, sliding)
+    cfg = json.loads((sliding / "config.json").read_text())
+    cfg.update(use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
+    (sliding / "config.json").write_text(json.dumps(cfg))
+    for path, kw in ((model_dir, {"attn_implementation": "sdpa"}), (sliding, {})):
+        engine = _engine(path, **kw)
+        assert not engine.share_prompts, (path, kw)
+        ref_lp, _ = _padded_forward(path, b)
+        out = engine.compute_log_prob(b, max_token_len=40)
+        torch.testing.assert_close(
+            out["log_probs"], ref_lp, atol=1e-5, rtol=0, msg=lambda m, p=path: f"{p}: {m}"
+        )
+
+
 def test_a_token_budget_keeps_prompt_groups_together():
     """``plan_micro_batches(prompt_groups=...)``, as the engine plans with shared prompts: a token budget splits a
     GRPO batch by its groups and counts each prompt once, which is what ``pack_sequences(share_prompts=True)``
