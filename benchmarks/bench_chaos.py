@@ -64,9 +64,12 @@ class ChaosMonkey:
         if roles is None:
             return []
         groups = {"rollout": roles.rollout, "trainer": roles.actor}
+        killed = {kill["pid"] for kill in self.kills}
         out = []
         for target in self.targets:
-            out += [(target, rank, pid) for rank, pid in enumerate(groups[target].pids)]
+            # a killed process stays listed until the run notices its death (and may linger as a zombie):
+            # killing it again would count one fault twice
+            out += [(target, rank, pid) for rank, pid in enumerate(groups[target].pids) if pid not in killed]
         return sorted(set(out))
 
     def mending(self) -> bool:

@@ -4,12 +4,14 @@ the run replaced it in place and trained the same prompts to the same metrics as
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import bench_chaos
-
-pytestmark = pytest.mark.e2e
 
 BRIEF = [
     "model.tiny_size=nano",
@@ -23,6 +25,39 @@ BRIEF = [
 ]
 
 
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_the_monkey_kills_a_process_once_even_while_the_run_still_lists_it():
+    """A SIGKILLed process stays in its group's pids until the run notices the death (unreaped, it is a zombie that
+    os.kill still reaches): the monkey must not kill it again and count one fault twice (a CI run counted 5 kills
+    for 4 faults this way); the replacement's new process is a fair target."""
+    first, second = _sleeper(), _sleeper()
+    try:
+        rollout = SimpleNamespace(pids=[first.pid])
+        session = SimpleNamespace(
+            roles=SimpleNamespace(rollout=rollout, actor=SimpleNamespace(pids=[])),
+            faults=SimpleNamespace(faults=[]),  # the run has not noticed the death yet
+            state=SimpleNamespace(step=9),
+        )
+        monkey = bench_chaos.ChaosMonkey(every_s=0.1, targets=["rollout"])
+        monkey.session = session
+        monkey.in_step.set()
+        with monkey:
+            time.sleep(1.0)
+            assert [k["pid"] for k in monkey.kills] == [first.pid]
+            rollout.pids = [second.pid]  # replaced in place
+            time.sleep(1.0)
+        assert [k["pid"] for k in monkey.kills] == [first.pid, second.pid]
+        assert first.wait(5) == second.wait(5) == -9
+    finally:
+        for p in (first, second):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.e2e
 def test_chaos_arm_survives_its_kills_and_matches_the_calm_arm(ray_session, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # outputs/<name>.json
     out = bench_chaos.main(
