@@ -24,10 +24,50 @@ from recipes.trainer.run import start_run
 pytestmark = pytest.mark.e2e
 ASYNC_STEP = grpo_async.async_step
 COLLECT = async_rl.RolloutStream._collect
+TAKE = async_rl.RolloutStream.take
 CALL_RANK = RayWorkerGroup.call_rank
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _never_ready runs in a Ray worker
 
 BRIEF = BRIEF_GRPO
+
+
+def _hold_until_weights_past(worker, version: int) -> None:
+    """In a rollout process: once a generation is decoding, the native engine's next step waits (outside the
+    engine's lock, so the update gets in) until weights newer than ``version`` arrive, then steps on as before."""
+    roles = getattr(worker, "_role_workers", {"": worker})
+    engine = next(w.rollout_engine for w in roles.values() if hasattr(w, "rollout_engine"))
+    step = type(engine).step
+
+    def held():
+        if engine.weight_version <= version and engine._running:  # mid-generation on the old weights
+            deadline = time.monotonic() + 20
+            while engine.weight_version <= version and time.monotonic() < deadline:
+                time.sleep(0.002)
+        if engine.weight_version > version or engine._running:
+            del engine.step  # the class's step again
+        return step(engine)
+
+    engine.step = held
+
+
+def hold_generation_for_each_update(monkeypatch) -> None:
+    """Make a generation span every weight update but the last, whatever the machine's speed: after the trainer
+    takes the batch of version v (a sync to v + 1 follows its training), the call the stream starts in its place
+    pauses between two decode steps until v + 1 arrives. Without this, whether a call is still decoding when the
+    update lands is a race between generation and training (a loaded CI machine saw none in 4 steps)."""
+
+    def take(stream, version):
+        batch, metrics = TAKE(stream, version)
+        if version + 1 < stream.cfg.trainer.total_training_steps:
+            ray.get(
+                [
+                    a.__ray_call__.remote(_hold_until_weights_past, version)
+                    for a in stream.roles.generator.actors
+                ]
+            )
+        return batch, metrics
+
+    monkeypatch.setattr(async_rl.RolloutStream, "take", take)
 
 
 def run(tmp_path, *overrides, record=None, monkeypatch=None, before_step=None):
@@ -175,8 +215,8 @@ def test_a_group_older_than_max_staleness_is_dropped_and_its_prompt_generated_ag
 
 def test_abort_on_weight_update_requeues_the_groups_in_flight(ray_session, tmp_path, monkeypatch):
     """on_weight_update=abort: the requests an update cut off come back as whole groups, generated again and
-    trained on at most once, after that update (the response length keeps a generation in flight at every
-    update); no trained sample mixes versions."""
+    trained on at most once, after that update (a generation is held in flight at every update but the last);
+    no trained sample mixes versions."""
     aborted: dict[str, int] = {}  # uid -> version of the weights its cut-off rows were sampled with
 
     def collect(stream, rank, call):  # what each finished call brought back, before the stream reads it
@@ -187,6 +227,7 @@ def test_abort_on_weight_update_requeues_the_groups_in_flight(ray_session, tmp_p
         return COLLECT(stream, rank, call)
 
     monkeypatch.setattr(async_rl.RolloutStream, "_collect", collect)
+    hold_generation_for_each_update(monkeypatch)
     trained: list[DataProto] = []
     result = run(
         tmp_path,
@@ -194,7 +235,7 @@ def test_abort_on_weight_update_requeues_the_groups_in_flight(ray_session, tmp_p
         "async_rl.on_weight_update=abort",
         "async_rl.max_staleness=2",
         "data.max_response_length=96",
-        "trainer.total_training_steps=6",  # batches left after most cuts, whatever the timing
+        "trainer.total_training_steps=6",
         record=trained,
         monkeypatch=monkeypatch,
     )
@@ -245,13 +286,14 @@ def test_partial_rollouts_continue_on_the_new_weights(ray_session, tmp_path, mon
     """on_weight_update=partial (default): a long generation spans updates and goes on where it was, with the new
     weights: its tokens carry both versions, and the engine's log-probs of each token are those of the weights
     of its version attending to the cache the earlier tokens left (to float32 rounding), not those of either
-    version alone.
+    version alone. (hold_generation_for_each_update makes a generation span each update on any machine.)
     Trained on a reward the random policy earns (non-zero advantages, so every update changes the weights)."""
     trained: list[DataProto] = []
 
     def export(s):  # the trainer's weights before each step: the policy of version step - 1
         s.roles.actor.export_hf(str(tmp_path / f"v{s.state.step - 1}"))
 
+    hold_generation_for_each_update(monkeypatch)
     result = run(
         tmp_path,
         "async_rl.mode=full",
@@ -268,7 +310,8 @@ def test_partial_rollouts_continue_on_the_new_weights(ray_session, tmp_path, mon
     spanning = [  # (batch, row) of the trained samples whose tokens two or more versions sampled
         (batch, i) for batch in trained for i in range(len(batch)) if len(set(token_versions(batch, i))) > 1
     ]
-    assert spanning and len(spanning) == sum(r["async/partial_samples"] for r in rows)
+    assert len(spanning) == sum(r["async/partial_samples"] for r in rows)
+    assert {max(token_versions(batch, i)) for batch, i in spanning} == {1, 2, 3}  # every update spanned
     models = {
         v: AutoModelForCausalLM.from_pretrained(tmp_path / f"v{v}", torch_dtype=torch.float32).eval()
         for v in range(len(trained))
