@@ -18,6 +18,7 @@ from controller import (
     WorkerGroupError,
     WorkerGroupTimeoutError,
     register,
+    wait,
 )
 from dataproto import DataProto
 from resource_pools import ResourcePool
@@ -148,9 +149,12 @@ def test_worker_killed_mid_call_fails_fast(pool):
 
 
 @pytest.mark.timeout(60)
-def test_a_death_is_named_before_the_peer_errors_it_caused(pool):
+def test_a_death_is_named_before_the_peer_errors_it_caused(pool, monkeypatch):
     """Rank 0 raises at once because its peer is dying; rank 1 dies 0.3 s later: the error names the death (a
-    fault a restart can mend), not rank 0's broken collective (which would end the run as a raised error)."""
+    fault a restart can mend), not rank 0's broken collective (which would end the run as a raised error).
+    The grace is widened: on a loaded machine Ray may report the death later than 2 s, and the wait returns as
+    soon as it lands anyway."""
+    monkeypatch.setattr(wait, "DEATH_GRACE_S", 30.0)
     wg = RayWorkerGroup(pool, RayClassWithInitArgs(FlakyWorker), name_prefix="doomed")
     try:
         with pytest.raises(WorkerGroupError) as info:

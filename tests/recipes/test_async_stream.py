@@ -78,12 +78,25 @@ def stream(rollout, *overrides):
     return RolloutStream(cfg, roles, prompt_batches(2), poll_s=0.005)
 
 
+def settle(s: RolloutStream, timeout_s: float = 30.0) -> None:
+    """Wait until the stream has no call in flight and holds as many groups as its bounds let it start: it
+    starts nothing more until a take or a weight update (a fixed sleep was a race on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with s._cond:
+            held = len(s._ready) + sum(len(c.groups) for c in s._inflight.values())
+            if not s._inflight and held >= min(s.capacity, s._fresh_enough()):
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"the stream did not settle in {timeout_s} s")
+
+
 def test_the_buffer_holds_at_most_buffer_batches_and_groups_stay_whole(rollout):
     overrides = ["async_rl.buffer_batches=2", "async_rl.groups_per_call=1", "async_rl.max_staleness=5"]
     with stream(rollout, *overrides) as s:
         batch, metrics = s.take(0)
         assert list(batch.non_tensor_batch["uid"]) == ["p0", "p0", "p1", "p1"]  # whole groups, in order
-        time.sleep(0.5)  # the stream fills the buffer up to 2 batches = 4 groups, then waits
+        settle(s)  # the stream fills the buffer up to 2 batches = 4 groups, then waits
         assert rollout.script()[0] == 2 + 4
         assert s.take(0)[1]["async/buffer_groups"] == 2.0
     assert metrics["async/staleness_max"] == 0.0 and metrics["async/trainer_idle_s"] >= 0
@@ -95,10 +108,10 @@ def test_generation_runs_ahead_only_as_far_as_max_staleness_allows(rollout):
     max_staleness=1 only one more batch is started; the next once the new weights are in."""
     with stream(rollout, "async_rl.max_staleness=1", "async_rl.buffer_batches=4") as s:
         s.take(0)
-        time.sleep(0.3)
+        settle(s)
         assert rollout.script()[0] == 2  # p0 p1 | p2 p3 (groups_per_call=2): one batch ahead, not four
         s.sync_weights(1)
-        time.sleep(0.3)
+        settle(s)
         assert rollout.script()[0] == 3  # now a second batch ahead (trained at version 2 at the latest)
         batch, metrics = s.take(1)
     assert metrics["async/staleness_max"] == 1.0 and metrics["async/dropped_stale_groups"] == 0.0
@@ -107,9 +120,10 @@ def test_generation_runs_ahead_only_as_far_as_max_staleness_allows(rollout):
 def test_stale_groups_are_dropped_and_generated_again(rollout):
     with stream(rollout, "async_rl.max_staleness=1", "async_rl.buffer_batches=2") as s:
         s.take(0)
-        time.sleep(0.3)  # p2, p3 of version 0 wait in the buffer
-        s.sync_weights(3)  # three updates at once, as if the trainer had moved on
-        batch, metrics = s.take(3)  # version 0 is 3 behind: dropped, their prompts generated again by v3
+        settle(s)  # p2, p3 of version 0 wait in the buffer
+        with s._cond:  # no new groups between the update and the take's drop (the lock is re-entrant)
+            s.sync_weights(3)  # three updates at once, as if the trainer had moved on
+            batch, metrics = s.take(3)  # version 0 is 3 behind: dropped, their prompts generated again by v3
     assert metrics["async/dropped_stale_groups"] == 2.0
     assert list(batch.non_tensor_batch["uid"]) == ["p2", "p2", "p3", "p3"]  # requeued first, in order
     assert set(batch.batch["rollout_versions"].flatten().tolist()) == {3}

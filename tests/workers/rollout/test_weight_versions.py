@@ -59,11 +59,12 @@ def test_an_update_from_another_thread_lands_mid_generation():
     engine = engine_for(tiny_model(seed=0))
     params = SamplingParams(temperature=0.0, max_new_tokens=200)
     outs: list = []
+    weights = new_weights(seed=1)  # built before: building a model while generating would eat the margin
     gen = threading.Thread(target=lambda: outs.extend(engine.generate_batch(make_prompts([5, 9, 3]), params)))
     gen.start()
     while engine.stats["generated_tokens"] < 6:  # generation under way
         time.sleep(0.001)
-    engine.update_weights(new_weights(seed=1), version=1)
+    engine.update_weights(weights, version=1)
     gen.join()
     for (out,) in outs:
         v = out.versions
@@ -92,13 +93,15 @@ def test_generate_sequences_returns_versions_and_aborted_rows():
     for i, p in enumerate(prompts):
         ids[i, 8 - len(p) :], mask[i, 8 - len(p) :] = torch.tensor(p), 1
     batch = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
-    batch.meta_info = {"do_sample": False, "response_length": 40}
+    # long enough that the update lands mid-generation on a loaded machine (the abort ends it there)
+    batch.meta_info = {"do_sample": False, "response_length": 200}
     result: list = []
+    weights = new_weights(seed=1)  # built before the generation starts, not in its margin
     gen = threading.Thread(target=lambda: result.append(engine.generate_sequences(batch)))
     gen.start()
     while engine.stats["generated_tokens"] < 4:
         time.sleep(0.001)
-    engine.update_weights(new_weights(seed=1), version=2, abort_running=True)
+    engine.update_weights(weights, version=2, abort_running=True)
     gen.join()
     out = result[0]
     assert out.batch["rollout_aborted"].tolist() == [True, True]
