@@ -264,9 +264,7 @@ class RolloutStream:
         for rank in range(self.ranks):
             if rank in self._inflight:
                 continue
-            held = len(self._ready) + sum(len(c.groups) for c in self._inflight.values())
-            room = min(self.capacity, self._fresh_enough()) - held
-            groups = self._next_groups(min(room, self.groups_per_call))
+            groups = self._next_groups(min(self._room(), self.groups_per_call))
             if not groups:
                 return
             self._calls += 1
@@ -275,6 +273,12 @@ class RolloutStream:
             future = self.roles.generator.call_rank(rank, "generate_sequences", prompts)
             self._inflight[rank] = _Call(future, groups)
             self._mark_busy(rank)
+
+    def _room(self) -> int:
+        """How many more groups may be started now: the buffer's and the staleness bound's room less the groups
+        held, finished or in flight (lock held)."""
+        held = len(self._ready) + sum(len(c.groups) for c in self._inflight.values())
+        return min(self.capacity, self._fresh_enough()) - held
 
     def _fresh_enough(self) -> int:
         """How many groups may be held (finished or in flight) so that one started now, with the rollout's

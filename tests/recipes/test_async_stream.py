@@ -84,8 +84,7 @@ def settle(s: RolloutStream, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with s._cond:
-            held = len(s._ready) + sum(len(c.groups) for c in s._inflight.values())
-            if not s._inflight and held >= min(s.capacity, s._fresh_enough()):
+            if not s._inflight and s._room() <= 0:
                 return
         time.sleep(0.005)
     raise AssertionError(f"the stream did not settle in {timeout_s} s")

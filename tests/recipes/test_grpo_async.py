@@ -34,16 +34,15 @@ BRIEF = BRIEF_GRPO
 def _hold_until_weights_past(worker, version: int) -> None:
     """In a rollout process: once a generation is decoding, the native engine's next step waits (outside the
     engine's lock, so the update gets in) until weights newer than ``version`` arrive, then steps on as before."""
-    roles = getattr(worker, "_role_workers", {"": worker})
-    engine = next(w.rollout_engine for w in roles.values() if hasattr(w, "rollout_engine"))
+    engine = next(w.rollout_engine for w in worker._role_workers.values() if hasattr(w, "rollout_engine"))
     step = type(engine).step
 
     def held():
-        if engine.weight_version <= version and engine._running:  # mid-generation on the old weights
+        if engine.weight_version <= version and engine.num_running:  # mid-generation on the old weights
             deadline = time.monotonic() + 20
             while engine.weight_version <= version and time.monotonic() < deadline:
                 time.sleep(0.002)
-        if engine.weight_version > version or engine._running:
+        if engine.weight_version > version or engine.num_running:
             del engine.step  # the class's step again
         return step(engine)
 
