@@ -26,11 +26,11 @@ if __package__:
         _unchanged,
     )
     from workers.sandbox._repl_output import _Capture, _drain, _format_exception, _truncate
-    from workers.sandbox._wire import recv_frame, send_frame
+    from workers.sandbox._wire import bounds_error, encode_frame, recv_frame, send_frame
 else:  # in the zygote, which imports its modules from its own folder (see _child.py)
     from _repl_namespace import CONTEXT_NAME, MAX_VARS_LISTED, RESERVED_NAMES, _fresh, _unchanged
     from _repl_output import _Capture, _drain, _format_exception, _truncate
-    from _wire import recv_frame, send_frame
+    from _wire import bounds_error, encode_frame, recv_frame, send_frame
 
 
 class _Repl:
@@ -39,6 +39,7 @@ class _Repl:
         self.limits = limits
         self.max_output = int(limits.get("max_output_chars", 20000))
         self.max_answer = int(limits.get("max_answer_chars", 1_000_000))
+        self.max_message = int(limits.get("max_message_mb", 16)) << 20
         self.show_vars = bool(limits.get("show_vars", True))
         self.echo = bool(limits.get("echo_last_expr", False))
         self.call_lock = threading.Lock()
@@ -65,8 +66,14 @@ class _Repl:
         with self.call_lock:
             if not self.in_step:
                 raise _ChannelError("sub-calls are only available while a code block is running")
+            frame = encode_frame({"op": "call", "kind": kind, "payloads": payloads})
+            why = bounds_error(frame[4:])
+            if len(frame) - 4 > self.max_message:
+                why = f"{(len(frame) - 4) / 2**20:.1f} MiB, over the limit of {self.max_message >> 20} MiB"
+            if why is not None:  # the host would refuse it: say why here, and keep the REPL
+                raise _ChannelError(f"the call's message to the host is {why} (SandboxConfig.max_message_mb)")
             try:
-                send_frame(self.sock, {"op": "call", "kind": kind, "payloads": payloads})
+                self.sock.sendall(frame)
                 reply = recv_frame(self.sock)
             except Exception as exc:  # the host went away or the socket was tampered with
                 raise _ChannelError(f"sub-call channel failed: {type(exc).__name__}: {exc}") from None

@@ -7,9 +7,10 @@ exist inside the sandbox's root), and the rules are few enough to read in full h
 
 Denied with EPERM (a REPL never needs them): tracing other processes, mounts and namespaces, keys,
 eBPF, perf, kernel modules and kexec, io_uring (its operations bypass seccomp), clocks and host
-names, and ``socket(AF_UNIX, ...)``. Path-based rules are not expressible in seccomp (it sees
-pointers, not paths), so AF_UNIX socket creation is refused outright: a REPL's channel to the host is
-an inherited socket and ``socketpair`` (asyncio's self-pipe) still works. ``clone`` with a namespace
+names, memfd files and SysV / POSIX-message-queue IPC (memory outside RLIMIT_AS, channels between
+trajectories), and ``socket()`` of every family but IP and netlink. Path-based rules are not
+expressible in seccomp (it sees pointers, not paths), so AF_UNIX socket creation is refused outright: a
+REPL's channel to the host is an inherited socket and ``socketpair`` (asyncio's self-pipe) still works. ``clone`` with a namespace
 flag fails with EPERM; ``clone3`` (whose flags sit behind a pointer) fails with ENOSYS, so the C
 library falls back to ``clone`` for threads and forks. A system call of another ABI (i386 or x32 on
 x86_64) kills the process.
@@ -74,6 +75,29 @@ DENIED = (
     "iopl",
     "ioperm",
     "uselib",
+    # Memory that RLIMIT_AS does not count (memfd files, SysV segments that outlive the REPL) and IPC
+    # objects another trajectory could read: SysV shared memory, message queues and semaphores, POSIX
+    # message queues.
+    "memfd_create",
+    "memfd_secret",
+    "shmget",
+    "shmat",
+    "shmctl",
+    "shmdt",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "semctl",
+    "mq_open",
+    "mq_unlink",
+    "mq_timedsend",
+    "mq_timedreceive",
+    "mq_notify",
+    "mq_getsetattr",
 )
 
 # From the kernel's uapi headers (asm/unistd_64.h and asm-generic/unistd.h); x86_64-only calls are
@@ -87,7 +111,10 @@ _X86_64 = dict(
     open_by_handle_at=304, name_to_handle_at=303, io_uring_setup=425, io_uring_enter=426,
     io_uring_register=427, syslog=103, settimeofday=164, clock_settime=227, adjtimex=159,
     clock_adjtime=305, sethostname=170, setdomainname=171, fanotify_init=300, iopl=172, ioperm=173,
-    uselib=134, clone=56, clone3=435, socket=41,
+    uselib=134, memfd_create=319, memfd_secret=447, shmget=29, shmat=30, shmctl=31, shmdt=67, msgget=68,
+    msgsnd=69, msgrcv=70, msgctl=71, semget=64, semop=65, semtimedop=220, semctl=66, mq_open=240,
+    mq_unlink=241, mq_timedsend=242, mq_timedreceive=243, mq_notify=244, mq_getsetattr=245, clone=56,
+    clone3=435, socket=41,
 )  # fmt: skip
 _AARCH64 = dict(
     ptrace=117, process_vm_readv=270, process_vm_writev=271, pidfd_getfd=438, mount=40, umount2=39,
@@ -97,13 +124,20 @@ _AARCH64 = dict(
     finit_module=273, delete_module=106, reboot=142, swapon=224, swapoff=225, acct=89, quotactl=60,
     open_by_handle_at=265, name_to_handle_at=264, io_uring_setup=425, io_uring_enter=426,
     io_uring_register=427, syslog=116, settimeofday=170, clock_settime=112, adjtimex=171,
-    clock_adjtime=266, sethostname=161, setdomainname=162, fanotify_init=262, clone=220, clone3=435,
+    clock_adjtime=266, sethostname=161, setdomainname=162, fanotify_init=262, memfd_create=279,
+    memfd_secret=447, shmget=194, shmat=196, shmctl=195, shmdt=197, msgget=186, msgsnd=189, msgrcv=188,
+    msgctl=187, semget=190, semop=193, semtimedop=192, semctl=191, mq_open=180, mq_unlink=181,
+    mq_timedsend=182, mq_timedreceive=183, mq_notify=184, mq_getsetattr=185, clone=220, clone3=435,
     socket=198,
 )  # fmt: skip
 # machine -> (AUDIT_ARCH_* value, syscall numbers, first number of a foreign ABI sharing the arch)
 _ARCHES = {"x86_64": (0xC000003E, _X86_64, 0x40000000), "aarch64": (0xC00000B7, _AARCH64, None)}
 
 CLONE_NAMESPACES = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+# The only socket families a REPL may create: IP (inside its own network namespace) and netlink (the C
+# library's address lookups). AF_UNIX is absent (seccomp cannot see paths; socketpair still works), and so
+# are vsock (the hypervisor's host), packet, alg and the rest of the kernel's families.
+SOCKET_FAMILIES = (socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK)
 
 # Classic BPF opcodes and seccomp return values (linux/filter.h, linux/seccomp.h).
 _LD_ABS_W, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -131,10 +165,14 @@ def program() -> list[tuple[int, int, int, int]]:
         if name in nrs:
             prog += [(_JEQ, 0, 1, nrs[name]), (_RET, 0, 0, eperm)]
     prog += [(_JEQ, 0, 1, nrs["clone3"]), (_RET, 0, 0, enosys)]
-    # clone: deny namespace flags in arg 0; socket: deny domain AF_UNIX in arg 0.
-    for name, test, value in (("clone", _JSET, CLONE_NAMESPACES), ("socket", _JEQ, socket.AF_UNIX)):
-        prog += [(_JEQ, 0, 4, nrs[name]), (_LD_ABS_W, 0, 0, _ARG0), (test, 0, 1, value)]
-        prog += [(_RET, 0, 0, eperm), (_RET, 0, 0, _ALLOW)]
+    # clone: deny namespace flags in arg 0.
+    prog += [(_JEQ, 0, 4, nrs["clone"]), (_LD_ABS_W, 0, 0, _ARG0), (_JSET, 0, 1, CLONE_NAMESPACES)]
+    prog += [(_RET, 0, 0, eperm), (_RET, 0, 0, _ALLOW)]
+    # socket: allow the families of SOCKET_FAMILIES in arg 0, deny every other.
+    n = len(SOCKET_FAMILIES)
+    prog += [(_JEQ, 0, n + 2, nrs["socket"]), (_LD_ABS_W, 0, 0, _ARG0)]
+    prog += [(_JEQ, n - i, 0, int(family)) for i, family in enumerate(SOCKET_FAMILIES)]
+    prog += [(_RET, 0, 0, eperm)]
     prog.append((_RET, 0, 0, _ALLOW))
     return prog
 
@@ -176,6 +214,7 @@ def describe() -> str:
     """One line for the isolation report."""
     return (
         f"seccomp-bpf filter on every REPL process: EPERM for {', '.join(n for n in DENIED if n in syscall_numbers())}, "
-        "clone with namespace flags and socket(AF_UNIX) (socketpair allowed); ENOSYS for clone3; "
+        "clone with namespace flags and socket() of any family but AF_INET, AF_INET6 and AF_NETLINK "
+        "(socketpair allowed); ENOSYS for clone3; "
         "calls of another ABI kill the process"
     )

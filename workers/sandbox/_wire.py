@@ -6,12 +6,24 @@ Standard library only and nothing done on import: the host imports it as ``worke
 the zygote from its own folder (see ``_child.py``).
 """
 
+import itertools
 import json
+import re
 import socket
 import struct
 
 MAX_FRAME = 64 << 20  # bytes; a bigger frame from a REPL is a protocol violation
+# What a frame from a REPL may cost the host's parser beyond its size (SandboxConfig.max_message_mb bounds
+# the size): 22 MiB of "[]," parse into some 7 million lists (over 600 MB). Items are JSON values inside
+# containers, depth is the nesting of containers.
+MAX_ITEMS = 250_000
+MAX_DEPTH = 64
 _HDR = struct.Struct("!I")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
 
 
 def encode_frame(obj) -> bytes:
@@ -22,6 +34,20 @@ def encode_frame(obj) -> bytes:
 
 def decode_payload(raw) -> object:
     return json.loads(bytes(raw).decode("utf-8", "surrogatepass"))
+
+
+def bounds_error(raw: bytes) -> str | None:
+    """Why parsing the JSON frame ``raw`` would cost more than its size (over MAX_ITEMS values or
+    MAX_DEPTH levels of nesting), or None. Strings are skipped first, so their text never counts; the
+    scan is a few passes of C-level byte operations and never builds a JSON value."""
+    bare = _STRING.sub(b"0", raw)
+    items = bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+    if items > MAX_ITEMS:
+        return f"{items:,} items (at most {MAX_ITEMS:,})"
+    depth = max(itertools.accumulate(map(_STEP.__getitem__, bare.translate(None, _NOT_BRACKET))), default=0)
+    if depth > MAX_DEPTH:
+        return f"nested {depth:,} levels deep (at most {MAX_DEPTH})"
+    return None
 
 
 def _json_default(obj):

@@ -25,6 +25,11 @@ else:  # in the zygote, which imports its modules from its own folder (see _chil
     from _wire import recv_frame, send_frame
 
 
+RM = "/bin/rm" if os.path.exists("/bin/rm") else "/usr/bin/rm"
+KILLER_SLOT = 4095  # the uid block's uid that kill helpers run as (see _kill_uid)
+HELPER_DEADLINE_S = 1.0  # a kill helper still running after this is stuck (or stopped): killed
+
+
 class _Zygote:
     def __init__(self, args: dict):
         self.args = args
@@ -38,6 +43,9 @@ class _Zygote:
         self.slot_pid: dict[int, int] = {}
         self.report: dict = dict(args.get("report") or {})
         self.wake_r, self.wake_w = os.pipe()
+        self.stuck_helpers = 0
+        self.removers: dict[int, tuple[object, str]] = {}  # pid of an `rm -rf` -> (request id, path)
+        self.hooks: dict = {}  # set by tests only ("test_hooks"): e.g. widen the kill helper's window
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -135,37 +143,70 @@ class _Zygote:
                     for fd in fds:
                         _close(fd)
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                reply["rid"] = msg.get("rid")
-                reply["op"] = "reply"
-                send_frame(self.ctrl, reply)
+                if reply is not None:  # None: answered later (a release, once its scratch dir is gone)
+                    self._reply(msg.get("rid"), reply)
                 if msg.get("op") == "shutdown":
                     self._shutdown()
                     return
 
-    def _handle(self, msg: dict, fds: list) -> dict:
+    def _reply(self, rid, reply: dict) -> None:
+        reply["rid"] = rid
+        reply["op"] = "reply"
+        send_frame(self.ctrl, reply)
+
+    def _handle(self, msg: dict, fds: list) -> dict | None:
         op = msg.get("op")
         if op == "spawn":
-            return self._spawn(int(msg["slot"]), int(msg["gen"]), fds[0], msg.get("limits") or {})
+            scratch = self._scratch(int(msg["slot"]), int(msg["trajectory"]))
+            return self._spawn(int(msg["slot"]), int(msg["gen"]), fds[0], scratch, msg.get("limits") or {})
         if op == "kill":
             return self._kill(int(msg["slot"]))
         if op == "release":
             out = self._kill(int(msg["slot"]))
-            _rmtree(self._scratch(int(msg["slot"])))
-            return out
+            if not out["ok"]:
+                return out
+            self._remove(self._scratch(int(msg["slot"]), int(msg["trajectory"])), msg.get("rid"))
+            return None
         if op == "shutdown":
+            return {"ok": True}
+        if op == "test_hooks":
+            self.hooks.update(msg)
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}
 
-    def _scratch(self, slot: int) -> str:
-        return os.path.join(self.scratch_root, f"repl-{slot}")
+    def _scratch(self, slot: int, trajectory: int) -> str:
+        """A trajectory's own scratch dir: a name no later trajectory of the slot (same uid) uses, so a
+        dir whose removal failed is never handed on."""
+        return os.path.join(self.scratch_root, f"repl-{slot}.{trajectory}")
+
+    def _remove(self, path: str, rid) -> None:
+        """Remove a released REPL's scratch dir (its processes are dead) in a child running
+        ``rm -rf``, which handles any depth, count, names and permissions without recursion limits and
+        keeps this loop free while it works; the release is answered when it exits (``_reap``). The
+        dir is first made root's, so even a failed removal leaves nothing the slot's uid can enter."""
+        if not os.path.lexists(path):
+            self._reply(rid, {"ok": True, "cleanup": "ok"})
+            return
+        try:
+            os.chown(path, 0, 0, follow_symlinks=False)
+            os.chmod(path, 0o700)
+        except OSError:
+            pass
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+                os.execv(RM, [RM, "-rf", "--one-file-system", "--", path])
+            finally:
+                os._exit(127)
+        self.removers[pid] = (rid, path)
 
     def _uid(self, slot: int):
         return int(self.uid_base) + slot if self.uid_sep else None
 
-    def _spawn(self, slot: int, gen: int, sock_fd: int, limits: dict) -> dict:
+    def _spawn(self, slot: int, gen: int, sock_fd: int, scratch: str, limits: dict) -> dict:
         uid = self._uid(slot)
-        scratch = self._scratch(slot)
-        if not os.path.isdir(scratch):
+        if not os.path.isdir(scratch):  # a restart after a kill keeps the trajectory's files
             os.makedirs(scratch)
         if uid is not None:
             os.chown(scratch, uid, uid)
@@ -195,6 +236,9 @@ class _Zygote:
                 return
             if pid == 0:
                 return
+            if pid in self.removers:
+                self._removed(pid, status)
+                continue
             owner = self.children.pop(pid, None)
             if owner is None:
                 continue
@@ -215,6 +259,20 @@ class _Zygote:
                 send_frame(self.ctrl, info)
             except OSError:
                 pass
+
+    def _removed(self, pid: int, status: int) -> None:
+        rid, path = self.removers.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if not os.path.lexists(path):
+            self._reply(rid, {"ok": True, "cleanup": "ok"})
+            return
+        self._reply(
+            rid,
+            {
+                "ok": True,
+                "cleanup": f"failed: rm -rf exited with {code}; {path} is left, owned by root, never reused",
+            },
+        )
 
     def _kill(self, slot: int) -> dict:
         """SIGKILL every process of the slot: all processes of its uid (one kill(-1) as that uid is
@@ -239,24 +297,47 @@ class _Zygote:
                             pass
             self._reap()
             if not remaining and slot not in self.slot_pid:
-                return {"ok": True}
+                return {"ok": True, "stuck_helpers": self.stuck_helpers}
             time.sleep(0.002)
         return {"ok": False, "error": "processes of the slot survived SIGKILL for 5 s"}
 
     def _kill_uid(self, uid: int) -> None:
-        """kill(-1, SIGKILL) from a helper running as ``uid``: it reaches exactly the processes of
-        that uid in this pid namespace, all at once (a fork in progress cannot outrun it)."""
+        """kill(-1, SIGKILL) from a helper whose effective uid is ``uid``: it reaches exactly the
+        processes of that uid in this pid namespace, all at once (a fork in progress cannot outrun it).
+
+        The helper's real and saved uid are the block's killer uid, which no REPL runs as: a process
+        may signal another only if its uid matches the target's real or saved uid, so the REPL's
+        processes can see the helper but never stop or kill it, and kill(-1) reaches no one else.
+        A helper that does not finish within HELPER_DEADLINE_S is killed (it is root's child) and
+        counted; the caller tries again."""
+        pause = self.hooks.pop("kill_helper_pause_s", 0)  # tests: the next helper waits before it acts
         pid = os.fork()
         if pid == 0:
             try:
+                killer = self._killer_uid()
                 os.setgroups([])
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
+                os.setresgid(killer, uid, killer)
+                os.setresuid(killer, uid, killer)
+                time.sleep(pause)
                 os.kill(-1, signal.SIGKILL)
             except BaseException:  # noqa: B036
                 pass
             os._exit(0)
-        os.waitpid(pid, 0)
+        deadline = time.monotonic() + HELPER_DEADLINE_S
+        while True:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                self.stuck_helpers += 1
+                return
+            time.sleep(0.001)
+
+    def _killer_uid(self) -> int:
+        """The uid block's last uid: never a slot's (``SandboxConfig.max_repls`` stays below it)."""
+        return int(self.uid_base) + KILLER_SLOT
 
     def _shutdown(self) -> None:
         for slot in list(self.slot_pid):
@@ -300,9 +381,3 @@ def _close(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def _rmtree(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)

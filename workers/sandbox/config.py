@@ -50,6 +50,9 @@ class SandboxConfig:
         REPL's stdout/stderr file descriptors by subprocesses.
     max_output_chars: stdout and stderr of a block are each cut to this many characters, with a
         ``... [truncated N chars]`` marker.
+    max_message_mb: largest message a REPL may send the host (a sub-call's prompts, a tool's arguments);
+        a sub-call over it fails in the REPL's code with the reason, and a bigger frame written to the
+        channel by other means is refused unread and the REPL restarted.
     show_vars: list the user variables (name, type) after each block.
     isolation: "bwrap" (require bubblewrap), "rlimits" (namespaces set up by the zygote itself where
         permitted, plus rlimits), or "auto" (bubblewrap when it works here, else "rlimits").
@@ -66,6 +69,7 @@ class SandboxConfig:
     # Less common knobs.
     max_open_files: int = 256
     max_answer_chars: int = 1_000_000
+    max_message_mb: int = 16
     echo_last_expr: bool = False  # print repr() of a block's trailing expression, like a notebook
     subcall_timeout_s: float = 600.0
     scratch_mb: int = 1024  # size of the tmpfs that holds all scratch dirs of one sandbox
@@ -79,8 +83,10 @@ class SandboxConfig:
         for name in ("timeout_s", "memory_mb", "cpu_s", "max_procs", "max_file_mb", "max_output_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be positive")
-        if not 1 <= self.max_repls <= 4096:
-            raise ValueError("SandboxConfig.max_repls must be in [1, 4096]")
+        if not 1 <= self.max_message_mb <= 64:  # _wire.MAX_FRAME
+            raise ValueError("SandboxConfig.max_message_mb must be in [1, 64]")
+        if not 1 <= self.max_repls <= 4095:  # the uid block's last uid is the kill helpers'
+            raise ValueError("SandboxConfig.max_repls must be in [1, 4095]")
 
     def limits(self) -> dict:
         """What a REPL process needs to know (sent with every spawn)."""
@@ -92,6 +98,7 @@ class SandboxConfig:
             "max_procs": int(self.max_procs),
             "max_output_chars": int(self.max_output_chars),
             "max_answer_chars": int(self.max_answer_chars),
+            "max_message_mb": int(self.max_message_mb),
             "show_vars": bool(self.show_vars),
             "echo_last_expr": bool(self.echo_last_expr),
         }

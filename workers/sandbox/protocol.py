@@ -59,7 +59,12 @@ class _ReplSpec:
 
 
 class _FrameBuffer:
-    def __init__(self):
+    """Frames cut from a REPL's byte stream, each bounded before it is parsed: its size (refused from
+    its header, before its bytes are read), then its items and nesting (``_wire.bounds_error``), so that
+    what a REPL sends never costs the host more than ``max_bytes`` and one parse of that size."""
+
+    def __init__(self, max_bytes: int = _wire.MAX_FRAME):
+        self.max_bytes = max_bytes
         self.buf = bytearray()
 
     def feed(self, data: bytes) -> None:
@@ -69,12 +74,18 @@ class _FrameBuffer:
         if len(self.buf) < 4:
             return None
         n = int.from_bytes(self.buf[:4], "big")
-        if n > _wire.MAX_FRAME:
-            raise _ProtocolError(f"the REPL sent a message of {n} bytes")
+        if n > self.max_bytes:
+            raise _ProtocolError(
+                f"the REPL's message of {n / 2**20:.1f} MiB was refused: over the limit of "
+                f"{self.max_bytes / 2**20:g} MiB on a message to the host (SandboxConfig.max_message_mb)"
+            )
         if len(self.buf) < 4 + n:
             return None
-        raw = bytes(self.buf[4 : 4 + n])
+        raw = bytes(memoryview(self.buf)[4 : 4 + n])
         del self.buf[: 4 + n]
+        why = _wire.bounds_error(raw)
+        if why is not None:
+            raise _ProtocolError(f"the REPL's message was refused: {why}")
         try:
             msg = _wire.decode_payload(raw)
         except (ValueError, RecursionError) as exc:

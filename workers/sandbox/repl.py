@@ -44,7 +44,7 @@ class Repl:
         self._tool_calls: list[dict] = []  # the running block's tool calls
         self._gen = 0
         self._sock: socket.socket | None = None
-        self._buf = _FrameBuffer()
+        self._buf = _FrameBuffer(sandbox.config.max_message_mb << 20)
         self._exit_info: dict | None = None
         self._zygote: _ZygoteClient | None = None
         self._busy = threading.Lock()
@@ -56,8 +56,11 @@ class Repl:
         self.final_answer: str | None = None
         self._stop_reason: str | None = None
         # A REPL dropped without close() still gets its processes killed and its slot back.
+        self._trajectory = sandbox._next_trajectory()  # names the scratch dir: the slot's next gets another
         self._holder: dict = {"zygote": None}
-        self._finalizer = weakref.finalize(self, _reclaim, weakref.ref(sandbox), slot, self._holder)
+        self._finalizer = weakref.finalize(
+            self, _reclaim, weakref.ref(sandbox), slot, self._trajectory, self._holder
+        )
 
     # -- process lifecycle ------------------------------------------------------------------------
 
@@ -69,7 +72,12 @@ class Repl:
         host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         host.setblocking(False)
         with self._io_lock:
-            self._sock, self._buf, self._exit_info, self._zygote = host, _FrameBuffer(), None, zyg
+            self._sock, self._buf, self._exit_info, self._zygote = (
+                host,
+                _FrameBuffer(cfg.max_message_mb << 20),
+                None,
+                zyg,
+            )
             self._holder["zygote"] = zyg
         me = weakref.ref(self)
 
@@ -81,7 +89,14 @@ class Repl:
         zyg.watch(self.slot, gen, on_exit)
         try:
             fut = zyg.request(
-                {"op": "spawn", "slot": self.slot, "gen": gen, "limits": cfg.limits()}, (child.fileno(),)
+                {
+                    "op": "spawn",
+                    "slot": self.slot,
+                    "gen": gen,
+                    "trajectory": self._trajectory,
+                    "limits": cfg.limits(),
+                },
+                (child.fileno(),),
             )
             reply = await asyncio.wait_for(asyncio.wrap_future(fut), cfg.start_timeout_s)
         finally:
@@ -138,6 +153,7 @@ class Repl:
                 asyncio.wrap_future(zyg.request({"op": "kill", "slot": self.slot})), 15
             )
             if reply.get("ok"):
+                self._sb.stats["stuck_kill_helpers"] = int(reply.get("stuck_helpers") or 0)
                 return
         except (TimeoutError, SandboxError):
             pass
@@ -328,7 +344,7 @@ class Repl:
         zyg = self._begin_close()
         if zyg is not None:
             with contextlib.suppress(Exception):
-                zyg.request({"op": "release", "slot": self.slot}).result(15)
+                self._sb._release(zyg, self.slot, self._trajectory).result(15)
         self._sb._release_slot(self.slot)
 
     async def aclose(self) -> None:
@@ -339,7 +355,7 @@ class Repl:
         if zyg is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
-                    asyncio.wrap_future(zyg.request({"op": "release", "slot": self.slot})), 15
+                    asyncio.wrap_future(self._sb._release(zyg, self.slot, self._trajectory)), 15
                 )
         self._sb._release_slot(self.slot)
 
@@ -353,12 +369,12 @@ class Repl:
         return f"Repl(slot={self.slot}, pid={self.pid}, restarts={self.restarts}, closed={self._closed})"
 
 
-def _reclaim(sandbox_ref, slot: int, holder: dict) -> None:
+def _reclaim(sandbox_ref, slot: int, trajectory: int, holder: dict) -> None:
     """Finalizer of a Repl that was never closed: kill its processes, free its slot."""
     sb = sandbox_ref()
     if sb is None or sb._closed:
         return
     zyg = holder.get("zygote")
     if zyg is not None and zyg.alive:
-        zyg.request({"op": "release", "slot": slot})  # in order before any later spawn of the slot
+        sb._release(zyg, slot, trajectory)  # in order before any later spawn of the slot
     sb._release_slot(slot)

@@ -16,7 +16,9 @@ messages as the host reads them) and ``subcalls.py`` (answering the REPL's sub-c
 """
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -43,6 +45,8 @@ from workers.sandbox.repl import Repl
 from workers.sandbox.subcalls import SubcallHandler
 from workers.sandbox.tools import as_tools
 from workers.sandbox.zygote_client import _ZygoteClient
+
+logger = logging.getLogger(__name__)
 
 
 class ReplSandbox:
@@ -71,6 +75,10 @@ class ReplSandbox:
         self._repls: weakref.WeakValueDictionary[int, Repl] = weakref.WeakValueDictionary()
         self._loop: LoopThread | None = None
         self._zygote_starts = 0
+        self._trajectories = 0
+        # Cleanup and kill-path health: released scratch dirs removed / not removed (each failure is also
+        # logged), and kill helpers found stuck and killed by the zygote (see _zygote._kill_uid).
+        self.stats = {"cleanups": 0, "cleanup_failures": 0, "stuck_kill_helpers": 0}
         self._closed = False
         try:
             self._ensure_zygote()
@@ -352,6 +360,32 @@ class ReplSandbox:
             coro.close()
             raise SandboxError("synchronous sandbox call from a sub-call handler; use the async API")
         return loop.run(coro)
+
+    def _next_trajectory(self) -> int:
+        with self._lock:
+            self._trajectories += 1
+            return self._trajectories
+
+    def _release(self, zygote: _ZygoteClient, slot: int, trajectory: int) -> concurrent.futures.Future:
+        """Ask the zygote to kill a slot's processes and remove the trajectory's scratch dir; the
+        outcome is counted in ``stats`` (a failed removal is logged too) whoever waits for it."""
+
+        def count(fut: concurrent.futures.Future) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                return
+            cleanup = fut.result().get("cleanup")
+            if cleanup is None:
+                return
+            with self._lock:
+                self.stats["cleanups"] += 1
+                if cleanup != "ok":
+                    self.stats["cleanup_failures"] += 1
+            if cleanup != "ok":
+                logger.warning("REPL slot %d: its scratch dir's cleanup %s", slot, cleanup)
+
+        fut = zygote.request({"op": "release", "slot": slot, "trajectory": trajectory})
+        fut.add_done_callback(count)
+        return fut
 
     def _release_slot(self, slot: int) -> None:
         with self._lock:
