@@ -192,11 +192,14 @@ class _Zygote:
             os.chmod(path, 0o700)
         except OSError:
             pass
+        argv = [RM, "-rf", "--one-file-system", "--", path]
+        if self.hooks.pop("fail_next_cleanup", False):  # tests: a removal that fails
+            argv = [RM, "--no-such-option"]
         pid = os.fork()
         if pid == 0:
             try:
                 os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-                os.execv(RM, [RM, "-rf", "--one-file-system", "--", path])
+                os.execv(RM, argv)
             finally:
                 os._exit(127)
         self.removers[pid] = (rid, path)

@@ -367,25 +367,26 @@ class ReplSandbox:
             return self._trajectories
 
     def _release(self, zygote: _ZygoteClient, slot: int, trajectory: int) -> concurrent.futures.Future:
-        """Ask the zygote to kill a slot's processes and remove the trajectory's scratch dir; the
-        outcome is counted in ``stats`` (a failed removal is logged too) whoever waits for it."""
+        """Ask the zygote to kill a slot's processes and remove the trajectory's scratch dir. The
+        outcome is counted in ``stats`` (a failed removal is logged too) whoever waits for it, before
+        the returned future completes."""
+        counted: concurrent.futures.Future = concurrent.futures.Future()
 
         def count(fut: concurrent.futures.Future) -> None:
             if fut.cancelled() or fut.exception() is not None:
+                counted.set_exception(fut.exception() or SandboxError("release cancelled"))
                 return
             cleanup = fut.result().get("cleanup")
-            if cleanup is None:
-                return
-            with self._lock:
-                self.stats["cleanups"] += 1
-                if cleanup != "ok":
-                    self.stats["cleanup_failures"] += 1
-            if cleanup != "ok":
+            if cleanup is not None and cleanup != "ok":
                 logger.warning("REPL slot %d: its scratch dir's cleanup %s", slot, cleanup)
+            if cleanup is not None:
+                with self._lock:
+                    self.stats["cleanups"] += 1
+                    self.stats["cleanup_failures"] += cleanup != "ok"
+            counted.set_result(fut.result())
 
-        fut = zygote.request({"op": "release", "slot": slot, "trajectory": trajectory})
-        fut.add_done_callback(count)
-        return fut
+        zygote.request({"op": "release", "slot": slot, "trajectory": trajectory}).add_done_callback(count)
+        return counted
 
     def _release_slot(self, slot: int) -> None:
         with self._lock:

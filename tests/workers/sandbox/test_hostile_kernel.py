@@ -159,6 +159,34 @@ def test_a_scratch_dir_built_to_resist_removal_is_not_handed_to_the_next_traject
         one.close()
 
 
+def test_a_failed_cleanup_is_reported_and_never_handed_on(sandbox, caplog):
+    """Where removal fails (forced here by a test hook: the zygote's next remover is a failing
+    command), the failure is counted and logged, the next trajectory of the slot (the same uid) gets
+    a dir of another name, and the one left behind is root's: the slot's uid cannot enter it."""
+    require(sandbox, "signals")
+    one = _open(sandbox.mode, max_repls=1)
+    try:
+        with one.create() as repl:
+            repl.execute("open('secret', 'w').write('from the last trajectory')")
+            first_dir = repl.scratch_dir
+            one._zygote.request({"op": "test_hooks", "fail_next_cleanup": True}).result(5)
+        assert one.stats == {"cleanups": 1, "cleanup_failures": 1, "stuck_kill_helpers": 0}
+        assert f"{first_dir} is left, owned by root, never reused" in caplog.text
+        with one.create() as repl:
+            out = run(
+                repl,
+                "import json, os\n"
+                "try:\n"
+                f"    old = open({first_dir!r} + '/secret').read()\n"
+                "except OSError as e:\n"
+                "    old = e.strerror\n"
+                "print(json.dumps({'here': os.listdir('.'), 'old': old}))",
+            )
+        assert out == {"here": [], "old": "Permission denied"}
+    finally:
+        one.close()
+
+
 # -- the kill path ----------------------------------------------------------------------------------------
 
 STOPPER = (
@@ -269,7 +297,7 @@ def test_a_reply_that_would_amplify_in_the_host_is_refused(sandbox, frame):
     assert res.killed and res.restarted and "refused" in res.error, res.error
     assert "max_message_mb" in res.error or "items" in res.error or "nested" in res.error, res.error
     assert peak < 24 << 20, f"the host's heap peaked at {peak / 2**20:.0f} MiB"
-    assert worst_gap < 0.5, f"the event loop was blocked for {worst_gap:.2f} s"
+    assert worst_gap < 1.0, f"the event loop was blocked for {worst_gap:.2f} s"  # 1.7-8.3 s before
     assert after.stdout == "kept\n"
 
 
