@@ -26,6 +26,7 @@ else:  # in the zygote, which imports its modules from its own folder (see _chil
 
 
 RM = "/bin/rm" if os.path.exists("/bin/rm") else "/usr/bin/rm"
+CGROUP_FAILED = 72  # exit code of a REPL that could not enter its memory cgroup
 KILLER_SLOT = 4095  # the uid block's uid that kill helpers run as (see _kill_uid)
 HELPER_DEADLINE_S = 1.0  # a kill helper still running after this is stuck (or stopped): killed
 
@@ -158,7 +159,10 @@ class _Zygote:
         op = msg.get("op")
         if op == "spawn":
             scratch = self._scratch(int(msg["slot"]), int(msg["trajectory"]))
-            return self._spawn(int(msg["slot"]), int(msg["gen"]), fds[0], scratch, msg.get("limits") or {})
+            cgroup_fd = fds[1] if len(fds) > 1 else None  # the slot's memory cgroup, where the host has one
+            return self._spawn(
+                int(msg["slot"]), int(msg["gen"]), fds[0], cgroup_fd, scratch, msg.get("limits") or {}
+            )
         if op == "kill":
             return self._kill(int(msg["slot"]))
         if op == "release":
@@ -207,7 +211,7 @@ class _Zygote:
     def _uid(self, slot: int):
         return int(self.uid_base) + slot if self.uid_sep else None
 
-    def _spawn(self, slot: int, gen: int, sock_fd: int, scratch: str, limits: dict) -> dict:
+    def _spawn(self, slot: int, gen: int, sock_fd: int, cgroup_fd, scratch: str, limits: dict) -> dict:
         uid = self._uid(slot)
         if not os.path.isdir(scratch):  # a restart after a kill keeps the trajectory's files
             os.makedirs(scratch)
@@ -220,13 +224,20 @@ class _Zygote:
         if pid == 0:
             code = 70
             try:
+                if cgroup_fd is not None:  # into the slot's memory cgroup before anything else
+                    code = CGROUP_FAILED
+                    os.write(cgroup_fd, b"0")
+                    os.close(cgroup_fd)
+                    code = 70
                 _repl_child(self.ctrl, self.seccomp, sock_fd, scratch, uid, limits)
                 code = 0
             except BaseException:  # noqa: B036
-                code = 71
+                code = 71 if code == 70 else code
             finally:
                 os._exit(code)
         _close(sock_fd)
+        if cgroup_fd is not None:
+            _close(cgroup_fd)
         self.children[pid] = (slot, gen, _oom_kills())
         self.slot_pid[slot] = pid
         return {"ok": True, "pid": pid, "scratch": scratch, "uid": uid}

@@ -53,6 +53,9 @@ class SandboxConfig:
     max_message_mb: largest message a REPL may send the host (a sub-call's prompts, a tool's arguments);
         a sub-call over it fails in the REPL's code with the reason, and a bigger frame written to the
         channel by other means is refused unread and the REPL restarted.
+    memory_cgroup: also put each REPL in a memory cgroup of its own limited to ``memory_mb`` (all its
+        processes and its files in the scratch tmpfs together), where the host may create one
+        (``workers/sandbox/memory_cgroup.py``); ``isolation_report()["memory"]`` says whether it is in force.
     show_vars: list the user variables (name, type) after each block.
     isolation: "bwrap" (require bubblewrap), "rlimits" (namespaces set up by the zygote itself where
         permitted, plus rlimits), or "auto" (bubblewrap when it works here, else "rlimits").
@@ -70,6 +73,7 @@ class SandboxConfig:
     max_open_files: int = 256
     max_answer_chars: int = 1_000_000
     max_message_mb: int = 16
+    memory_cgroup: bool = True  # a memory cgroup per REPL of memory_mb, where this machine allows it
     echo_last_expr: bool = False  # print repr() of a block's trailing expression, like a notebook
     subcall_timeout_s: float = 600.0
     scratch_mb: int = 1024  # size of the tmpfs that holds all scratch dirs of one sandbox

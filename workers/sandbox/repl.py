@@ -5,6 +5,7 @@ against the host's wall clock.
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -87,20 +88,17 @@ class Repl:
                 repl._on_exit(g, info)
 
         zyg.watch(self.slot, gen, on_exit)
+        fds = [child.fileno()]
         try:
-            fut = zyg.request(
-                {
-                    "op": "spawn",
-                    "slot": self.slot,
-                    "gen": gen,
-                    "trajectory": self._trajectory,
-                    "limits": cfg.limits(),
-                },
-                (child.fileno(),),
-            )
+            if self._sb._memcg is not None:  # the slot's memory cgroup, entered by the REPL process itself
+                fds.append(self._sb._memcg.procs_fd(self.slot, cfg.memory_mb << 20))
+            spawn = {"op": "spawn", "slot": self.slot, "gen": gen, "trajectory": self._trajectory}
+            fut = zyg.request(dict(spawn, limits=cfg.limits()), tuple(fds))
             reply = await asyncio.wait_for(asyncio.wrap_future(fut), cfg.start_timeout_s)
         finally:
             child.close()
+            for fd in fds[1:]:
+                os.close(fd)
         if not reply.get("ok"):
             raise SandboxError(f"spawn failed: {reply.get('error')}")
         self.scratch_dir = reply.get("scratch")

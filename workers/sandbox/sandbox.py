@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from workers.event_loop import LoopThread
-from workers.sandbox import _seccomp
+from workers.sandbox import _seccomp, _wire
 from workers.sandbox.config import SandboxConfig, SandboxError
 from workers.sandbox.isolation import (
     BWRAP_SCRATCH,
@@ -40,6 +40,7 @@ from workers.sandbox.isolation import (
     _UidBlock,
     bwrap_path,
 )
+from workers.sandbox.memory_cgroup import MemoryCgroups
 from workers.sandbox.protocol import _Died, _ProtocolError, _ReplSpec, _Timeout
 from workers.sandbox.repl import Repl
 from workers.sandbox.subcalls import SubcallHandler
@@ -76,6 +77,10 @@ class ReplSandbox:
         self._loop: LoopThread | None = None
         self._zygote_starts = 0
         self._trajectories = 0
+        self._memcg: MemoryCgroups | None = None
+        self._memcg_why = "not asked for (SandboxConfig.memory_cgroup=False)"
+        if self.config.memory_cgroup:
+            self._memcg, self._memcg_why = MemoryCgroups.probe()
         # Cleanup and kill-path health: released scratch dirs removed / not removed (each failure is also
         # logged), and kill helpers found stuck and killed by the zygote (see _zygote._kill_uid).
         self.stats = {"cleanups": 0, "cleanup_failures": 0, "stuck_kill_helpers": 0}
@@ -87,6 +92,8 @@ class ReplSandbox:
                 self._uid_block.release()
             if self._host_scratch is not None:
                 shutil.rmtree(self._host_scratch, ignore_errors=True)
+            if self._memcg is not None:
+                self._memcg.close()
             raise
 
     # -- zygote lifecycle -------------------------------------------------------------------------
@@ -274,7 +281,9 @@ class ReplSandbox:
         else:
             procs = f"RLIMIT_NPROC {cfg.max_procs} set but NOT enforced (REPL runs as root): fork bombs uncontained"
         kill = (
-            "SIGKILL of every process of the REPL's uid (one kill(-1) as that uid, atomic against fork bombs)"
+            "SIGKILL of every process of the REPL's uid (one kill(-1) as that uid, atomic against fork bombs, "
+            "by a helper whose real uid the REPL cannot signal; a helper still running after 1 s is killed "
+            "and replaced)"
             if uid_sep
             else "SIGKILL of the REPL's process group (processes that leave it survive until the sandbox closes)"
         )
@@ -308,8 +317,51 @@ class ReplSandbox:
             "none: full builtins and imports; containment is the process boundary and the kernel "
             "limits above, not Python-level restrictions"
         )
+        report.update(self._containment_report(zr.get("seccomp") == "ok", ns.get("ipc", False)))
         report["notes"] = list(zr.get("notes", []))
         return report
+
+    def _containment_report(self, seccomp: bool, ipc_ns: bool) -> dict[str, str]:
+        """Memory outside the address space, IPC, cleanup and messages to the host (issue 57's classes)."""
+        cfg = self.config
+        memcg = self._memcg
+        return {
+            "memory": (
+                f"RLIMIT_AS {cfg.memory_mb} MB per process; "
+                + (
+                    f"a memory cgroup per REPL (cgroup {memcg.version}): everything it holds, its files in the "
+                    f"scratch tmpfs included, counts against {cfg.memory_mb} MB (no swap); over it the kernel's "
+                    "OOM killer kills inside that REPL only; "
+                    if memcg is not None
+                    else f"no memory cgroup per REPL ({self._memcg_why}); "
+                )
+                + (
+                    "memory outside the address space is refused: memfd_create, SysV shared memory and POSIX "
+                    "message queues (seccomp), and /dev/shm is not writable; "
+                    if seccomp
+                    else "NOT refused without seccomp: memfd files and SysV segments escape RLIMIT_AS; "
+                )
+                + f"the scratch tmpfs holds {cfg.scratch_mb} MB at most, shared by the sandbox's REPLs"
+            ),
+            "ipc": (
+                "SysV IPC and POSIX message queues refused (seccomp)"
+                + ("; a private IPC namespace for the sandbox" if ipc_ns else "")
+                if seccomp
+                else "NOT refused: REPLs of the sandbox share "
+                + ("its IPC namespace" if ipc_ns else "the host's IPC namespace")
+            ),
+            "cleanup": (
+                "each trajectory has a scratch dir of its own name (a restart after a kill keeps it); on close its "
+                "processes are killed and the dir removed by rm -rf (any depth, count, names or permissions); a "
+                "failed removal is logged and counted in ReplSandbox.stats, and the dir is left to root, never reused"
+            ),
+            "messages": (
+                f"a REPL's message to the host is bounded before it is parsed: {cfg.max_message_mb} MiB "
+                f"(max_message_mb), {_wire.MAX_ITEMS:,} items, {_wire.MAX_DEPTH} levels of nesting; over them "
+                "a sub-call fails in the REPL's code with the reason, and a frame written by other means is "
+                "refused and the REPL restarted"
+            ),
+        }
 
     def close(self) -> None:
         """Close every REPL and stop the zygote (all processes of the sandbox die)."""
@@ -329,6 +381,8 @@ class ReplSandbox:
             self._uid_block.release()
         if self._host_scratch is not None:
             shutil.rmtree(self._host_scratch, ignore_errors=True)
+        if self._memcg is not None:
+            self._memcg.close()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

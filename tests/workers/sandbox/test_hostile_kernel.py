@@ -70,6 +70,47 @@ def test_memory_outside_the_address_space_cannot_be_held(sandbox):
     assert out["dev_shm"] in (errno.ENOENT, errno.EROFS, errno.EACCES)
 
 
+HOARD_FILES = (
+    "import os\n"
+    "n = 0\n"
+    "try:\n"
+    "    while True:\n"
+    "        open(f'hoard{n}', 'wb').write(b'x' * (8 << 20))\n"  # max_file_mb is 8
+    "        n += 1\n"
+    "except OSError as e:\n"
+    "    print(n, e.errno)\n"
+)
+
+
+def test_files_in_memory_count_against_the_repls_memory(sandbox):
+    """tmpfs files are memory RLIMIT_AS does not see. With a memory cgroup per REPL (where the host may
+    create one; the report says which) a REPL writing files dies by the OOM killer at memory_mb
+    (256 MB), and a concurrent REPL keeps its state."""
+    memory = sandbox.isolation_report()["memory"]
+    if "a memory cgroup per REPL" not in memory:
+        pytest.skip(f"no memory cgroups on this machine: {memory}")
+    with sandbox.create() as calm, sandbox.create() as hoarder:
+        calm.execute("state = 'mine'")
+        res = hoarder.execute(HOARD_FILES, timeout_s=60)
+        assert res.killed and "out-of-memory killer" in res.error, (res.stdout, res.error)
+        kept = hoarder.execute("import os\nprint(sum(os.path.getsize(f) for f in os.listdir('.')) >> 20)")
+        assert int(kept.stdout) < 256  # the files written before the kill (kept for the restarted REPL)
+        assert calm.execute("print(state)").stdout == "mine\n"
+
+
+def test_without_a_memory_cgroup_files_are_capped_by_the_scratch_tmpfs(sandbox):
+    """The fallback where no cgroup can be made: the scratch tmpfs's size (scratch_mb) bounds what files
+    hold (eight 8 MB files fill 64 MB), and a write past it fails with ENOSPC in the code."""
+    capped = _open(sandbox.mode, memory_cgroup=False, scratch_mb=64)
+    try:
+        assert "no memory cgroup per REPL (not asked for" in capped.isolation_report()["memory"]
+        with capped.create() as repl:
+            res = repl.execute(HOARD_FILES, timeout_s=60)
+        assert res.error is None and res.stdout.split() == ["8", str(errno.ENOSPC)], (res.stdout, res.error)
+    finally:
+        capped.close()
+
+
 # -- IPC between trajectories ---------------------------------------------------------------------------
 
 SEND = LIBC + (
@@ -345,3 +386,19 @@ def test_an_honest_oversized_sub_call_fails_in_the_code_and_keeps_the_repl(sandb
         assert res.stdout.startswith("Error: ") and "over the limit of 16 MiB" in res.stdout, res.stdout
         assert "max_message_mb" in res.stdout
         assert repl.execute("print(x)").stdout == "1\n"
+
+
+def test_the_isolation_report_says_what_contains_these_classes(sandbox):
+    report = sandbox.isolation_report()
+    assert report["memory"].startswith("RLIMIT_AS 256 MB per process; ")
+    assert "memory outside the address space is refused: memfd_create, SysV shared memory" in report["memory"]
+    assert (
+        report["ipc"]
+        == "SysV IPC and POSIX message queues refused (seccomp); a private IPC namespace for the sandbox"
+    )
+    assert "removed by rm -rf" in report["cleanup"] and "never reused" in report["cleanup"]
+    assert report["messages"].startswith(
+        "a REPL's message to the host is bounded before it is parsed: 16 MiB"
+    )
+    assert "a helper whose real uid the REPL cannot signal" in report["limits"]["timeout"]
+    assert "AF_INET, AF_INET6 and AF_NETLINK" in report["seccomp"] and "memfd_create" in report["seccomp"]
