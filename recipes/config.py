@@ -13,26 +13,36 @@ devices, estimator against the roles), naming keys and numbers.
 The ``env`` section of the agent recipes has no fixed dataclass: ``env.loop`` (command line, else YAML, else the
 schema's default) names an agent-loop plugin (``workers.agents.loop``), and the section is read into the
 dataclass that plugin declares (``AgentLoop.config_class``), so a new environment brings its own keys; with
-``env.loop: mixed`` (several environments, ``workers.agents.mixed``) each entry of ``env.envs`` likewise.
+``env.loop: mixed`` (several environments, ``workers.agents.mixed``) each entry of ``env.envs`` likewise. A loop
+given on the command line whose config is another dataclass than the file's drops the file's ``env`` section, and
+a warning lists the settings that this resets.
+
+A user's own file in a plugin value (``env.loop=path/to/my_env.py:Class``, ``rollout.name``, a tool parser) or in
+``custom_reward_function.path`` is imported by the config check (``workers.plugins.load_user_file``: an error in
+it names the file and the line before Ray starts), and a relative path is made absolute, so the Ray workers find
+the file whatever their current directory and ``sys.path``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from recipes.schemas import SCHEMAS, RecipeConfig
 from recipes.sections import WORKER_SECTION_CHECKS
 from workers.agents.loop import AgentEnvConfig, agent_loop_class
 from workers.engine.checkpoint import write_atomic
+from workers.plugins import absolute_reference
 
 RECIPES_DIR = Path(__file__).resolve().parent
+logger = logging.getLogger("recipes")
 
 
 class ConfigError(ValueError):
@@ -136,7 +146,25 @@ def load_config(
         merged = OmegaConf.merge(merged, cli)
     except OmegaConfBaseException as err:
         raise _explain(err, "command-line override", merged) from None
+    _absolute_file_references(merged)
     return to_dataclass(merged, check=check)
+
+
+def _absolute_file_references(node: DictConfig | ListConfig) -> None:
+    """Every value naming an existing Python file by a relative path (``"my_env.py:Class"``, ``"reward.py"``)
+    made absolute (``workers.plugins.absolute_reference``): the driver resolves it, so a Ray worker finds the file
+    whatever its current directory. Interpolations are left as they are."""
+    keys = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
+    for key in keys:
+        if OmegaConf.is_interpolation(node, key):
+            continue
+        value = node[key]
+        if isinstance(value, (DictConfig, ListConfig)):
+            _absolute_file_references(value)
+        elif isinstance(value, str) and ".py" in value:
+            resolved = absolute_reference(value)
+            if resolved != value:
+                node[key] = resolved
 
 
 def _env_section(
@@ -157,7 +185,7 @@ def _env_section(
     if cli_loop is not None:
         file_env, env_cls = env_cls, _env_class(str(cli_loop), "command-line override", recipe, "env", need)
         if env_cls is not file_env:
-            file_cfg.pop("env", None)
+            _warn_dropped(file_cfg.pop("env", None), "env", str(cli_loop), file_env, env_cls, cli, path)
     if OmegaConf.get_type(merged.env) is not env_cls:
         merged.env = schema_config(env_cls)
     for name in _env_sections_fields(env_cls):
@@ -202,13 +230,66 @@ def _nested_env_sections(
                 str(cli_loop), "command-line override", recipe, f"{key}.{name}", AgentEnvConfig
             )
             if file_sub is not None and sub_cls is not file_sub:
-                OmegaConf.select(file_cfg, key).pop(name, None)
+                dropped = OmegaConf.select(file_cfg, key).pop(name, None)
+                _warn_dropped(dropped, f"{key}.{name}", str(cli_loop), file_sub, sub_cls, cli, path)
         if _env_sections_fields(sub_cls):
             raise ConfigError(
                 f"config key '{key}.{name}.loop': {sub_cls.__name__} holds environments itself; an environment of "
                 f"{key} must be a single one"
             )
         node[name] = schema_config(sub_cls)
+
+
+def _warn_dropped(
+    section: Any, key: str, loop: str, file_cls: type, env_cls: type, cli: DictConfig, path: str
+) -> None:
+    """Log which settings of the config file's ``key`` section (dropped: the command line's ``<key>.loop`` reads
+    ``env_cls``, not the file's ``file_cls``) are reset: each with its value in the file and now (``env_cls``'s
+    default, or "no such key"); those the command line sets again, or that keep their value, are not listed."""
+    if not isinstance(section, DictConfig):
+        return
+    new = schema_config(env_cls)
+    reset = []
+    for leaf, value in _leaves(section):
+        full = f"{key}.{leaf}"
+        if leaf == "loop" or OmegaConf.select(cli, full, default=_MISSING) is not _MISSING:
+            continue
+        now = OmegaConf.select(new, leaf, default=_MISSING)
+        if now is _MISSING:
+            reset.append(f"{full}: {value!r} -> not a key of {env_cls.__name__}")
+        elif _plain(now) != value:
+            reset.append(f"{full}: {value!r} -> {_plain(now)!r}")
+    if reset:
+        logger.warning(
+            "warning: %s.loop=%r (command line) reads %s, not the %s of %s: that file's %s section is dropped, "
+            "and these settings of it change (set them on the command line to keep them):\n  %s",
+            key,
+            loop,
+            env_cls.__name__,
+            file_cls.__name__,
+            path,
+            key,
+            "\n  ".join(reset),
+        )
+
+
+def _leaves(node: DictConfig, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf of ``node`` (lists are leaves)."""
+    out: list[tuple[str, Any]] = []
+    for k in node.keys():
+        value = node._get_node(k)
+        if isinstance(value, DictConfig) and not OmegaConf.is_interpolation(node, str(k)):
+            out.extend(_leaves(value, f"{prefix}{k}."))
+        else:
+            out.append((f"{prefix}{k}", _plain(value)))
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A node's value as plain Python (an interpolation as its ``${...}`` text)."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=False)
+    return value._value() if hasattr(value, "_value") else value
 
 
 def _env_class(loop: str, source: str, recipe: str, key: str, need: type) -> type:

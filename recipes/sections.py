@@ -28,6 +28,7 @@ from workers.config import CriticConfig, ModelConfig
 from workers.engine.base import OptimConfig
 from workers.models.chat_templates import CHAT_TEMPLATES
 from workers.models.tiny import TINY_MODEL_SIZES
+from workers.reward import load_custom_scorer
 from workers.rollout.registry import rollout_engine_class
 
 if TYPE_CHECKING:  # the schemas are made of these sections
@@ -169,12 +170,19 @@ class CustomRewardConfig:
     """verl's ``custom_reward_function``: a Python file whose function scores every data source instead of
     the registered rule scorers (signature ``fn(data_source, solution_str, ground_truth, extra_info=None)``)."""
 
-    path: str | None = None
-    name: str = "compute_score"
+    path: str | None = None  # a Python file, imported before Ray starts (relative: from the current dir)
+    name: str = "compute_score"  # the function of that file that scores
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
-        if self.path is not None and not os.path.isfile(self.path):
-            errors.append(f"custom_reward_function.path={self.path!r} is not a file")
+        """The file is imported here, before Ray starts, as the reward workers will import it: a missing file, an
+        error raised while importing it (named with its file and line) or no function ``name`` in it is an
+        error."""
+        if self.path is None:
+            return
+        try:
+            load_custom_scorer(self.path, self.name)
+        except (OSError, ImportError, AttributeError) as err:
+            errors.append(str(err))
 
 
 @dataclass

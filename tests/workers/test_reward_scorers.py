@@ -1,5 +1,8 @@
 """Rule scorers: answer extraction, matching rules, registration and per-sample error isolation."""
 
+import sys
+import typing
+
 import pytest
 
 from workers.reward import extract_boxed, get_scorer, load_custom_scorer, register_scorer, score_batch
@@ -86,3 +89,33 @@ def test_a_custom_reward_function_scores_every_source_and_bad_files_are_named(tm
         load_custom_scorer("/no/such.py")
     with pytest.raises(AttributeError, match="defines no function 'absent'"):
         load_custom_scorer(str(path), "absent")
+
+
+def test_a_custom_reward_file_with_postponed_annotations_and_a_dataclass_scores(tmp_path):
+    """The file of issue 56, which crashed in the reward workers (``'NoneType' object has no attribute
+    '__dict__'``: dataclasses look the class's module up in ``sys.modules``): it is imported as a registered
+    module, once."""
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "from __future__ import annotations\n"
+        "from dataclasses import dataclass, field\n"
+        "@dataclass\n"
+        "class Rule:\n"
+        "    bonus: float = 0.25\n"
+        "    words: list[str] = field(default_factory=lambda: ['yes'])\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    rule = Rule()\n"
+        "    return float(solution_str == ground_truth) + rule.bonus * (solution_str in rule.words)\n"
+    )
+    custom = load_custom_scorer(str(path))
+    assert score_batch(["yes", "no", "4"], ["a", "b", "c"], ["yes", "yes", "4"], custom=custom).scores == [
+        1.25,
+        0.0,
+        1.0,
+    ]
+    module = sys.modules[custom.__module__]
+    assert module.__file__ == str(path) and typing.get_type_hints(module.Rule) == {
+        "bonus": float,
+        "words": list[str],
+    }
+    assert load_custom_scorer(str(path)) is custom  # one module per file

@@ -6,8 +6,9 @@ An environment is an ``AgentLoop`` subclass plus its config (a dataclass derivin
 (``workers.agents.env_worker``) and the reference replay (``workers.agents.replay``) do everything else: rows ->
 jobs (``n`` samples per prompt, seeds), a policy over the rollout engine, a sandbox, an event loop, bounded
 concurrency, trajectories -> the training batch, metrics. ``env.loop`` names the plugin: a registered name (``"rlm"``, ``"math_tool"``, or one given to
-``register_agent_loop``) or ``"package.module:Class"`` -- the latter works in every Ray process without a
-registration step. ``docs/agent_env.md`` walks through a complete one-file environment.
+``register_agent_loop``), ``"package.module:Class"`` or ``"path/to/my_env.py:Class"`` (a file outside the
+package: ``workers.plugins.load_user_file``) -- the latter two work in every Ray process without a registration
+step. ``docs/agent_env.md`` walks through a complete one-file environment.
 
 Several environments in one run: ``env.loop: mixed`` (``workers.agents.mixed``) routes each row by its
 ``env_name`` column (``AgentJob.env_name``) to one of the environments named in ``env.envs``; a single
@@ -41,7 +42,7 @@ class AgentEnvConfig:
     """What every agent environment role shares; a subclass adds ``agent`` (the loop's settings) and sets
     ``loop``."""
 
-    loop: str = ""  # the agent-loop plugin: a registered name or "package.module:Class"
+    loop: str = ""  # the agent-loop plugin: a registered name, "package.module:Class" or "dir/file.py:Class"
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     max_prompt_length: int | None = None  # P of the batch (None: rollout.prompt_length)
     max_response_length: int | None = None  # R: all turns + observations (None: the call's response_length)

@@ -7,13 +7,13 @@ naming the data source and the registered ones, unless a default scorer is confi
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+
+from workers.plugins import UserCodeError, load_user_file
 
 Scorer = Callable[[str, object, dict | None], float]
 SCORERS: dict[str, Scorer] = {}
@@ -135,14 +135,16 @@ CustomScorer = Callable[[str, str, object, dict | None], float]
 
 
 def load_custom_scorer(path: str, name: str = "compute_score") -> CustomScorer:
-    """Function ``name`` of the Python file ``path`` (``custom_reward_function.path`` / ``.name``); errors name
-    both."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"custom_reward_function.path={path!r} is not a file")
-    spec = importlib.util.spec_from_file_location(f"hyflow_custom_reward_{abs(hash(path))}", path)
-    assert spec is not None and spec.loader is not None  # a file path always has a source loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """Function ``name`` of the Python file ``path`` (``custom_reward_function.path`` / ``.name``), imported as a
+    module registered in ``sys.modules`` (``workers.plugins.load_user_file``: dataclasses and pickling work in
+    it). Errors name the key and the file: FileNotFoundError, ``UserCodeError`` (an ImportError naming the file
+    and the line of an error raised while importing it), AttributeError (no such function)."""
+    try:
+        module = load_user_file(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"custom_reward_function.path={path!r} is not a file") from None
+    except UserCodeError as err:
+        raise UserCodeError(f"custom_reward_function.path={path!r}: {err}") from err.__cause__
     fn = getattr(module, name, None)
     if not callable(fn):
         raise AttributeError(f"custom_reward_function: {path} defines no function {name!r}")

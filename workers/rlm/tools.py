@@ -4,16 +4,16 @@
 ``search_context`` is a retrieval tool over the trajectory's own context: it runs on the host with a
 host-side copy of the context (``Tool(pass_context=True)``; several contexts come as ``{"context_0": ...,
 ...}``), so the REPL code's changes to ``context`` do not affect it. ``load_tools`` resolves
-``{name: "package.module:attribute"}`` import paths into tools.
+``{name: "package.module:attribute"}`` import paths (or ``"path/to/file.py:attribute"``) into tools.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from workers.plugins import load_user_object
 from workers.sandbox.tools import Tool, ToolSpec, as_tools
 
 __all__ = ["load_tools", "search_context"]
@@ -57,17 +57,12 @@ search_context = Tool(_search_context, timeout_s=30.0, pass_context=True)
 
 
 def load_tools(paths: Mapping[str, str]) -> dict[str, ToolSpec]:
-    """``{name: Tool}`` from ``{name: "package.module:attribute"}``; the attribute is a ``Tool`` or a callable
-    (or a JSON value: a ``Constant``).
-    Raises ValueError naming the tool whose path does not resolve."""
+    """``{name: Tool}`` from ``{name: "package.module:attribute"}`` (or ``"path/to/file.py:attribute"``,
+    ``workers.plugins.load_user_object``); the attribute is a ``Tool`` or a callable (or a JSON value: a
+    ``Constant``). Raises ValueError naming the tool whose path does not resolve."""
     out: dict[str, Any] = {}
     for name, path in paths.items():
-        module, _, attr = str(path).partition(":")
-        try:
-            obj = getattr(importlib.import_module(module), attr) if attr else None
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"tool {name!r}: cannot import {path!r}: {exc}") from None
-        if obj is None:
+        if ":" not in str(path) or not str(path).rpartition(":")[2]:
             raise ValueError(f"tool {name!r}: {path!r} is not of the form 'package.module:attribute'")
-        out[name] = obj
+        out[name] = load_user_object(str(path), f"tool {name!r}: cannot import {path!r}")
     return as_tools(out)

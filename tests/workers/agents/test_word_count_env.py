@@ -4,7 +4,9 @@ worker's ``generate_sequences`` on a real worker group (scripted policy), the re
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +14,10 @@ import ray
 
 from controller import RayClassWithInitArgs, RayWorkerGroup
 from dataproto import DataProto
+from recipes.config import load_config
 from resource_pools import ResourcePool
 from workers.agents.env_worker import EnvWorker
+from workers.agents.examples import word_count
 from workers.agents.examples.word_count import WordCountEnvConfig, WordCountLoop
 from workers.agents.loop import AgentLoop, agent_loop_class, register_agent_loop
 from workers.agents.replay import reference_batch
@@ -37,7 +41,8 @@ class Script:
         return scripted_generate(tokenizer, ReplayScript(TURNS))
 
 
-def test_word_count_env_on_a_worker_group(ray_session):
+def _generate_on_a_worker_group(env) -> DataProto:
+    """The two scripted questions, two samples each, through an ``EnvWorker`` group of the environment ``env``."""
     pool = ResourcePool([1], name="test_word_count_pool")
     wg = RayWorkerGroup(
         pool,
@@ -45,7 +50,7 @@ def test_word_count_env_on_a_worker_group(ray_session):
             EnvWorker,
             model=ModelConfig(path=ensure_tiny_model("nano")),
             rollout=RolloutConfig(n=1, prompt_length=128, response_length=64),
-            env=WordCountEnvConfig(),
+            env=env,
             policy_factory=Script(),
         ),
         name_prefix="word_count",
@@ -62,11 +67,15 @@ def test_word_count_env_on_a_worker_group(ray_session):
             }
         )
         data.meta_info.update(n=2, seed=3)
-        out = wg.generate_sequences(data)
+        return wg.generate_sequences(data)
     finally:
         wg.close_env()
         wg.shutdown()
         pool.remove()
+
+
+def test_word_count_env_on_a_worker_group(ray_session):
+    out = _generate_on_a_worker_group(WordCountEnvConfig())
     nt, b = out.non_tensor_batch, out.batch
     assert list(nt["uid"]) == ["a", "a", "b", "b"] and list(nt["tag"]) == [7, 7, 8, 8]  # input columns copied
     assert list(nt["answer"]) == ["3", "3", "1", "1"] and set(nt["status"]) == {"finished"}
@@ -77,6 +86,28 @@ def test_word_count_env_on_a_worker_group(ray_session):
     assert mask[0] == 1 and 0 in mask[: int(b["attention_mask"][0, 128:].sum())].tolist()
     m = out.meta_info["metrics"]
     assert m["wc/finished_frac"] == 1.0 and m["wc/calls/mean"] == 0.5 and "timing_s/gen" in m
+
+
+def test_a_users_env_file_runs_on_a_worker_group(ray_session, tmp_path, monkeypatch):
+    """``env.loop=envs/my_count.py:MyCountLoop``: a user's copy of the example in a folder on no ``sys.path``
+    (neither the driver's nor the Ray workers', which started elsewhere), named by a path relative to the current
+    directory. The recipe config check imports it (its ``@dataclass`` config under ``from __future__ import
+    annotations``) and makes the path absolute; the env worker imports it by that path, and the config object of
+    the file's class reaches the worker by value."""
+    source = Path(word_count.__file__).read_text().replace("WordCount", "MyCount")
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "my_count.py").write_text(source.replace('"count_calls"', '"my_count_calls"'))
+    monkeypatch.chdir(tmp_path)
+    env = load_config("rlm", ["env.loop=envs/my_count.py:MyCountLoop", "env.agent.max_turns=2"]).env
+    assert (
+        env.loop == f"{tmp_path / 'envs' / 'my_count.py'}:MyCountLoop"
+        and type(env).__name__ == "MyCountEnvConfig"
+    )
+    out = _generate_on_a_worker_group(env)
+    nt = out.non_tensor_batch
+    assert list(nt["answer"]) == ["3", "3", "1", "1"] and set(nt["status"]) == {"finished"}
+    calls = [json.loads(t)["metadata"]["my_count_calls"] for t in nt["trajectory"]]  # the file's own loop ran
+    assert calls == [1, 1, 0, 0]
 
 
 def test_word_count_reference_replay():
