@@ -140,10 +140,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--context-chars", type=int, default=1_000_000)
+    parser.add_argument(
+        "--memory-cgroup",
+        action="store_true",
+        help="each REPL in a memory cgroup (SandboxConfig.memory_cgroup)",
+    )
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    sb = ReplSandbox(SandboxConfig(isolation=args.isolation))
+    sb = ReplSandbox(SandboxConfig(isolation=args.isolation, memory_cgroup=args.memory_cgroup))
     zygote_start_s = time.perf_counter() - t0
     try:
         report = sb.isolation_report()
@@ -184,6 +189,7 @@ def main() -> None:
             "benchmark": "REPL sandbox creation, per-block overhead, concurrent throughput",
             "isolation": report["mode"],
             "uid_separation": report["uid_separation"],
+            "memory_cgroup": report["memory"],
             "zygote_start_s": zygote_start_s,
             "creation": creation,
             "creation_with_context": {"context_chars": args.context_chars, **creation_big},

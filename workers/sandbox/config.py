@@ -56,6 +56,8 @@ class SandboxConfig:
     memory_cgroup: also put each REPL in a memory cgroup of its own limited to ``memory_mb`` (all its
         processes and its files in the scratch tmpfs together), where the host may create one
         (``workers/sandbox/memory_cgroup.py``); ``isolation_report()["memory"]`` says whether it is in force.
+        Off by default: entering a cgroup waits for an RCU grace period, about 10 ms more per REPL
+        creation (twice today's ~12 ms; ``python -m benchmarks.bench_repl --memory-cgroup``).
     show_vars: list the user variables (name, type) after each block.
     isolation: "bwrap" (require bubblewrap), "rlimits" (namespaces set up by the zygote itself where
         permitted, plus rlimits), or "auto" (bubblewrap when it works here, else "rlimits").
@@ -73,7 +75,7 @@ class SandboxConfig:
     max_open_files: int = 256
     max_answer_chars: int = 1_000_000
     max_message_mb: int = 16
-    memory_cgroup: bool = True  # a memory cgroup per REPL of memory_mb, where this machine allows it
+    memory_cgroup: bool = False  # a memory cgroup per REPL of memory_mb, where this machine allows it
     echo_last_expr: bool = False  # print repr() of a block's trailing expression, like a notebook
     subcall_timeout_s: float = 600.0
     scratch_mb: int = 1024  # size of the tmpfs that holds all scratch dirs of one sandbox

@@ -83,19 +83,23 @@ HOARD_FILES = (
 
 
 def test_files_in_memory_count_against_the_repls_memory(sandbox):
-    """tmpfs files are memory RLIMIT_AS does not see. With a memory cgroup per REPL (where the host may
-    create one; the report says which) a REPL writing files dies by the OOM killer at memory_mb
-    (256 MB), and a concurrent REPL keeps its state."""
-    memory = sandbox.isolation_report()["memory"]
-    if "a memory cgroup per REPL" not in memory:
-        pytest.skip(f"no memory cgroups on this machine: {memory}")
-    with sandbox.create() as calm, sandbox.create() as hoarder:
-        calm.execute("state = 'mine'")
-        res = hoarder.execute(HOARD_FILES, timeout_s=60)
-        assert res.killed and "out-of-memory killer" in res.error, (res.stdout, res.error)
-        kept = hoarder.execute("import os\nprint(sum(os.path.getsize(f) for f in os.listdir('.')) >> 20)")
-        assert int(kept.stdout) < 256  # the files written before the kill (kept for the restarted REPL)
-        assert calm.execute("print(state)").stdout == "mine\n"
+    """tmpfs files are memory RLIMIT_AS does not see. With a memory cgroup per REPL (opt-in, where the
+    host may create one; the report says which) a REPL writing files dies by the OOM killer at
+    memory_mb (256 MB), and a concurrent REPL keeps its state."""
+    accounted = _open(sandbox.mode, memory_cgroup=True)
+    try:
+        memory = accounted.isolation_report()["memory"]
+        if "a memory cgroup per REPL" not in memory:
+            pytest.skip(f"no memory cgroups on this machine: {memory}")
+        with accounted.create() as calm, accounted.create() as hoarder:
+            calm.execute("state = 'mine'")
+            res = hoarder.execute(HOARD_FILES, timeout_s=60)
+            assert res.killed and "out-of-memory killer" in res.error, (res.stdout, res.error)
+            kept = hoarder.execute("import os\nprint(sum(os.path.getsize(f) for f in os.listdir('.')) >> 20)")
+            assert int(kept.stdout) < 256  # the files written before the kill (kept for the restarted REPL)
+            assert calm.execute("print(state)").stdout == "mine\n"
+    finally:
+        accounted.close()
 
 
 def test_without_a_memory_cgroup_files_are_capped_by_the_scratch_tmpfs(sandbox):
