@@ -136,12 +136,14 @@ def load_config(
     merged = schema_config(schema_cls)
     if "env" in merged:
         _env_section(merged, recipe, schema_cls, file_cfg, cli, str(path))
+    _one_item_lists(file_cfg, merged)
     try:
         merged = OmegaConf.merge(merged, file_cfg)
     except OmegaConfBaseException as err:
         raise _explain(err, str(path), merged) from None
     if _switches_task(merged, cli):  # the file's knobs belong to the file's task
         merged.task.knobs = {}
+    _one_item_lists(cli, merged)
     try:
         merged = OmegaConf.merge(merged, cli)
     except OmegaConfBaseException as err:
@@ -165,6 +167,25 @@ def _absolute_file_references(node: DictConfig | ListConfig) -> None:
             resolved = absolute_reference(value)
             if resolved != value:
                 node[key] = resolved
+
+
+def _one_item_lists(source: DictConfig, schema: DictConfig) -> None:
+    """A string in ``source`` where ``schema`` has a list of strings becomes a one-item list, so that
+    ``data.train_files=/tmp/x.parquet`` (or ``train_files: x.parquet`` in a YAML file) means ``[/tmp/x.parquet]``.
+    Interpolations and lists of other types are left to the merge (which names a wrong type)."""
+    for key in list(source.keys()):
+        if not isinstance(key, str) or key not in schema:
+            continue  # an unknown key: the merge names it
+        target, value = schema._get_node(key), source._get_node(key)
+        if isinstance(target, DictConfig) and isinstance(value, DictConfig):
+            _one_item_lists(value, target)
+        elif (
+            isinstance(target, ListConfig)
+            and target._metadata.element_type is str
+            and not OmegaConf.is_interpolation(source, key)
+            and isinstance(source[key], str)
+        ):
+            source[key] = [source[key]]
 
 
 def _env_section(

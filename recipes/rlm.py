@@ -28,6 +28,7 @@ start).
 
 from __future__ import annotations
 
+import re
 import time
 
 from recipes import grpo, grpo_async
@@ -42,6 +43,7 @@ from recipes.trainer import (
     warm_start,
 )
 from recipes.trainer.roles import env_generator
+from workers.agents.loop import AgentEnvConfig
 from workers.agents.replay import reference_batch
 
 
@@ -51,6 +53,18 @@ def train(cfg: RLMConfig, run: Run, recipe: str = "rlm") -> dict:
     return trainer.train(cfg, run, recipe, **env_generator(cfg, run, cfg.env))
 
 
+def success_label(env: AgentEnvConfig) -> str:
+    """What the final line measured: the share of held-out problems the environment's greedy trajectories solved
+    (``val/accuracy``), named by the environment's config class: "RLM success rate", "word-count success rate";
+    an ``env.loop: mixed`` run names its environments (each has its own ``val-env/<name>/accuracy``)."""
+    names = [n for n in env.env_names() if n]
+    if len(names) > 1:
+        return f"success rate over the environments {', '.join(names)}"
+    kind = type(env).__name__.removesuffix("EnvConfig") or env.loop
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", kind).split()
+    return "-".join(w if w.isupper() else w.lower() for w in words) + " success rate"
+
+
 def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     cfg = parse_args("rlm", argv)
@@ -58,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[rlm] run dir {run.dir}; model {run.model_path}; data {run.train_files[0]}")
     run.model_path = warm_start(cfg, run, replayed(reference_batch, "reference trajectories"))
     result = train(cfg, run)
-    summary = report_result(result, t0, "RLM success rate", run.dir)  # README's figures: its result.json
+    summary = report_result(result, t0, success_label(cfg.env), run.dir)  # README's figures: its result.json
     return {**result, **summary}
 
 

@@ -27,6 +27,7 @@ from resource_pools.plans import PLACEMENTS
 from workers.config import CriticConfig, ModelConfig
 from workers.engine.base import OptimConfig
 from workers.models.chat_templates import CHAT_TEMPLATES
+from workers.models.hub import model_path_problem
 from workers.models.tiny import TINY_MODEL_SIZES
 from workers.reward import load_custom_scorer
 from workers.rollout.registry import rollout_engine_class
@@ -36,6 +37,11 @@ if TYPE_CHECKING:  # the schemas are made of these sections
 
 LOGGERS = ("console", "tensorboard", "wandb")
 OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")  # algorithm.old_log_prob
+DATA_LAYOUT = (  # the columns recipes.data reads from a parquet row (verl's layout)
+    "prompt: the chat messages [{'role': 'user', 'content': ...}] (another column by data.prompt_key), "
+    "data_source: the task, which names its reward scorer (workers/reward), reward_model: {'ground_truth': ...}, "
+    "and optionally ability and extra_info (a dict); `python -m recipes.tasks.make` writes such files"
+)
 
 
 @dataclass
@@ -85,8 +91,29 @@ class DataConfig:
             missing = [f for f in getattr(self, key) if not os.path.isfile(os.path.expanduser(f))]
             if missing:
                 errors.append(f"data.{key}: no such file(s) {missing}")
+            for f in getattr(self, key):
+                if f not in missing and (problem := self.columns_problem(os.path.expanduser(f))):
+                    errors.append(f"data.{key}: {f} {problem}")
         if self.unknown_data_source not in ("error", "skip"):
             errors.append(f"data.unknown_data_source must be error or skip, got {self.unknown_data_source!r}")
+
+    def columns_problem(self, path: str) -> str | None:
+        """Why the parquet file ``path`` lacks the columns every row needs (its schema only is read), or None."""
+        import pyarrow.parquet as pq
+
+        try:
+            names = pq.read_schema(path).names
+        except Exception as err:  # pyarrow.ArrowInvalid and the like: not a parquet file, or a damaged one
+            return f"is not a parquet file ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        need = {self.prompt_key: f"{self.prompt_key!r} (data.prompt_key)", "data_source": "'data_source'"}
+        need["reward_model"] = "'reward_model'"
+        missing = [shown for column, shown in need.items() if column not in names]
+        if not missing:
+            return None
+        return (
+            f"has no column {', '.join(missing)} (its columns: {sorted(names)}); each row of a recipe's data holds "
+            f"{DATA_LAYOUT}"
+        )
 
 
 @dataclass
@@ -129,8 +156,9 @@ class RecipeModelConfig(ModelConfig):
     tiny_chat_template: str = "chatml"
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
-        if self.path is not None and not os.path.exists(os.path.expanduser(self.path)):
-            errors.append(f"model.path={self.path!r} does not exist")
+        # a local model folder, or a Hugging Face Hub id (in the Hub's cache, or fetched when the run starts)
+        if self.path is not None and (problem := model_path_problem(self.path, "model.path")):
+            errors.append(problem)
         if self.path is None and self.tiny_size not in TINY_MODEL_SIZES:
             errors.append(f"model.tiny_size={self.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
         if self.path is None and self.tiny_chat_template not in CHAT_TEMPLATES:
@@ -145,8 +173,10 @@ class RecipeCriticConfig(CriticConfig):
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
         """Checked only when the estimator trains a critic (``gae``), but for ``model_path``."""
-        if self.model_path is not None and not os.path.exists(os.path.expanduser(self.model_path)):
-            errors.append(f"critic.model_path={self.model_path!r} does not exist")
+        if self.model_path is not None and (
+            problem := model_path_problem(self.model_path, "critic.model_path", need_tokenizer=False)
+        ):
+            errors.append(problem)  # the critic reads the policy's tokens: its folder needs no tokenizer
         if not uses_critic(cfg):
             return
         worlds = _device_worlds(cfg)

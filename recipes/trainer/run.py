@@ -37,6 +37,7 @@ from recipes.tasks import make_dataset
 from workers.config import ModelConfig
 from workers.engine.checkpoint import CheckpointError
 from workers.models import load_tokenizer
+from workers.models.hub import ModelPathError, resolve_model_path
 from workers.models.tiny import ensure_tiny_model
 
 logger = logging.getLogger("recipes")
@@ -110,11 +111,13 @@ def resolve_device(cfg: RecipeConfig) -> bool:
 
 
 def resolve_model(cfg: RecipeConfig) -> str:
-    """model.path, or the cached tiny model (built on first use) when it is null."""
+    """model.path as a local folder (a Hugging Face Hub id: its snapshot in the Hub's cache, downloaded there once),
+    or the cached tiny model (built on first use) when it is null."""
     if cfg.model.path is not None:
-        if not Path(cfg.model.path).expanduser().exists():
-            raise ConfigError(f"model.path={cfg.model.path!r} does not exist")
-        return str(Path(cfg.model.path).expanduser())
+        try:
+            return resolve_model_path(cfg.model.path, "model.path")
+        except ModelPathError as err:
+            raise ConfigError(str(err)) from None
     return ensure_tiny_model(
         cfg.model.tiny_size, seed=cfg.model.tiny_seed, chat_template=cfg.model.tiny_chat_template
     )
@@ -222,6 +225,11 @@ def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_config(cfg, run_dir)
     model_path = resolve_model(cfg)
+    if cfg.critic.model_path is not None:  # a Hub id: the critic's workers load the cached snapshot
+        try:
+            cfg.critic.model_path = resolve_model_path(cfg.critic.model_path, "critic.model_path", False)
+        except ModelPathError as err:
+            raise ConfigError(str(err)) from None
     train_files, val_files = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if start_ray:

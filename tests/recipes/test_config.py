@@ -12,6 +12,7 @@ from recipes.sections import AlgorithmConfig, check_actor, data_parallel_sizes, 
 from recipes.trainer.run import parse_args, start_run
 from workers.config import ActorConfig, RolloutConfig
 from workers.engine.base import OptimConfig
+from workers.models.tiny import ensure_tiny_model
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "ppo", "grpo_async", "quickstart"])
@@ -29,9 +30,10 @@ def test_recipe_yaml_loads_into_the_dataclasses(recipe):
     # every recipe warm-starts the tiny model, whose weights are random; the quickstart always does; a model
     # given by path is trained as it is unless sft.enable=true says otherwise
     assert cfg.sft.runs(cfg)
-    given = load_config(recipe, ["model.path=/"])
+    model = ensure_tiny_model("nano")  # a model folder given by path
+    given = load_config(recipe, [f"model.path={model}"])
     assert given.sft.runs(given) == (recipe == "quickstart")
-    forced = load_config(recipe, ["model.path=/", "sft.enable=true"])
+    forced = load_config(recipe, [f"model.path={model}", "sft.enable=true"])
     assert forced.sft.runs(forced)
 
 

@@ -453,6 +453,7 @@ def test_config_checks_name_keys(tmp_path):
     # hybrid.teacher_path: a model directory sharing the policy's tokenizer, loaded by the reference role
     for name, vocab in (("policy", 100), ("teacher", 100), ("other", 200)):
         tiny_config("nano", vocab_size=vocab).save_pretrained(tmp_path / name)
+    (tmp_path / "policy" / "tokenizer.json").write_text("{}")  # model.path is checked to be a model folder
     teach = [f"model.path={tmp_path / 'policy'}", f"hybrid.teacher_path={tmp_path / 'teacher'}"]
     validate(load_config("hybrid_rl", teach))
     bad_teacher = {
