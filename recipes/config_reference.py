@@ -4,9 +4,10 @@
     python -m recipes.config_reference --check    # exit 1 when docs/config.md is not what the code says
 
 Every key of every recipe's schema (``recipes.schemas.SCHEMAS``): its type, its dataclass default, what it does
-(the comment beside the field in the source, or the comment lines just above it). A recipe's YAML may set another value (``python -m recipes.<name> --print-config``
-prints the resolved config). ``env`` is shown with each recipe's default environment; another ``env.loop`` brings
-its own ``config_class``.
+(the comment beside the field in the source, or the comment lines just above it). A recipe's YAML may set another
+value (``python -m recipes.<name> --print-config`` prints the resolved config). ``env`` is shown with each recipe's
+default environment and with every other environment a YAML file beside the recipes picks (``env.loop``: its own
+``config_class``); an ``env.loop: mixed`` file's ``env.envs.<name>`` entries are listed key by key.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import html
 import inspect
 import io
+import re
 import sys
 import tokenize
 from functools import cache
 from pathlib import Path
+from typing import get_args
 
 from recipes.schemas import SCHEMAS
 
@@ -81,11 +85,39 @@ def _default(f: dataclasses.Field) -> object:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Prose in a table cell: its pipes escaped, and outside its code spans ``<`` as an entity (``<dir>`` would
+    be read as an HTML tag and vanish; ``<= 0`` stays as it is)."""
+    parts = text.replace("\n", " ").split("`")
+    parts[::2] = [re.sub(r"<(?=[A-Za-z/!?])", "&lt;", p) for p in parts[::2]]
+    return "`".join(parts).replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    """``text`` as inline code in a table cell. A pipe in a code span cannot be escaped with a backslash for every
+    renderer (MkDocs shows the backslash), so such a cell is HTML with the pipe as an entity."""
+    text = text.replace("\n", " ")
+    if "|" not in text:
+        return f"`{text}`"
+    return f"<code>{html.escape(text, quote=False).replace('|', '&#124;')}</code>"
+
+
+def _type_name(t: object) -> str:
+    """A field's annotation as written (a class by its name: ``float``, not ``<class 'float'>``)."""
+    return t.__name__ if isinstance(t, type) and not get_args(t) else str(t)
+
+
+def _is_sections(value: object) -> bool:
+    """A dict of config sections (``env.envs`` of ``env.loop: mixed``): name -> dataclass."""
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(dataclasses.is_dataclass(v) and not isinstance(v, type) for v in value.values())
+    )
 
 
 def section_rows(cls: type, prefix: str, value: object | None = None) -> list[str]:
-    """Table rows of every key under ``prefix`` (nested sections flattened as ``a.b.c``)."""
+    """Table rows of every key under ``prefix`` (nested sections flattened as ``a.b.c``; a dict of sections as
+    ``a.<name>.c`` for each entry of ``value``'s)."""
     rows = []
     instance = value if value is not None else cls()
     for f in dataclasses.fields(cls):
@@ -96,9 +128,48 @@ def section_rows(cls: type, prefix: str, value: object | None = None) -> list[st
         if dataclasses.is_dataclass(default) and not isinstance(default, type):
             rows += section_rows(type(default), key, default)
             continue
-        shown = "(required)" if default is dataclasses.MISSING else f"`{default!r}`"
-        rows.append(f"| `{key}` | `{_cell(str(f.type))}` | {_cell(shown)} | {_cell(_comment(cls, f.name))} |")
+        entries = default if _is_sections(default) else {}
+        if entries:  # the field's own default (an empty dict), then each entry's keys
+            default = _default(f)
+        shown = "(required)" if default is dataclasses.MISSING else _code(repr(default))
+        rows.append(f"| `{key}` | {_code(_type_name(f.type))} | {shown} | {_cell(_comment(cls, f.name))} |")
+        for name, entry in entries.items():
+            rows += section_rows(type(entry), f"{key}.{name}", entry)
     return rows
+
+
+def recipe_yamls() -> list[tuple[str, Path]]:
+    """``(recipe, file)`` for every YAML file beside the recipes: ``<recipe>.yaml`` or ``<recipe>_<variant>.yaml``
+    (the longest recipe name that prefixes the file's)."""
+    out = []
+    for path in sorted(OUT.parents[1].joinpath("recipes").glob("*.yaml")):
+        names = [r for r in SCHEMAS if path.stem == r or path.stem.startswith(r + "_")]
+        if names:
+            out.append((max(names, key=len), path))
+    return out
+
+
+def yaml_env_sections() -> dict[type, tuple[str, object]]:
+    """The ``env`` classes that a recipe's YAML file picks (``env.loop``) beyond the schemas' defaults: class ->
+    (where: recipe and file, an instance with the class's defaults and, for ``env.loop: mixed``, the file's
+    entries of ``env.envs`` at their own classes' defaults)."""
+    from recipes.config import load_config  # the YAML files as the recipes read them
+
+    defaults = {type(_default(f)) for schema in SCHEMAS.values() for f in dataclasses.fields(schema)}
+    out: dict[type, tuple[str, object]] = {}
+    for recipe, path in recipe_yamls():
+        env = getattr(load_config(recipe, config_path=path, check=False), "env", None)
+        cls = type(env)
+        if env is None or cls in defaults or cls in out:
+            continue
+        sections = {
+            f.name: getattr(env, f.name)
+            for f in dataclasses.fields(cls)
+            if _is_sections(getattr(env, f.name))
+        }
+        instance = cls(**{n: {k: type(v)() for k, v in d.items()} for n, d in sections.items()})
+        out[cls] = (f"{recipe} (`recipes/{path.name}`)", instance)
+    return out
 
 
 def render() -> str:
@@ -108,6 +179,9 @@ def render() -> str:
         for f in dataclasses.fields(schema):
             section = _default(f)
             seen.setdefault((f.name, type(section)), []).append(recipe)
+    examples = yaml_env_sections()
+    for cls, (where, _) in examples.items():
+        seen[("env", cls)] = [where]
     parts.append("| section | class | recipes |\n|---|---|---|")
     for (name, cls), recipes in seen.items():
         where = "all" if len(recipes) == len(SCHEMAS) else ", ".join(recipes)
@@ -121,9 +195,24 @@ def render() -> str:
             if cls.__doc__ and not cls.__doc__.startswith(cls.__name__)
             else ""
         )
+        example = examples.get(cls) if name == "env" else None
+        if example is not None:
+            where = f"recipe {recipes[0]}, with `env.loop: {getattr(example[1], 'loop', '?')}`"
         parts.append(f"\n## `{name}` ({cls.__name__})\n\nIn {where}. {doc}".rstrip())
+        entries = [
+            (f"{f.name}.{k}", type(v).__name__)
+            for f in dataclasses.fields(cls)
+            if example is not None and _is_sections(getattr(example[1], f.name))
+            for k, v in getattr(example[1], f.name).items()
+        ]
+        if entries:
+            listed = ", ".join(f"`{name}.{k}` ({c})" for k, c in entries)
+            parts.append(
+                f"\nThat file's environments are listed key by key: {listed}; an entry of another name takes the "
+                "keys of the config class of the loop it names."
+            )
         parts.append("\n| key | type | default | what it does |\n|---|---|---|---|")
-        parts += section_rows(cls, name)
+        parts += section_rows(cls, name, example[1] if example is not None else None)
     return "\n".join(parts) + "\n"
 
 

@@ -85,6 +85,15 @@ def test_api_reference_comes_from_the_docstrings(site):
     assert RLM.__doc__.strip().split("\n")[0] in text  # "A Recursive Language Model for inference. ..."
 
 
+def test_config_reference_shows_types_and_placeholders_as_written(site):
+    """docs/config.md's table cells as the site shows them: a type with a pipe has no backslash before it
+    (``bool | None``; a backslash-escaped pipe inside a code span shows the backslash), and a placeholder in a
+    description (``<python>``, ``<dir>``) is text, not an HTML tag that vanishes."""
+    text = html.unescape(re.sub(r"<[^>]+>", " ", page(site, "config.md")))
+    assert "bool | None" in text and "\\|" not in text
+    assert "<python>code</python>" in text and "<dir>/env_rank<r>.jsonl" in text
+
+
 def test_paths_in_code_blocks_stay_text():
     spec = importlib.util.spec_from_file_location("root_pages", ROOT / "docs" / "hooks" / "root_pages.py")
     if importlib.util.find_spec("mkdocs") is None:
