@@ -221,15 +221,17 @@ def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
     use_gpu = resolve_device(cfg)
     if start_ray and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
         check_local_capacity(cfg, use_gpu)  # before anything is written or started
-    run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_run_config(cfg, run_dir)
-    model_path = resolve_model(cfg)
-    if cfg.critic.model_path is not None:  # a Hub id: the critic's workers load the cached snapshot
+    model_path = resolve_model(cfg)  # a Hub id is fetched (or refused) before anything is written
+    critic_path = cfg.critic.model_path
+    if critic_path is not None:  # a Hub id: the critic's workers load the cached snapshot
         try:
-            cfg.critic.model_path = resolve_model_path(cfg.critic.model_path, "critic.model_path", False)
+            critic_path = resolve_model_path(critic_path, "critic.model_path", need_tokenizer=False)
         except ModelPathError as err:
             raise ConfigError(str(err)) from None
+    run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_run_config(cfg, run_dir)  # model.path and critic.model_path as given (a Hub id stays an id)
+    cfg.critic.model_path = critic_path
     train_files, val_files = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if start_ray:

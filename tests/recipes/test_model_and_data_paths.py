@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recipes.config import ConfigError, load_config
-from recipes.trainer.run import parse_args, resolve_model
+from recipes.trainer.run import parse_args, resolve_model, start_run
 from workers.models import load_tokenizer
 from workers.models.tiny import default_tiny_dir, ensure_tiny_model
 
@@ -61,6 +61,15 @@ def test_hub_id_resolves_through_the_hub_cache_offline(offline_hub, capsys):
     assert "HF_HUB_OFFLINE" in err
     assert "fetch it with `hf download Qwen/Qwen2.5-0.5B-Instruct`" in err
     assert "or set model.path to a local model folder" in err
+    # a run whose config was not checked (the model may have left the cache since): refused before anything
+    # is written, not by the tokenizer's traceback
+    run_dir = offline_hub.parent / "run"
+    cfg = load_config(
+        "grpo", ["model.path=Qwen/Qwen2.5-0.5B-Instruct", f"trainer.default_local_dir={run_dir}"], check=False
+    )
+    with pytest.raises(ConfigError, match="fetch it with `hf download Qwen/Qwen2.5-0.5B-Instruct`"):
+        start_run(cfg, "grpo", start_ray=False)
+    assert not run_dir.exists()
     # the same for the critic's own model
     err = _cli_error(capsys, ["critic.model_path=Qwen/Qwen2.5-0.5B-Instruct"], recipe="ppo")
     assert "critic.model_path='Qwen/Qwen2.5-0.5B-Instruct' is not a local folder" in err
@@ -83,6 +92,9 @@ def test_a_folder_that_is_not_a_model_is_named_before_ray(tmp_path, capsys):
     err = _cli_error(capsys, [f"model.path={folder}"])
     assert f"model.path='{folder}' is not a model folder: it has no tokenizer files" in err
     assert "config.json" not in err.split("holds")[0].split("it has no")[1]
+    # a tiktoken vocabulary is a tokenizer file too
+    (folder / "qwen.tiktoken").write_text("")
+    assert parse_args("grpo", [f"model.path={folder}"]).model.path == str(folder)
     # a file is not a folder
     err = _cli_error(capsys, [f"model.path={folder / 'notes.txt'}"])
     assert f"model.path='{folder / 'notes.txt'}' is a file, not a model folder" in err

@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-# the tokenizer files of a Hugging Face checkpoint: any one of them lets AutoTokenizer find its tokenizer
+# the tokenizer files of a Hugging Face checkpoint (or a *.tiktoken file): any one lets AutoTokenizer find one
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -75,7 +75,9 @@ def model_folder_problem(folder: Path, key: str, need_tokenizer: bool = True) ->
     missing = []
     if not (folder / "config.json").is_file():
         missing.append("config.json")
-    if need_tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+    if need_tokenizer and not (
+        any((folder / f).is_file() for f in TOKENIZER_FILES) or any(folder.glob("*.tiktoken"))
+    ):
         missing.append("tokenizer files")
     if not missing:
         return None
