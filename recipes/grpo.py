@@ -63,9 +63,9 @@ def rl_step(s: Session, batch: DataProto, metrics: dict, timings: dict) -> DataP
         with timer("update_critic", timings):
             metrics |= metrics_of(roles.critic.update_critic(batch))
     # 5. policy update (clipped surrogate + KL loss) once a critic has warmed up, then the new weights to the
-    #    rollout engine
+    #    rollout engine as policy version = step (its tokens record it: rollout_versions)
     if s.state.step > cfg.trainer.critic_warmup:
-        metrics |= update_actor(roles, batch, timings, sync_weights=True)
+        metrics |= update_actor(roles, batch, timings, sync_weights=True, version=s.state.step)
     return batch
 
 

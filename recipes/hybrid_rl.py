@@ -92,7 +92,7 @@ def hybrid_step(
         else:
             metrics |= compute_advantage(batch, cfg.algorithm, s.kl_ctrl)
     # 6. PPO update, then the new weights to the rollout engine
-    metrics |= update_actor(roles, batch, timings, sync_weights=True)
+    metrics |= update_actor(roles, batch, timings, sync_weights=True, version=s.state.step)
     return batch
 
 

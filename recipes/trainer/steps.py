@@ -91,6 +91,8 @@ def update_actor(
     ``sync_weights``: then the new weights to the rollout engines as policy ``version`` (timed as
     ``update_weights``); an in-process sync is sent right behind the update (``WeightSync.submit``), so the
     trainer ranks start it without a controller round trip."""
+    if sync_weights and version is None:  # the engines would go on tagging tokens with the previous version
+        raise ValueError("update_actor(sync_weights=True) needs the policy version the new weights are")
     with timer("update_actor", timings):
         update = roles.actor.update_actor.with_options(blocking=False)(batch)
         chained = roles.weight_sync.submit(version) if sync_weights else None

@@ -56,8 +56,13 @@ def test_grpo_trains_on_an_engine_named_by_module_path(ray_session, tmp_path, pl
             *PLACEMENT[placement],
         ],
     )
-    history = grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))["history"]
+    result = grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    history = result["history"]
     assert [r["step"] for r in history] == [1, 2, 3]
+    # every token records the policy version that sampled it (dataproto/BATCH_LAYOUT.md): step 3 samples from
+    # the weights of step 2's update, version 2, synced after it through update_weights(version=)
+    last = result["last_batch"]
+    assert set(last.batch["rollout_versions"][last.batch["response_mask"] > 0].tolist()) == {2}
     for row in history:
         assert "rollout/decode_steps" not in row  # the native engine's counter: it did not generate
         assert row["response_length/mean"] > 0 and row["perf/weight_sync_bytes"] > 0

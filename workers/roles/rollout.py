@@ -370,17 +370,17 @@ class RolloutWorker(WeightSyncMember, Worker):
                     staged = []
                     stats = group.receive(lambda named: staged.extend((n, t.clone()) for n, t in named))
                     load_weights(engine, on_engine_device(engine, staged), adapter=adapter, version=version)
-                else:
+                else:  # every bucket's call carries the version (nothing generates until the stream ends)
                     stats = group.receive(
                         lambda named: engine.update_weights(
-                            on_engine_device(engine, named), flush_cache=False
+                            on_engine_device(engine, named), version=version, flush_cache=False
                         )
                     )
+                    if not stats["buckets"] and version is not None:  # no weights: the version alone
+                        engine.update_weights((), version=version, flush_cache=False)
                 t_swap = time.perf_counter()
                 if stats["buckets"]:
                     engine.flush_cache()
-                if version is not None:
-                    engine.weight_version = int(version)
                 swap_s = stats["apply_s"] + time.perf_counter() - t_swap
         return self._counted_sync(
             stream_metrics(stats, time.perf_counter() - t0)

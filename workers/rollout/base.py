@@ -43,7 +43,9 @@ class RolloutEngine(ABC):
     swaps_weights_mid_generation: ClassVar[bool] = False
     accepts_tp_group: ClassVar[bool] = False
     loads_adapters: ClassVar[bool] = False
-    weight_version: int = 0  # the policy version (trainer updates) of the loaded weights; tokens record it
+    # the policy version (the trainer's step) of the loaded weights; tokens record it. Callers only read it (it may
+    # be a read-only property): the engine's own update_weights / load_adapter set it from their ``version``
+    weight_version: int = 0
 
     @classmethod
     @abstractmethod

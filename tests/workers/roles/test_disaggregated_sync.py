@@ -20,6 +20,7 @@ from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import OptimConfig
 from workers.roles.actor import ActorWorker
 from workers.roles.rollout import RolloutWorker
+from workers.rollout.base import RolloutEngine
 from workers.weight_sync import WeightSync, iter_buckets
 
 P, R = 8, 10
@@ -173,3 +174,82 @@ def test_receive_without_group_names_role_and_rank(setup):
         match=r"RolloutWorker rank [01]/2: receive_weights before init_weight_sync",  # first to fail wins
     ):
         setup["rollout"].receive_weights(group_name="no_such_group")
+
+
+class ReadOnlyVersionEngine(RolloutEngine):
+    """A rollout engine written from the contract (docs/rollout_engines.md) alone, whose ``weight_version`` is a
+    read-only property: only its own ``update_weights`` changes it, as the contract documents. It keeps the
+    tensors it is given; the methods a weight sync does not call are not implemented."""
+
+    def __init__(self):
+        self._version = 0
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.flushes = 0
+
+    @classmethod
+    def from_config(cls, model, rollout, tokenizer, *, rank=0, tp_group=None):
+        return cls()
+
+    @property
+    def weight_version(self) -> int:  # type: ignore[override]
+        return self._version
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def update_weights(self, named_tensors, *, version=None, flush_cache=True, abort_running=False):
+        self.loaded.update((n, t.clone()) for n, t in named_tensors)
+        if version is not None:
+            self._version = int(version)
+        if flush_cache:
+            self.flush_cache()
+
+    def flush_cache(self) -> None:
+        self.flushes += 1
+
+    def generate_sequences(self, prompts):
+        raise NotImplementedError
+
+    async def generate(self, prompt_ids, sampling_params=None):
+        raise NotImplementedError
+
+    def release_memory(self, weights=False) -> None:
+        pass
+
+    def resume_memory(self, kv_cache=True) -> None:
+        pass
+
+
+def test_receive_into_an_engine_whose_weight_version_is_read_only(monkeypatch):
+    """The rollout role's receive (a real two-member gloo weight-sync group in this process: the trainer side in
+    a thread) sets the policy version through ``update_weights(version=)``, never by writing the engine's
+    ``weight_version``: an engine that exposes it read-only receives the weights and the version."""
+    import threading
+
+    from workers.weight_sync import WeightSyncGroup, host_store
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # Worker() outside a group would export a port of its own
+    monkeypatch.setenv("MASTER_PORT", "1")
+    worker = RolloutWorker(ModelConfig(path="unused"), ROLLOUT)
+    engine = worker.rollout_engine = ReadOnlyVersionEngine()
+    store, addr, port = host_store(2, timeout_s=30)
+    weights = [("a.weight", torch.arange(6.0).reshape(2, 3)), ("b.bias", torch.ones(5))]
+    sent: dict = {}
+
+    def trainer() -> None:
+        source = WeightSyncGroup(0, 2, store=store, group_name="ro", timeout_s=30)
+        sent.update(source.send(weights, bucket_bytes=32))  # two buckets: each tensor alone
+        source.destroy()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    worker.weight_sync_groups.join("ro", 1, 2, master_addr=addr, master_port=port, timeout_s=30)
+    metrics = worker.receive_weights(group_name="ro", version=3)
+    thread.join(timeout=30)
+    worker.weight_sync_groups.leave("ro")
+    assert sent["buckets"] == metrics["weight_sync/buckets"] == 2
+    assert engine.weight_version == 3
+    assert sorted(engine.loaded) == ["a.weight", "b.bias"]
+    assert all(torch.equal(engine.loaded[n], t) for n, t in weights)
+    assert engine.flushes == 1  # once for the whole stream, not per bucket
