@@ -38,7 +38,7 @@ from recipes.trainer.sources import is_source
 from resource_pools import ResourcePoolManager
 from workers.agents.replay import reference_trajectories, sft_batch
 from workers.agents.trajectory import Trajectory
-from workers.engine.packing import padded_response_log_probs
+from workers.engine.vocab_head import head_computes_log_probs
 from workers.prm.hindsight import bridge_thought
 from workers.prm.worker import PRMWorker
 
@@ -201,10 +201,14 @@ def hinted_demonstrations(rows: Sequence[Mapping], tokenizer, env, *, frac: floa
 def _solution_log_probs(model, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the mean log-prob of the trained (assistant) tokens of the response, and of its first token."""
     b = batch.batch
-    logits = model(
-        input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
-    ).logits
-    lp = padded_response_log_probs(logits, b["responses"])
+    length, r = b["input_ids"].shape[1], b["responses"].shape[1]
+    with head_computes_log_probs(model, b["responses"].reshape(-1)):  # no [rows x tokens x vocab] logits
+        lp = model(
+            input_ids=b["input_ids"],
+            attention_mask=b["attention_mask"],
+            position_ids=b["position_ids"],
+            logits_to_keep=torch.arange(length - r - 1, length - 1),  # the positions predicting the response
+        ).logits[..., 0]
     mask = b["response_mask"].float()
     return (lp * mask).sum(-1) / mask.sum(-1).clamp(min=1), lp[:, 0]
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from workers.device_memory import PeakDeviceMemory
-from workers.models.memory import estimate_colocated_step, kv_bytes, num_params
+from workers.models.memory import chunk_tokens, estimate_colocated_step, kv_bytes, num_params
 from workers.rollout.native import EngineConfig, NativeEngine
 
 
@@ -51,9 +51,17 @@ def test_train_state_is_sixteen_bytes_per_fp32_parameter_sharded_and_stages_add_
                                        micro_batch_response_tokens=32, trainer_offloaded_in_gen=False)  # fmt: skip
     assert resident.gen == one.gen + one.train_state
     assert one.update_actor == one.train_state + one.rollout_weights + one.activations
-    no_entropy = estimate_colocated_step(config, max_num_seqs=4, max_model_len=32, micro_batch_tokens=64,
-                                         micro_batch_response_tokens=32, entropy=False)  # fmt: skip
-    assert one.activations - no_entropy.activations == 2 * 4 * 32 * config.vocab_size
+    # the chunked vocabulary head: three fp32 [chunk, V] buffers (here the 32 response tokens fit one chunk) and
+    # the fp32 gradient of the head, whatever the entropy; the rest grows with the micro-batch's tokens
+    layers = config.num_hidden_layers * (6 * config.hidden_size + 3 * config.intermediate_size)
+    v, h = config.vocab_size, config.hidden_size
+    assert chunk_tokens(v) > 32 and one.activations == 4 * 64 * layers + 3 * 4 * 32 * v + 4 * v * h
+    long = estimate_colocated_step(config, max_num_seqs=4, max_model_len=32, micro_batch_tokens=64 + chunk_tokens(v),
+                                   micro_batch_response_tokens=32 + chunk_tokens(v))  # fmt: skip
+    assert (
+        long.activations - one.activations
+        == 4 * chunk_tokens(v) * layers + 3 * 4 * (chunk_tokens(v) - 32) * v
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")

@@ -38,15 +38,14 @@ from workers.engine.base import EngineConfig, LossFn
 from workers.engine.lora import adapter_named_tensors, add_adapters, base_name, merged_named_tensors
 from workers.engine.optim import build_optimizer
 from workers.engine.packing import (
-    entropy_from_logits,
     group_rows_by_prompt,
-    log_probs_from_logits,
     pack_sequences,
     plan_micro_batches,
     restore_order,
     scatter_response,
 )
 from workers.engine.train_steps import EngineCall, EngineSteps, call_loss_fn, load_module_state, module_state
+from workers.engine.vocab_head import head_computes_log_probs
 from workers.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from workers.models.loading import build_on_meta, can_build_on_meta, is_value_model, load_model
 from workers.models.meta_init import materialize
@@ -288,15 +287,12 @@ class FSDPEngine(EngineSteps):
                 out = self.model(**packed.model_kwargs())
                 values = out.logits[0, :, 0].index_select(0, packed.keep_index).float()
                 return {"values": scatter_response(values, packed.response_valid)}
-            out = self.model(**packed.model_kwargs(), logits_to_keep=packed.keep_index)
-        logits = out.logits[0].float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        result = {
-            "log_probs": scatter_response(log_probs_from_logits(logits, packed.labels), packed.response_valid)
-        }
+            with head_computes_log_probs(self.model, packed.labels, temperature, calculate_entropy):
+                out = self.model(**packed.model_kwargs(), logits_to_keep=packed.keep_index)
+        pair = out.logits[0]  # [n, 2]: log-probs and entropies of the kept (response-predicting) positions
+        result = {"log_probs": scatter_response(pair[:, 0], packed.response_valid)}
         if calculate_entropy:
-            result["entropy"] = scatter_response(entropy_from_logits(logits), packed.response_valid)
+            result["entropy"] = scatter_response(pair[:, 1], packed.response_valid)
         return result
 
     def _dummy_forward(self, template: Mapping[str, torch.Tensor], response_length: int) -> torch.Tensor:

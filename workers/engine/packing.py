@@ -332,13 +332,15 @@ def scatter_response(values: torch.Tensor, response_valid: torch.Tensor) -> torc
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label] in fp32; logits [..., V], labels [...]."""
+    """log softmax(logits)[label] in fp32; logits [..., V], labels [...]. The unfused reference of the tests: the
+    engines compute log-probs with workers/engine/vocab_head.py, never from a whole [tokens x vocab] tensor."""
     logits = logits.float()
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) in fp32: logsumexp(l) - sum(p * l)."""
+    """Entropy of softmax(logits) in fp32: logsumexp(l) - sum(p * l). The tests' reference (and the Megatron
+    engine's, over its gathered logits)."""
     logits = logits.float()
     p = F.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)

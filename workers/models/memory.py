@@ -11,21 +11,21 @@ Terms (bytes; ``P`` parameters, ``W`` FSDP ranks sharing the training state):
     KV cache        max_num_seqs * max_model_len * 2 * layers * kv_heads * head_dim * rollout bytes
                                                        the native engine's static cache, allocated while it
                                                        generates (released between rollouts by default)
-    activations     tokens * layers * (6 H + 3 I) * compute bytes + c * response tokens * V * 4
-                                                       saved inputs of the norms, projections, attention and MLP
-                                                       per token and layer; ``c`` fp32 [tokens, V] buffers at
-                                                       the response positions only (packed forward): logits,
-                                                       log-softmax and their gradient (c = 3), and with the
-                                                       entropy the update computes, its softmax and product
-                                                       (c = 5)
+    activations     tokens * layers * (6 H + 3 I) * compute bytes + 3 * min(response tokens, chunk) * V * 4
+                    + V * H * 4                        saved inputs of the norms, projections, attention and MLP
+                                                       per token and layer; the chunked vocabulary head
+                                                       (workers/engine/vocab_head.py) holds about three fp32
+                                                       [chunk, V] buffers while it recomputes a chunk in
+                                                       backward (``chunk_tokens``: 256 MiB each), and an fp32
+                                                       accumulator of the head's gradient
 
 and per stage: ``gen`` = reference + rollout weights + KV cache + the sampling logits, plus the train state
 unless the colocated trainer is offloaded while the engine generates (the hybrid engine's rollout role does);
 ``update_actor`` = train state + reference + rollout weights + gather + activations of one micro-batch.
 
 Checked on an H200 (Qwen2-0.5B shape, 256 samples of <= 256 tokens, a 16,384-token micro-batch; BENCHMARKS.md,
-the GPU check): gen 4.34 GiB measured against 3.84 estimated, update_actor 73.6 against 71.6 (with c = 3 the
-estimate was 53.1: the entropy's two [tokens, V] buffers were missing). Allocator fragmentation, the CUDA
+the GPU check), before the chunked head: gen 4.34 GiB measured against 3.84 estimated, update_actor 73.6
+against 71.6 when the vocabulary term was five fp32 [response tokens, V] buffers (46 GiB of it). Allocator fragmentation, the CUDA
 context and sampling temporaries are not modelled; a measured peak well above the estimate points at something
 held that should not be.
 """
@@ -37,6 +37,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 GIB = float(1 << 30)
+CHUNK_BYTES = 256 << 20  # one fp32 [chunk x vocab] buffer of the chunked vocabulary head
+VOCAB_HEAD_BUFFERS = (
+    3  # [chunk x vocab] fp32 buffers alive at once in its backward: logits, softmax, gradient
+)
+
+
+def chunk_tokens(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk of the vocabulary head, so that one fp32 [chunk x vocab] buffer takes ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * vocab_size))
 
 
 def num_params(config) -> int:
@@ -49,13 +58,15 @@ def num_params(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def activation_bytes(
-    config, tokens: int, response_tokens: int, compute_bytes: int = 4, *, entropy: bool = False
-) -> int:
+def activation_bytes(config, tokens: int, response_tokens: int, compute_bytes: int = 4) -> int:
     """Saved activations of one micro-batch's forward + backward (see the module docstring)."""
     per_token = config.num_hidden_layers * (6 * config.hidden_size + 3 * config.intermediate_size)
-    vocab_buffers = 5 if entropy else 3
-    return compute_bytes * tokens * per_token + 4 * vocab_buffers * response_tokens * config.vocab_size
+    vocab = config.vocab_size
+    head = (
+        4 * VOCAB_HEAD_BUFFERS * min(response_tokens, chunk_tokens(vocab)) * vocab
+        + 4 * vocab * config.hidden_size
+    )
+    return compute_bytes * tokens * per_token + head
 
 
 def kv_bytes(config, seqs: int, max_len: int, dtype: torch.dtype) -> int:
@@ -114,12 +125,11 @@ def estimate_colocated_step(
     max_model_len: int,
     micro_batch_tokens: int,
     micro_batch_response_tokens: int,
-    entropy: bool = True,
     trainer_offloaded_in_gen: bool = True,
 ) -> MemoryEstimate:
     """The estimate for one rank of a colocated step (actor + rollout engine [+ reference]) of the causal LM
     ``config``; ``micro_batch_*``: the largest micro-batch of the update (its real tokens and the response
-    tokens among them); ``entropy``: the update computes the entropy (the actor's update does)."""
+    tokens among them)."""
     p = num_params(config)
     pb, cb, rb = param_dtype.itemsize, compute_dtype.itemsize, rollout_dtype.itemsize
     gathered = fsdp_world > 1 or compute_dtype != param_dtype
@@ -131,8 +141,6 @@ def estimate_colocated_step(
         rollout_weights=p * rb,
         kv_cache=kv_bytes(config, max_num_seqs, max_model_len, rollout_dtype),
         sampling_logits=4 * max_num_seqs * config.vocab_size,
-        activations=activation_bytes(
-            config, micro_batch_tokens, micro_batch_response_tokens, cb, entropy=entropy
-        ),
+        activations=activation_bytes(config, micro_batch_tokens, micro_batch_response_tokens, cb),
         trainer_offloaded_in_gen=trainer_offloaded_in_gen,
     )

@@ -292,6 +292,26 @@ def test_micro_batching_does_not_change_loss_or_gradient(model_dir):
             )
 
 
+def test_an_update_keeps_no_tokens_by_vocab_tensor_for_backward(model_dir):
+    """What autograd saves during an update (saved-tensor hooks) holds nothing of [response tokens x vocab]:
+    log-probs and entropy come from the chunked head (workers/engine/vocab_head.py). Before it, the fp32
+    logits and their softmax were kept: at 16k tokens and a 150k vocabulary, 46 GiB on a GPU (issue 52)."""
+    b = T.make_batch(8, seed=7)
+    eng = _engine(model_dir)
+    vocab = eng.model.config.vocab_size
+    tokens = int(b["attention_mask"][:, -b["responses"].shape[1] :].sum())
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        T.accumulate_grads(eng, b, T.pg_loss, calculate_entropy=True)
+    by_vocab = [s for s in shapes if s and s[-1] == vocab and math.prod(s) >= tokens * vocab]
+    assert shapes and not by_vocab, by_vocab
+
+
 def test_compiled_layers_give_the_eager_loss_gradients_and_log_probs(model_dir):
     """``model.compile``: every decoder layer compiled in place (``compile_layers``). Packed micro-batches of
     three different token counts run through one dynamic graph and give the eager loss, gradients and
