@@ -21,7 +21,9 @@ Order (what a GPU can tell us that nothing here can, most valuable first):
                       against Hugging Face on step 2's batch, beside the FSDP engine's fp32 row. (The first
                       H200 run ran the Megatron engine's tests instead, written for gloo ranks on the CPU: 14
                       passed, 12 failed mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
-  (after grpo_step) lora  LoRA against full fine-tuning at the 0.5B shape: the training engine's peak memory,
+  (after grpo_step) vocab_head  the chunked vocabulary head against the unfused log-probs + entropy at 16,384
+                      tokens x 151,936, bf16: peak memory and time of forward + backward (benchmarks.bench_vocab_head)
+  (after vocab_head) lora  LoRA against full fine-tuning at the 0.5B shape: the training engine's peak memory,
                       adapter vs full sync bytes and time into the native engine on CUDA (benchmarks.bench_lora)
   9. compile          model.compile / rollout.compile against eager: the train step and the native engine's
                       generation, the compile time apart (benchmarks.bench_compile)
@@ -90,6 +92,12 @@ def steps() -> list[Step]:
              ["-m", "benchmarks.bench_grpo_step", "--preset", "tiny", "--steps", "2", "--out",
               "{work}/grpo_step.json"],
              240, 90, "{work}/grpo_step.json"),
+        Step("vocab_head",
+             ["-m", "benchmarks.bench_vocab_head", "--device", "cuda", "--dtype", "bfloat16", "--tokens", "16384",
+              "--out", "{work}/vocab_head.json"],
+             ["-m", "benchmarks.bench_vocab_head", "--tokens", "256", "--vocab", "32000", "--hidden", "256",
+              "--out", "{work}/vocab_head.json"],
+             90, 30, "{work}/vocab_head.json"),
         Step("lora", ["-m", "benchmarks.bench_lora", "--shapes", "qwen2-0.5b"],
              ["-m", "benchmarks.bench_lora", "--shapes", "tiny"], 120, 40, "outputs/bench_lora.json"),
         Step("train_mfu", ["-m", "benchmarks.bench_train", "--steps", "3"],
