@@ -145,7 +145,7 @@ def test_the_quickstart_with_lora_learns_and_exports_the_merged_model_and_the_ad
     reward = tmp_path / "sevens.py"
     reward.write_text(SEVENS_REWARD)
     run_dir = tmp_path / "qs"
-    steps = 10
+    steps = 14  # 10 was enough on an AVX-512 EPYC; on an AVX2 one the last two steps' mean was 0.19 at 10
     out = quickstart.main(
         [
             *TINY,
