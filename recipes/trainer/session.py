@@ -199,9 +199,9 @@ class Session:
         fault.replaced, fault.seconds_lost = roles, seconds
         version = self.roles.weight_sync.version
         self.tracker.write(
-            f"[{self.recipe}] replaced {', '.join(roles)} in {seconds:.1f}s, with the trainer's current weights"
-            + (f" (policy version {version})" if version else "")
-            + f"; step {self.state.step} goes on"
+            f"[{self.recipe}] replaced {', '.join(roles)} in {seconds:.1f}s, with the trainer's current weights; "
+            f"step {self.state.step} goes on"
+            + (f" at policy version {version}" if version is not None else "")
         )
 
     def recover(self, err: WorkerGroupError) -> None:

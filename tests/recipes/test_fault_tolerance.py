@@ -67,6 +67,7 @@ def test_a_rollout_rank_killed_mid_generation_is_replaced_and_the_step_goes_on(
     assert "FAULT at step 2: worker group 'rollout' rank 0 failed in 'generate_sequences'" in out, out
     assert "the rollout pool's workers are replaced" in out and "every worker group is rebuilt" not in out
     assert "replaced rollout in" in out and "with the trainer's current weights; step 2 goes on" in out
+    assert "step 2 goes on at policy version 1" in out  # the version step 1's update synced
     history = {r["step"]: r for r in result["history"]}
     assert "fault/replacements" not in history[1]
     assert history[2]["fault/replacements"] == history[3]["fault/replacements"] == 1
