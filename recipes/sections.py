@@ -26,6 +26,7 @@ from recipes.tasks import ALL_TASKS, task_config
 from resource_pools.plans import PLACEMENTS
 from workers.config import CriticConfig, ModelConfig
 from workers.engine.base import OptimConfig
+from workers.engine.registry import TRAIN_ENGINES, train_engine_class
 from workers.models.chat_templates import CHAT_TEMPLATES
 from workers.models.hub import model_path_problem
 from workers.models.tiny import TINY_MODEL_SIZES
@@ -576,19 +577,27 @@ def _model_parallel(role_cfg) -> tuple[int, int]:
 
 
 def _megatron_replicas(sec: str, role_cfg, world: int) -> tuple[int, str | None]:
-    """(data-parallel size of a role on ``world`` devices: ``world / (tp * pp)`` under strategy=megatron, and
-    None), or (0, the error) when the strategy is unknown or the world is not a multiple of tp * pp."""
-    if role_cfg.strategy not in ("fsdp", "megatron"):
-        return 0, f"{sec}.strategy must be fsdp or megatron, got {role_cfg.strategy!r}"
-    if role_cfg.strategy != "megatron" or world <= 0:
+    """(data-parallel size of a role on ``world`` devices: ``world / (tp * pp)`` where the engine is model
+    parallel (strategy=megatron), and None), or (0, the error) when the strategy names no training engine or
+    the world is not a multiple of tp * pp."""
+    strategy = role_cfg.strategy
+    if ":" not in strategy and strategy not in TRAIN_ENGINES:
+        names = " or ".join(sorted(TRAIN_ENGINES))
+        return 0, f"{sec}.strategy must be {names}, got {strategy!r} (or 'package.module:Class' of your own)"
+    try:
+        engine = train_engine_class(strategy, f"{sec}.strategy")
+    except (ValueError, TypeError) as e:
+        return 0, str(e)
+    mp = engine.model_parallel_size(role_cfg.megatron)  # ranks of one model replica
+    if mp == 1 or world <= 0:
         return world, None
     tp, pp = _model_parallel(role_cfg)
-    if world % (tp * pp):
+    if world % mp:
         return 0, (
             f"{sec}.megatron.tensor_model_parallel_size * {sec}.megatron.pipeline_model_parallel_size = "
-            f"{tp} * {pp} = {tp * pp} must divide the {world} device(s) of the {sec}'s worker group"
+            f"{tp} * {pp} = {mp} must divide the {world} device(s) of the {sec}'s worker group"
         )
-    return world // (tp * pp), None
+    return world // mp, None
 
 
 def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: int, dp: int) -> None:
@@ -629,7 +638,7 @@ def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
         return
     if tp_g == 1:
         return
-    if a.strategy != "megatron":
+    if not _train_engine_can(a.strategy, "reshards_for_generation"):
         errors.append(
             f"rollout.tensor_model_parallel_size={tp_g} needs actor.strategy=megatron: the 3D-HybridEngine "
             f"reshards the trainer's Megatron TP shards into the rollout replicas, and an FSDP trainer "
@@ -651,6 +660,15 @@ def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
             f"the trainer's ranks (rollout.name=native), got {cfg.rollout.name!r} (SGLang: "
             "rollout.tensor_parallel_size)"
         )
+
+
+def _train_engine_can(strategy: str, capability: str) -> bool:
+    """Whether the training engine ``strategy`` names declares ``capability`` (`workers.engine.base.TrainEngine`;
+    False for a name that does not resolve: `_megatron_replicas` reports that)."""
+    try:
+        return bool(getattr(train_engine_class(strategy), capability))
+    except (ValueError, TypeError):
+        return False
 
 
 def _engine_can(cfg: RecipeConfig, capability: str) -> bool:
@@ -677,7 +695,9 @@ def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
     """Megatron's parallel state is per process: a colocated actor and critic (one process per device) that
     both use Megatron must use the same TP/PP sizes."""
     a, c = cfg.actor, cfg.critic
-    if cfg.trainer.placement == "split_critic" or a.strategy != "megatron" or c.strategy != "megatron":
+    if cfg.trainer.placement == "split_critic" or not all(
+        _train_engine_can(r.strategy, "process_global_parallel_state") for r in (a, c)
+    ):
         return
     if _model_parallel(a) != _model_parallel(c):
         errors.append(
@@ -695,7 +715,7 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
     _check_lora(errors, cfg)
     for role in ("actor", "critic"):
         strategy = getattr(cfg, role).strategy
-        if cfg.model.compile and strategy != "fsdp":
+        if cfg.model.compile and not _train_engine_can(strategy, "supports_compile"):
             errors.append(
                 f"model.compile=true compiles the FSDP engine's layers; {role}.strategy={strategy!r} does not "
                 f"compile (use {role}.strategy=fsdp or model.compile=false)"
@@ -717,7 +737,7 @@ def _check_lora(errors: list[str], cfg: RecipeConfig) -> None:
     lora = cfg.actor.lora
     if not lora.enabled:
         return
-    if cfg.actor.strategy != "fsdp":
+    if not _train_engine_can(cfg.actor.strategy, "supports_lora"):
         errors.append(
             f"actor.lora.rank={lora.rank} needs actor.strategy=fsdp (LoRA on the Megatron engine is not "
             f"supported), got actor.strategy={cfg.actor.strategy!r}"

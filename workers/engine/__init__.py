@@ -1,7 +1,9 @@
 """Training engines and what they share.
 
 * `base`: the engine configs (`EngineConfig`, `OptimConfig`, `MegatronConfig`), `LossContext`, and the
-  `TrainEngine` protocol that role workers and checkpointing use.
+  `TrainEngine` protocol that role workers and checkpointing use, with the capabilities an engine declares.
+* `registry`: ``<role>.strategy`` (``fsdp``, ``megatron`` or ``"module:Class"``) -> the engine class, checked
+  against the contract; `build_train_engine` builds it (docs/training_engines.md).
 * `fsdp_engine.FSDPEngine` (FSDP2, packed sequences) and `megatron.engine.MegatronEngine` (Megatron-core
   TP/PP/DP; imported on use: megatron-core is optional); both take the methods they share from
   `train_steps.EngineSteps` and their optimizer from `optim`.

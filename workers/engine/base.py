@@ -1,12 +1,19 @@
 """What every training engine (FSDP2, Megatron-core) shares: its configs, the loss-function contract, how a
-batch argument is read, and `TrainEngine`, the protocol that role workers and checkpointing program against."""
+batch argument is read, and `TrainEngine`, the protocol that role workers and checkpointing program against.
+
+An engine declares what it can do (`TrainEngine`'s ``ClassVar`` capabilities: LoRA, compile, resharding for
+generation, a process-global parallel layout) and how its ranks form model replicas (``model_parallel_size``,
+``dispatch_place``, ``replica_coords``); the roles and the config checks read those, never its class or its
+name. A capability that is True brings the members of its own protocol (`CAPABILITY_CONTRACTS`).
+`workers.engine.registry` maps ``<role>.strategy`` to the class and checks it against this contract."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -166,7 +173,22 @@ class TrainEngine(Protocol):
     ``state_dict()`` / ``load_state_dict()`` round-trip the whole training state (model, optimizer, LR
     schedule, step counters) in DCP form: keys are unique per distinct shard, replicas share keys, and every
     entry exists before the first step (DCP loads in place; `train_steps.module_state` gives that). Methods
-    that run the model, `full_state_dict_iter` and the state dict are collective over the engine's ranks."""
+    that run the model, `full_state_dict_iter` and the state dict are collective over the engine's ranks.
+
+    Members annotated ``ClassVar`` are capabilities the class declares; the other annotated members are set on
+    each instance (`workers.engine.registry.check_train_engine` checks both)."""
+
+    # -- what the engine can do (the roles and the config checks before Ray read these, never the class) -------
+    supports_lora: ClassVar[
+        bool
+    ]  # LoRA adapters (EngineConfig.lora, actor.lora): `LoRATrainEngine`'s members
+    supports_compile: ClassVar[bool]  # torch.compile of its layers (EngineConfig.compile, model.compile)
+    # its tensor-parallel shards reshard into TP generation replicas on its own ranks (the 3D-HybridEngine,
+    # rollout.tensor_model_parallel_size > 1): `ReshardingTrainEngine`'s members
+    reshards_for_generation: ClassVar[bool]
+    # its model-parallel layout is process-global state (Megatron's parallel_state): roles that share a process
+    # (colocated actor and critic) must use the same model-parallel sizes
+    process_global_parallel_state: ClassVar[bool]
 
     config: EngineConfig
     device: torch.device
@@ -177,6 +199,34 @@ class TrainEngine(Protocol):
     skipped_steps: int  # steps dropped for a non-finite gradient norm
     hf_config: Any  # the model's transformers config; ``architectures`` names the class it was loaded as
     generation_config: Any  # transformers GenerationConfig of a causal LM, None for a critic
+    use_fsdp: bool  # parameters sharded by FSDP2 (reported by the roles' worker_info)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, parallel: MegatronConfig) -> TrainEngine:
+        """The engine of this rank, in the role's process group (joined before); ``parallel``: the role's
+        model-parallel sizes (``<role>.megatron``), which an engine without model parallelism ignores."""
+
+    @classmethod
+    def model_parallel_size(cls, parallel: MegatronConfig) -> int:
+        """Ranks that hold one model replica together under ``parallel`` (1: each rank is a replica); the rest
+        of a role's group is data parallel. Read before Ray starts (the config checks) and by the roles."""
+
+    def dispatch_place(self, rank: int) -> tuple[int, bool]:
+        """(data-parallel replica, collected?) of group rank ``rank`` for the roles' n-D dispatch: the ranks of
+        one replica get the same chunk of a batch and one of them is collected."""
+
+    def replica_coords(self) -> dict[str, int]:
+        """This rank's coordinates inside its model replica, for logs (e.g. ``tp_rank``, ``pp_rank``); empty
+        where a rank is a replica alone."""
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the full model."""
+
+    def offload(self, optimizer: bool = True) -> None:
+        """Move parameters (and optimizer state) off the accelerator until `reload`."""
+
+    def reload(self, optimizer: bool = True) -> None: ...
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -228,3 +278,65 @@ class TrainEngine(Protocol):
 
     def checkpoint_layout(self) -> dict:
         """Facts a checkpoint must share with the engine that loads it (e.g. TP/PP sizes)."""
+
+
+@runtime_checkable
+class LoRATrainEngine(TrainEngine, Protocol):
+    """What an engine that ``supports_lora`` adds: with ``lora`` set only the adapters train, and the frozen base
+    is the reference model."""
+
+    lora: LoRAConfig | None  # None: this instance trains the full model
+
+    def adapter_state_iter(
+        self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT name, full tensor) of the adapter weights alone; collective like ``full_state_dict_iter``."""
+
+    def base_model_mode(self) -> AbstractContextManager:
+        """A context in which the model computes the frozen base's outputs (adapters disabled)."""
+
+
+@runtime_checkable
+class ReshardingTrainEngine(TrainEngine, Protocol):
+    """What an engine that ``reshards_for_generation`` adds: its weights as ``tp_g``-way generation shards on
+    the same ranks (`workers.roles.hybrid_engine`)."""
+
+    def reshard_plan(self, tp_g: int = 1) -> Any:
+        """The plan (`workers.weight_sync.reshard_plan.ReshardPlan`) from its layout to ``tp_g``-way replicas."""
+
+    def generation_shard_iter(
+        self, tp_g: int = 1, bucket_bytes: int = 64 << 20
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, this rank's generation shard); collective: every rank consumes it to the end."""
+
+    def reshard_stats(self, tp_g: int = 1) -> Any:
+        """Byte and memory counts of the last ``generation_shard_iter(tp_g)`` on this rank."""
+
+
+# capability -> the protocol whose members an engine declaring it True must have
+CAPABILITY_CONTRACTS: dict[str, type] = {
+    "supports_lora": LoRATrainEngine,
+    "reshards_for_generation": ReshardingTrainEngine,
+}
+
+
+def as_lora_engine(engine: TrainEngine, what: str) -> LoRATrainEngine:
+    """``engine`` as a `LoRATrainEngine`, or a RuntimeError naming ``what`` needed it when its class does not
+    declare ``supports_lora`` or this instance has no adapters."""
+    lora_engine = cast(LoRATrainEngine, engine)  # its members, where the class declares supports_lora
+    if not engine.supports_lora or lora_engine.lora is None:
+        raise RuntimeError(
+            f"{what} needs LoRA adapters (actor.lora), and this {type(engine).__name__} has none "
+            f"(supports_lora={engine.supports_lora})"
+        )
+    return lora_engine
+
+
+def as_resharding_engine(engine: TrainEngine, what: str) -> ReshardingTrainEngine:
+    """``engine`` as a `ReshardingTrainEngine`, or a RuntimeError naming ``what`` needed it."""
+    if not engine.reshards_for_generation:
+        raise RuntimeError(
+            f"{what} needs a training engine that reshards for generation; {type(engine).__name__} does not "
+            "(reshards_for_generation=False)"
+        )
+    return cast(ReshardingTrainEngine, engine)

@@ -34,7 +34,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -45,11 +45,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from workers.engine import distributed as du
-from workers.engine.base import TrainEngine
+from workers.engine.base import LoRATrainEngine, TrainEngine
 from workers.engine.lora import write_peft_adapter
-
-if TYPE_CHECKING:
-    from workers.engine.fsdp_engine import FSDPEngine
 
 MODEL_OPTIM_DIR = "model_optim"
 ENGINE_STATE = "engine_state.pt"
@@ -447,10 +444,12 @@ def export_hf(
     for name, t in engine.full_state_dict_iter(device="cpu", dtype=dtype):
         if writer:
             tensors[name] = t.contiguous().clone()
-    lora = getattr(engine, "lora", None)  # LoRA: the merged model above, and the adapter alone in adapter/
+    # LoRA: the merged model above, and the adapter alone in adapter/
+    lora_engine = cast(LoRATrainEngine, engine) if engine.supports_lora else None
+    lora = None if lora_engine is None else lora_engine.lora
     adapter = {}
-    if lora is not None:
-        for name, t in cast("FSDPEngine", engine).adapter_state_iter(device="cpu", dtype=dtype):
+    if lora_engine is not None and lora is not None:
+        for name, t in lora_engine.adapter_state_iter(device="cpu", dtype=dtype):
             if writer:
                 adapter[name] = t.contiguous().clone()
     group = engine.checkpoint_group()

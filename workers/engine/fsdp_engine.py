@@ -27,6 +27,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,11 @@ def compile_layers(model: nn.Module) -> None:
 
 class FSDPEngine(EngineSteps):
     """Model + optimizer + schedule on this rank; FSDP2-sharded over ``dp`` when world size > 1."""
+
+    supports_lora: ClassVar[bool] = True  # lora, adapter_state_iter, base_model_mode
+    supports_compile: ClassVar[bool] = True  # compile_layers
+    reshards_for_generation: ClassVar[bool] = False  # full tensors only (full_state_dict_iter)
+    process_global_parallel_state: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig, device_mesh=None):
         self.config = config

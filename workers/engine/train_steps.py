@@ -10,13 +10,21 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from workers.engine.base import FORWARD_KEYS, EngineConfig, LossContext, LossFn, as_tensor_dict, require_keys
+from workers.engine.base import (
+    FORWARD_KEYS,
+    EngineConfig,
+    LossContext,
+    LossFn,
+    MegatronConfig,
+    as_tensor_dict,
+    require_keys,
+)
 
 
 @dataclass
@@ -158,6 +166,26 @@ class EngineSteps:
     device: torch.device
     is_value_model: bool
     _offloaded: bool  # parameters moved off the device (train_step refuses until reload)
+
+    # -- construction and replica layout (`TrainEngine`): defaults for an engine whose every rank is a replica --
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, parallel: MegatronConfig) -> Self:
+        """The engine of this rank; ``parallel`` (model-parallel sizes) is for engines that use it."""
+        return cls(config)  # type: ignore[call-arg]  # the engines' own __init__ takes the config
+
+    @classmethod
+    def model_parallel_size(cls, parallel: MegatronConfig) -> int:
+        """1: every rank holds a whole replica (FSDP shards parameters, but each rank computes on its own data)."""
+        return 1
+
+    def dispatch_place(self, rank: int) -> tuple[int, bool]:
+        """Every rank is its own replica (dp rank = group rank, even for an unsharded forward-only engine whose
+        ``dp_size`` is 1), and every rank is collected."""
+        return rank, True
+
+    def replica_coords(self) -> dict[str, int]:
+        return {}
 
     # -- hooks ----------------------------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """ActorWorker: the policy being trained -- old log-probs, PPO updates, supervised warm-start steps, checkpoints.
 
 One instance per rank of the actor's worker group; ``init_model`` joins the group's process group and builds
-an `FSDPEngine` (FSDP2 over all ranks when the group has more than one) or, with ``actor.strategy=megatron``,
-a `MegatronEngine` (``actor.megatron``: TP x PP ranks per model replica, the rest data parallel). The data
+the training engine ``actor.strategy`` names (`workers.engine.registry`): `FSDPEngine` (FSDP2 over all ranks
+when the group has more than one) by default, or with ``actor.strategy=megatron`` a `MegatronEngine`
+(``actor.megatron``: TP x PP ranks per model replica, the rest data parallel). It uses the engine only through
+the `TrainEngine` contract and what the engine declares (``supports_lora``, ...). The data
 methods use the n-D dispatch on mesh "actor" (``ACTOR_MESH``): each data-parallel replica gets a contiguous
 chunk of the batch (all of its TP/PP ranks the same chunk) and one rank per replica is collected, in order.
 
@@ -38,7 +40,9 @@ from algorithms import KL_PENALTY_NAMES, agg_loss, compute_kl_loss, get_policy_l
 from controller import Dispatch, Inputs, register
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
-from workers.engine import FSDPEngine, LossContext
+from workers.engine import LossContext
+from workers.engine.base import as_lora_engine
+from workers.engine.registry import train_engine_class
 from workers.roles.common import (
     ACTOR_MESH,
     FORWARD_KEYS,
@@ -83,8 +87,11 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
                 f"{self.tag}: actor.kl_loss_type={a.kl_loss_type!r} is not one of {list(KL_PENALTY_NAMES)}"
             )
         self._check_ppo_section("actor", a, self.rollout_config.n)
-        if a.lora.enabled and a.strategy != "fsdp":
-            raise ValueError(f"{self.tag}: actor.lora needs actor.strategy=fsdp, got {a.strategy!r}")
+        if a.lora.enabled and not train_engine_class(a.strategy, "actor.strategy").supports_lora:
+            raise ValueError(
+                f"{self.tag}: actor.lora needs a training engine that supports LoRA (actor.strategy=fsdp), got "
+                f"actor.strategy={a.strategy!r}"
+            )
 
     # -- setup ------------------------------------------------------------------------------------------------
 
@@ -106,8 +113,7 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
                 f"{self.tag}: {method}: the actor scores as the reference only with actor.lora (its frozen base "
                 "model); without LoRA the reference is a RefWorker of its own"
             )
-        assert isinstance(engine, FSDPEngine)  # LoRA is FSDP-only (_check_config)
-        with engine.base_model_mode():
+        with as_lora_engine(engine, f"{self.tag}: {method}").base_model_mode():
             return engine.compute_log_prob(inputs, temperature=temperature, **micro)["log_probs"]
 
     # -- forward ----------------------------------------------------------------------------------------------
@@ -252,9 +258,8 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
         alone, under PEFT's names. Collective: every rank of the trainer group must consume it to the end."""
         engine = self._require_engine("hf_weight_stream")
         if adapter_only:
-            if not isinstance(engine, FSDPEngine) or engine.lora is None:
-                raise RuntimeError(f"{self.tag}: hf_weight_stream(adapter_only=True) without actor.lora")
-            return engine.adapter_state_iter(device=device, dtype=dtype)
+            lora_engine = as_lora_engine(engine, f"{self.tag}: hf_weight_stream(adapter_only=True)")
+            return lora_engine.adapter_state_iter(device=device, dtype=dtype)
         tied = bool(getattr(engine.hf_config, "tie_word_embeddings", False))
         return hf_named_tensors(
             engine.full_state_dict_iter(device=device, dtype=dtype), tie_word_embeddings=tied

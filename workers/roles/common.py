@@ -1,6 +1,7 @@
 """Shared pieces of the role workers (actor, reference, critic).
 
-* `EngineRoleWorker`: the base of every role that holds an `FSDPEngine` in ``self.engine``. It gives the
+* `EngineRoleWorker`: the base of every role that holds a training engine in ``self.engine`` (the class
+  ``<role>.strategy`` names in `workers.engine.registry`, used only through the `TrainEngine` contract). It gives the
   roles their common group methods (checkpoint save/load, Hugging Face export, ``worker_info``) and error
   messages that name the role and rank.
 * `engine_config`: an `EngineConfig` from the shared role configs (`workers.config.ModelConfig`).
@@ -21,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -33,7 +34,6 @@ from workers.config import ModelConfig, RolloutConfig
 from workers.device_memory import PeakDeviceMemory
 from workers.engine import (
     EngineConfig,
-    FSDPEngine,
     LoRAConfig,
     LossContext,
     MegatronConfig,
@@ -43,12 +43,11 @@ from workers.engine import (
     load_checkpoint,
     save_checkpoint,
 )
+from workers.engine.registry import build_train_engine, train_engine_class
 from workers.models import load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from workers.engine.megatron.engine import MegatronEngine
 
 logger = logging.getLogger(__name__)
 
@@ -86,19 +85,20 @@ def engine_config(
     )
 
 
-def model_parallel_size(strategy: str, megatron=None) -> int:
-    """Ranks that hold one model replica together: tensor x pipeline parallel size for Megatron, 1 for FSDP
-    (FSDP shards parameters but every rank computes on its own data chunk)."""
-    if strategy != "megatron" or megatron is None:
-        return 1
-    return megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+def model_parallel_size(strategy: str, megatron=None, section: str = "actor") -> int:
+    """Ranks that hold one model replica together, as the engine ``strategy`` names declares it
+    (`TrainEngine.model_parallel_size`): tensor x pipeline parallel size for Megatron, 1 for FSDP (FSDP shards
+    parameters but every rank computes on its own data chunk)."""
+    engine = train_engine_class(strategy, f"{section}.strategy")
+    return engine.model_parallel_size(megatron or MegatronConfig())
 
 
 def data_parallel_size(world_size: int, strategy: str, megatron=None, *, section: str, tag: str) -> int:
     """Data-parallel size of a role group: ``world_size / (tp * pp)`` (Megatron) or ``world_size`` (FSDP).
     A world size that is not a multiple of tp * pp is an error naming ``<section>.megatron.*``."""
-    mp = model_parallel_size(strategy, megatron)
+    mp = model_parallel_size(strategy, megatron, section)
     if world_size % mp:
+        assert megatron is not None  # only model-parallel sizes make a replica of several ranks
         raise ValueError(
             f"{tag}: the group has {world_size} rank(s), not a multiple of {section}.megatron."
             f"tensor_model_parallel_size * {section}.megatron.pipeline_model_parallel_size = "
@@ -107,29 +107,26 @@ def data_parallel_size(world_size: int, strategy: str, megatron=None, *, section
     return world_size // mp
 
 
-def build_engine(config: EngineConfig, strategy: str = "fsdp", megatron=None, tag: str = "engine"):
-    """The training engine of a role by ``strategy``: "fsdp" (FSDP2 over every rank of the group) or
-    "megatron" (``workers/engine/megatron``; ``megatron``: its ``MegatronConfig`` with the TP/PP sizes; the
-    rest of the group is data parallel). The role then declares its layout (`mesh_info`, `_register_mesh`)."""
-    if strategy == "fsdp":
-        return FSDPEngine(config)
-    if strategy == "megatron":
-        from workers.engine.megatron.engine import MegatronEngine  # megatron-core: optional, heavy
+def build_engine(
+    config: EngineConfig, strategy: str = "fsdp", megatron=None, tag: str = "engine", section: str = "actor"
+) -> TrainEngine:
+    """The training engine of a role by ``<section>.strategy`` (`workers.engine.registry`): "fsdp" (FSDP2 over
+    every rank of the group), "megatron" (``workers/engine/megatron``; ``megatron``: its ``MegatronConfig``
+    with the TP/PP sizes; the rest of the group is data parallel) or a ``"module:Class"`` of the `TrainEngine`
+    contract. The role then declares its layout (`mesh_info`, `_register_mesh`)."""
+    try:
+        train_engine_class(strategy, f"{section}.strategy")
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{tag}: {e}") from e
+    return build_train_engine(config, strategy, megatron, key=f"{section}.strategy")
 
-        return MegatronEngine(config, megatron or MegatronConfig())
-    raise ValueError(f"{tag}: strategy must be 'fsdp' or 'megatron', got {strategy!r}")
 
-
-def mesh_info(engine, rank: int) -> tuple[int, bool]:
-    """(dp rank, is_collect) of this rank for the n-D dispatch of its role's data methods.
-
-    FSDP: every rank computes on its own chunk (dp rank = group rank, all collected; a forward-only engine
-    that is not sharded reports dp_size 1 but is still one replica per rank). Megatron: the ranks of one
-    TP x PP group share a chunk; every rank returns the same outputs (the engine broadcasts them from the
-    last pipeline stage), and one rank per replica -- tp rank 0 of the last stage -- is collected."""
-    if hasattr(engine, "tp_rank"):  # MegatronEngine
-        return engine.dp_rank, engine.tp_rank == 0 and engine.is_last
-    return rank, True
+def mesh_info(engine: TrainEngine, rank: int) -> tuple[int, bool]:
+    """(dp rank, is_collect) of this rank for the n-D dispatch of its role's data methods, as the engine
+    declares it (`TrainEngine.dispatch_place`). FSDP: every rank computes on its own chunk (dp rank = group
+    rank, all collected). Megatron: the ranks of one TP x PP group share a chunk and one rank per replica is
+    collected."""
+    return engine.dispatch_place(rank)
 
 
 class MicroBatchKwargs(TypedDict):
@@ -206,12 +203,12 @@ class StepMetrics:
 
 
 class EngineRoleWorker(Worker):
-    """Base of the roles that hold an `FSDPEngine` (``self.engine``, built by the subclass's ``init_model``).
+    """Base of the roles that hold a `TrainEngine` (``self.engine``, built by the subclass's ``init_model``).
 
     Every method that uses the engine gets it through `_require_engine` first, which reloads an engine that a
     colocated role offloaded (`offload_engine`: the rollout role, before it generates on the same device)."""
 
-    engine: FSDPEngine | MegatronEngine | None = None
+    engine: TrainEngine | None = None
     tokenizer: PreTrainedTokenizerBase | None = None
     model_config: ModelConfig  # set by the subclass's __init__
     rollout_config: RolloutConfig
@@ -221,6 +218,7 @@ class EngineRoleWorker(Worker):
 
     def _register_mesh(self, mesh_name: str) -> None:
         """Declare this rank's place on ``mesh_name`` (after the engine is built): see `mesh_info`."""
+        assert self.engine is not None  # built first
         dp_rank, is_collect = mesh_info(self.engine, self.rank)
         self.register_dispatch_collect_info(mesh_name, dp_rank, is_collect)
 
@@ -249,7 +247,7 @@ class EngineRoleWorker(Worker):
         declare its layout on ``mesh_name`` (n-D dispatch) and load the tokenizer."""
         self.init_distributed()
         strategy, megatron = ("fsdp", None) if section is None else (section.strategy, section.megatron)
-        self.engine = build_engine(config, strategy, megatron, tag=self.tag)
+        self.engine = build_engine(config, strategy, megatron, tag=self.tag, section=mesh_name or "actor")
         if mesh_name is not None:
             self._register_mesh(mesh_name)
         self.tokenizer = load_tokenizer(
@@ -264,7 +262,7 @@ class EngineRoleWorker(Worker):
         engine = self._require_engine(method)
         return engine.compute_log_prob(inputs, temperature=temperature, **micro)["log_probs"]
 
-    def _require_engine(self, method: str) -> FSDPEngine | MegatronEngine:
+    def _require_engine(self, method: str) -> TrainEngine:
         """The engine, brought back first if a colocated role offloaded it (`offload_engine`)."""
         if self.engine is None:
             raise RuntimeError(f"{self.tag}: {method} called before init_model()")
@@ -374,9 +372,9 @@ class EngineRoleWorker(Worker):
                 skipped_steps=self.engine.skipped_steps,
                 num_params=self.engine.num_params,
             )
-            if hasattr(self.engine, "tp_rank"):  # Megatron: place in the TP x PP group of its replica
-                megatron = cast("MegatronEngine", self.engine)
-                info.update(tp_rank=megatron.tp_rank, pp_rank=megatron.pp_rank)
+            info.update(
+                self.engine.replica_coords()
+            )  # Megatron: its place in the TP x PP group of its replica
         return info
 
     @register(Dispatch.ONE_TO_ALL)

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from controller import make_nd_split_dataproto_dispatch_fn
 from workers.config import ActorConfig, RolloutConfig
-from workers.engine.base import LoRAConfig
+from workers.engine.base import LoRAConfig, TrainEngine, as_resharding_engine
+from workers.engine.registry import train_engine_class
 from workers.rollout.base import RolloutEngine
 from workers.rollout.registry import rollout_engine_class
 from workers.weight_sync import tensor_nbytes
@@ -57,11 +58,12 @@ def rollout_tp_size(actor: ActorConfig, rollout: RolloutConfig, tag: str) -> int
         raise ValueError(f"{tag}: rollout.tensor_model_parallel_size must be an int >= 1, got {tp_g!r}")
     if tp_g == 1:
         return 1
-    if actor.strategy != "megatron":
+    if not train_engine_class(actor.strategy, "actor.strategy").reshards_for_generation:
         raise ValueError(
-            f"{tag}: rollout.tensor_model_parallel_size={tp_g} needs actor.strategy=megatron (the "
-            "3D-HybridEngine reshards Megatron TP shards into the rollout replicas); an FSDP trainer streams "
-            f"full tensors and has no TP layout to reshard from (actor.strategy={actor.strategy!r}): use 1"
+            f"{tag}: rollout.tensor_model_parallel_size={tp_g} needs actor.strategy=megatron or another training "
+            "engine that reshards for generation (the 3D-HybridEngine reshards Megatron TP shards into the rollout "
+            "replicas); an FSDP trainer streams full tensors and has no TP layout to reshard from "
+            f"(actor.strategy={actor.strategy!r} declares reshards_for_generation=False): use 1"
         )
     tp = actor.megatron.tensor_model_parallel_size
     if tp % tp_g:
@@ -91,11 +93,11 @@ def _counted(stream, stats: dict) -> Iterator[tuple[str, torch.Tensor]]:
 ROLLOUT_MESH = make_nd_split_dataproto_dispatch_fn("rollout")
 
 
-def generation_tp_group(trainer_engine, tp_g: int, tag: str):
+def generation_tp_group(trainer_engine: TrainEngine, tp_g: int, tag: str):
     """(this rank's generation-TP process group, its replica index, its TP rank in the replica) under the
     trainer's reshard plan for ``rollout.tensor_model_parallel_size = tp_g``. Creates every replica's group, on
     every rank, in one fixed order (``dist.new_group`` is collective over the whole default group)."""
-    plan = trainer_engine.reshard_plan(tp_g)
+    plan = as_resharding_engine(trainer_engine, tag).reshard_plan(tp_g)
     me = dist.get_rank()
     replicas = sorted({tuple(plan.gen_tp_group(r)) for r in range(plan.train.world)})
     mine = None

@@ -30,7 +30,7 @@ from controller import PAD_ROWS_KEY, Dispatch, Worker, register
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
 from workers.device_memory import PeakDeviceMemory
-from workers.engine.base import LoRAConfig
+from workers.engine.base import LoRAConfig, as_resharding_engine
 from workers.models import load_tokenizer
 from workers.roles.hybrid_engine import (
     ROLLOUT_MESH,
@@ -300,7 +300,8 @@ class RolloutWorker(WeightSyncMember, Worker):
             raise RuntimeError(f"{self.tag}: rollout.tensor_model_parallel_size=1: use sync_weights")
         trainer = self._require_trainer("sync_resharded_weights")
         engine = self._require_rollout("sync_resharded_weights")
-        shards = trainer._require_engine("sync_resharded_weights")  # reloads an offloaded trainer
+        # reloads an offloaded trainer
+        shards = as_resharding_engine(trainer._require_engine("sync_resharded_weights"), self.tag)
         stream = shards.generation_shard_iter(self.rollout_tp)
         metrics = self._counted_sync(load_from_trainer(trainer, engine, stream, version))
         # counts of the stream just consumed (the engine keeps one Resharder per generation TP size)

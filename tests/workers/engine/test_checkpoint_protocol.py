@@ -4,15 +4,45 @@ counters, like torchtitan's checkpointer saving ``Stateful`` components."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 
 from workers.engine import EngineConfig, TrainEngine, load_checkpoint, save_checkpoint
+from workers.engine.registry import check_train_engine
 from workers.engine.train_steps import load_module_state, module_state
 
 
 class LinearEngine:
     """A one-layer "model" with the attributes and methods of the protocol, nothing more."""
+
+    supports_lora: ClassVar[bool] = False
+    supports_compile: ClassVar[bool] = False
+    reshards_for_generation: ClassVar[bool] = False
+    process_global_parallel_state: ClassVar[bool] = False
+    use_fsdp = False
+    num_params = 8
+
+    @classmethod
+    def from_config(cls, config, parallel):
+        return cls(seed=config.seed)
+
+    @classmethod
+    def model_parallel_size(cls, parallel):
+        return 1
+
+    def dispatch_place(self, rank):
+        return rank, True
+
+    def replica_coords(self):
+        return {}
+
+    def offload(self, optimizer=True):
+        pass
+
+    def reload(self, optimizer=True):
+        pass
 
     def __init__(self, seed: int):
         torch.manual_seed(seed)
@@ -66,6 +96,7 @@ def test_any_train_engine_saves_and_resumes(tmp_path):
     batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     full = LinearEngine(seed=0)
     assert isinstance(full, TrainEngine)
+    check_train_engine(LinearEngine, "LinearEngine")  # the registry would take it too
     for b in batches[:2]:
         full.train_step(b)
     path = save_checkpoint(full, tmp_path, extra={"data_pos": 2})

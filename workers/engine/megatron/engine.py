@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,28 @@ class ValueHead(torch.nn.Module):
 class MegatronEngine(EngineSteps):
     """One actor/reference model on this rank as a Megatron GPTModel shard (stage ``pp_rank``, TP rank
     ``tp_rank``), with the FSDP engine's interface."""
+
+    supports_lora: ClassVar[bool] = False
+    supports_compile: ClassVar[bool] = False
+    reshards_for_generation: ClassVar[bool] = True  # reshard_plan, generation_shard_iter, reshard_stats
+    process_global_parallel_state: ClassVar[bool] = True  # megatron.core.parallel_state
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, parallel: MegatronConfig) -> MegatronEngine:
+        return cls(config, parallel)
+
+    @classmethod
+    def model_parallel_size(cls, parallel: MegatronConfig) -> int:
+        """tensor x pipeline parallel size: the ranks of one replica."""
+        return parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+
+    def dispatch_place(self, rank: int) -> tuple[int, bool]:
+        """The ranks of one TP x PP group share a chunk; every rank returns the same outputs (broadcast from
+        the last pipeline stage), and one rank per replica, tp rank 0 of the last stage, is collected."""
+        return self.dp_rank, self.tp_rank == 0 and self.is_last
+
+    def replica_coords(self) -> dict[str, int]:
+        return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank}
 
     def __init__(self, config: EngineConfig, parallel: MegatronConfig | None = None):
         from megatron.core import parallel_state as ps
