@@ -110,7 +110,7 @@ FAULT_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, si
 
 def _describe_exit(info: dict | None, cpu_s: int) -> str:
     """The REPL process's end, with its cause: a limit (the process's CPU time at death, from the
-    zygote's wait4), the kernel's OOM killer (its kill count rose meanwhile), a fault of the process,
+    zygote's wait4), the kernel's OOM killer (the machine's kill count rose meanwhile), a fault of the process,
     or else a signal sent from inside the sandbox (the sandbox's own kills are never reported here)."""
     if not info:
         return "it closed its channel to the host"
@@ -125,10 +125,12 @@ def _describe_exit(info: dict | None, cpu_s: int) -> str:
         return f"killed by {name}: CPU time limit of {cpu_s} s exceeded"
     if sig == signal.SIGXFSZ:
         return f"killed by {name}: file size limit exceeded"
-    if sig == signal.SIGKILL and info.get("oom_kills"):
-        return f"killed by {name}: the kernel's out-of-memory killer ran while it lived"
+    # The CPU time is the process's own; the OOM count is the whole machine's (another process's OOM
+    # kill raises it too), so a process that reached its CPU limit is reported for that first.
     if sig == signal.SIGKILL and used is not None and used >= cpu_s:
         return f"killed by {name}: CPU hard limit of {cpu_s + 1} s exceeded ({used:g} s used)"
+    if sig == signal.SIGKILL and info.get("oom_kills"):
+        return f"killed by {name}: the kernel's out-of-memory killer ran while it lived"
     if sig in FAULT_SIGNALS:
         return f"killed by {name} (a fault or abort in the process itself, e.g. a bad pointer from ctypes)"
     sender = "its own code" if info.get("uid_separation") else "its own code or another REPL of its uid"

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import json
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -444,6 +445,17 @@ def test_process_death_and_protocol_abuse_become_observations(repl):
     res = repl.execute(garbage)
     assert res.killed and res.restarted and "ProtocolError" in res.error
     assert_fresh_and_usable(repl)
+
+
+def test_a_process_killed_at_its_cpu_hard_limit_is_told_so_while_another_process_is_oom_killed():
+    """The machine's OOM kill count is global: a concurrent test's OOM kill raised it while a REPL ran into
+    its CPU hard limit, and that REPL was told the OOM killer ended it (CI at afe6519)."""
+    from workers.sandbox.protocol import _describe_exit
+
+    at_cpu_limit = {"signal": signal.SIGKILL, "cpu_s": 2.02, "oom_kills": 1}
+    assert "CPU hard limit of 2 s exceeded" in _describe_exit(at_cpu_limit, cpu_s=1)
+    oom_killed = {"signal": signal.SIGKILL, "cpu_s": 0.3, "oom_kills": 1}
+    assert "out-of-memory killer" in _describe_exit(oom_killed, cpu_s=1)
 
 
 @pytest.mark.parametrize("mode", ["bwrap", "rlimits"])
