@@ -86,6 +86,21 @@ class MemoryCgroups:
                 _write(os.path.join(d, "memory.swap.max"), "0")
         return os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
 
+    def oom_kills(self, slot: int) -> int:
+        """How many processes the OOM killer has killed in the slot's cgroup (0 before its first spawn):
+        unlike the machine's count, no other process's OOM kill raises it."""
+        d = os.path.join(self.root, f"slot-{slot}")
+        name = "memory.oom_control" if self.version == "v1" else "memory.events"
+        try:
+            with open(os.path.join(d, name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
     def close(self, wait_s: float = 2.0) -> None:
         """Remove the cgroups once the sandbox's processes are gone (an exiting process leaves its cgroup
         a moment after its SIGKILL: retried for up to ``wait_s``)."""

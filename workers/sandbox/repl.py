@@ -47,6 +47,7 @@ class Repl:
         self._sock: socket.socket | None = None
         self._buf = _FrameBuffer(sandbox.config.max_message_mb << 20)
         self._exit_info: dict | None = None
+        self._oom_kills_at_spawn = 0  # the slot's memory cgroup's OOM kill count when this process started
         self._zygote: _ZygoteClient | None = None
         self._busy = threading.Lock()
         self._io_lock = threading.Lock()
@@ -92,6 +93,7 @@ class Repl:
         try:
             if self._sb._memcg is not None:  # the slot's memory cgroup, entered by the REPL process itself
                 fds.append(self._sb._memcg.procs_fd(self.slot, cfg.memory_mb << 20))
+                self._oom_kills_at_spawn = self._sb._memcg.oom_kills(self.slot)
             spawn = {"op": "spawn", "slot": self.slot, "gen": gen, "trajectory": self._trajectory}
             fut = zyg.request(dict(spawn, limits=cfg.limits()), tuple(fds))
             reply = await asyncio.wait_for(asyncio.wrap_future(fut), cfg.start_timeout_s)
@@ -125,6 +127,9 @@ class Repl:
         with self._io_lock:
             if gen != self._gen:
                 return
+            memcg = self._sb._memcg
+            if memcg is not None and info.get("signal") is not None:  # its own cgroup's count, exactly
+                info = dict(info, oom_kills=memcg.oom_kills(self.slot) - self._oom_kills_at_spawn)
             self._exit_info = info
             if self._sock is not None:
                 with contextlib.suppress(OSError):

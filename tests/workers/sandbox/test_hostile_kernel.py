@@ -99,6 +99,10 @@ def test_files_in_memory_count_against_the_repls_memory(sandbox):
             kept = hoarder.execute("import os\nprint(sum(os.path.getsize(f) for f in os.listdir('.')) >> 20)")
             assert int(kept.stdout) < 256  # the files written before the kill (kept for the restarted REPL)
             assert calm.execute("print(state)").stdout == "mine\n"
+            # The hoarder's OOM kill is its own cgroup's: the calm REPL, alive all along, killing itself
+            # is told it was its own signal, not the OOM killer (the machine's count rose meanwhile).
+            res = calm.execute("import os, signal\nos.killpg(0, signal.SIGKILL)")
+            assert res.killed and "sent from inside the sandbox" in res.error, res.error
     finally:
         accounted.close()
 
