@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"data.seed={seed}",
                     f"rollout.seed={seed}",
                     f"trainer.default_local_dir={work / f'seed{seed}-{arm}'}",
+                    "trainer.overwrite=true",  # the benchmark's own scratch folder
                 ],
             )
             run = start_run(cfg, "quickstart")

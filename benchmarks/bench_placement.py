@@ -200,6 +200,7 @@ def run_placement(plan: PlacementPlan, args, out_dir: Path) -> dict:
         *plan_overrides(plan),
         f"trainer.total_training_steps={args.steps}",
         f"trainer.default_local_dir={run_dir}",
+        "trainer.overwrite=true",  # the benchmark's own scratch folder
     ]
     cfg = load_config("ppo", overrides)
     run = start_run(cfg, "ppo")  # starts Ray for the largest device count unless it is already up

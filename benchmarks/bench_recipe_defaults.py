@@ -33,7 +33,7 @@ def run_recipe(recipe: str, out: Path, overrides: list[str] = ()) -> dict:
     """The command as README shows it (plus ``overrides``, which then count as part of it), in a subprocess."""
     run_dir = out / recipe
     cmd = [sys.executable, "-m", f"recipes.{recipe}", f"trainer.default_local_dir={run_dir}"]
-    cmd += ["trainer.resume_mode=disable", *overrides]
+    cmd += ["trainer.resume_mode=disable", "trainer.overwrite=true", *overrides]  # its own scratch folder
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as a user's command
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

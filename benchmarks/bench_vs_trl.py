@@ -121,6 +121,7 @@ def common_overrides(files: dict[str, str], run_dir: Path) -> list[str]:
         f"data.max_response_length={WORK['max_new_tokens']}",
         f"trainer.default_local_dir={run_dir}",
         "trainer.resume_mode=disable",
+        "trainer.overwrite=true",  # the benchmark's own scratch folder
         "trainer.n_gpus_per_node=1",
         "trainer.placement=colocated",
     ]

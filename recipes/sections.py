@@ -299,6 +299,9 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every m steps (and at the last step); <= 0: never
     max_ckpt_to_keep: int | None = None  # delete older checkpoints beyond this many
     resume_mode: str = "auto"  # auto (latest checkpoint in the run dir) | disable | <path of a step_N dir>
+    # the run folder holds another run's results (metrics or checkpoints) and this run does not resume them:
+    # false refuses (a rerun of the same config with no checkpoint starts again in place); true removes them
+    overwrite: bool = False
     # resume_mode=auto and the latest checkpoint fails its content-hash check: resume from the newest intact
     # earlier one (false: stop with an error naming it)
     resume_fallback: bool = False

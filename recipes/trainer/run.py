@@ -34,6 +34,7 @@ from recipes.config import ConfigError, load_config, save_config, to_yaml
 from recipes.schemas import RecipeConfig
 from recipes.sections import device_counts
 from recipes.tasks import make_dataset
+from recipes.trainer.run_folder import prepare_run_folder
 from workers.config import ModelConfig
 from workers.engine.checkpoint import CheckpointError
 from workers.models import load_tokenizer
@@ -229,6 +230,7 @@ def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
         except ModelPathError as err:
             raise ConfigError(str(err)) from None
     run_dir = Path(cfg.trainer.default_local_dir).expanduser().resolve()
+    prepare_run_folder(cfg, run_dir)  # another run's results are never overwritten silently
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_config(cfg, run_dir)  # model.path and critic.model_path as given (a Hub id stays an id)
     cfg.critic.model_path = critic_path

@@ -3,6 +3,7 @@ quickstart's SFT -> GRPO -> export flow, all on the nano model and a small gener
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,57 @@ def test_quickstart_flow(ray_session, tmp_path, capsys):
         assert (Path(d) / "tokenizer.json").is_file()
     assert Path(out["plot"]).is_file() and str(run_dir / "tensorboard") in text
     assert list((run_dir / "tensorboard" / "sft").glob("events.out.tfevents.*"))
+
+
+def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_path, capsys):
+    """The LoRA quickstart run after the quickstart, into the same folder, would have replaced its metrics,
+    curves and result.json without a word (issue 56): it is refused before anything is written, naming what
+    the folder holds, the keys that differ and the ways out. The same command again starts over in place when
+    there is nothing to resume; trainer.overwrite=true replaces another run's results."""
+    from recipes.config import ConfigError
+
+    run_dir = tmp_path / "quickstart"
+    first = [
+        *TINY,
+        f"trainer.default_local_dir={run_dir}",
+        "sft.total_steps=2",
+        "sft.batch_size=8",
+        "sft.optim.total_steps=2",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=1",
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+    ]
+    lora = [*first, "actor.lora.rank=16", "actor.lora.alpha=32", "actor.optim.lr=1e-3"]
+    quickstart.main(first)
+    kept = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "result.json", "config.yaml")}
+
+    def refused(overrides) -> str:
+        with pytest.raises(ConfigError) as err:
+            quickstart.main(overrides)
+        assert {name: (run_dir / name).read_bytes() for name in kept} == kept  # nothing written
+        return str(err.value)
+
+    message = refused(lora)  # resume_mode=disable over a checkpoint, whatever the config
+    assert f"{run_dir} holds metrics.jsonl with steps 1-1 and checkpoints up to step 1" in message
+    assert "trainer.resume_mode=auto" in message and "trainer.overwrite=true" in message
+    assert "trainer.experiment_name=<name>" in message
+    assert "holds metrics.jsonl" in refused(first)  # the same config does not start over a checkpoint either
+    shutil.rmtree(run_dir / "checkpoints")  # no checkpoint: the config tells the same run from another one
+    message = refused(lora)
+    assert "holds the results of another run (metrics.jsonl with steps 1-1;" in message
+    assert "actor.lora.alpha (16.0 -> 32.0)" in message and "actor.lora.rank (0 -> 16)" in message
+    assert "actor.optim.lr (" in message
+    capsys.readouterr()
+    start_run(load_config("quickstart", first), "quickstart", start_ray=False)  # the same command again
+    assert "no checkpoint to resume from: the run starts again and replaces them" in capsys.readouterr().out
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "result.json").exists()
+    assert not (run_dir / "tensorboard").exists() and (run_dir / "sft_model" / "config.json").is_file()
+    (run_dir / "metrics.jsonl").write_bytes(kept["metrics.jsonl"])  # as the rerun would log it
+    start_run(load_config("quickstart", [*lora, "trainer.overwrite=true"]), "quickstart", start_ray=False)
+    assert "trainer.overwrite=true: " in capsys.readouterr().out
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert load_config("quickstart", config_path=str(run_dir / "config.yaml"), check=False).actor.lora.rank == 16
 
 
 def test_the_ppo_command_warm_starts_the_tiny_model_and_rl_starts_from_it(ray_session, tmp_path, capsys):
