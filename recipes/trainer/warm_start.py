@@ -31,6 +31,8 @@ from recipes.trainer.roles import build_actor_group, metrics_of
 from recipes.trainer.run import Run
 from workers.engine import LoRAConfig
 
+PROGRESS_S = 30.0  # the warm start prints a line at least this often
+
 # rows, tokenizer, env config -> trajectories in the rollout layout
 Replay = Callable[[Sequence[Mapping], object, object], DataProto]
 # cfg, run -> endless SFT batches
@@ -62,16 +64,25 @@ def warm_start(cfg: RecipeConfig, run: Run, data: SFTData) -> str:
     actor, manager = build_actor_group(cfg, run, replace(cfg.actor, optim=cfg.sft.optim, lora=LoRAConfig()))
     try:
         timings: dict[str, float] = {}
+        last_line = time.monotonic()
         for step in range(1, cfg.sft.total_steps + 1):
             with timer("sft", timings):
                 metrics = metrics_of(actor.sft_step(next(batches)))
             if writer is not None:
                 for k, v in metrics.items():
                     writer.add_scalar(k, v, step)
-            if step % cfg.sft.log_every == 0 or step == cfg.sft.total_steps:
+            # every log_every steps, and at least every PROGRESS_S seconds: a long warm start is seen moving
+            if (
+                step % cfg.sft.log_every == 0
+                or step == cfg.sft.total_steps
+                or time.monotonic() - last_line >= PROGRESS_S
+            ):
+                last_line = time.monotonic()
+                left = timings["sft"] / step * (cfg.sft.total_steps - step)
                 print(
                     f"[sft] step {step}/{cfg.sft.total_steps} | loss {metrics['sft/loss']:.4f} | "
-                    f"lr {metrics['sft/lr']:.2e} | {timings['sft'] / step:.2f}s/step",
+                    f"lr {metrics['sft/lr']:.2e} | {timings['sft'] / step:.2f}s/step"
+                    + (f" | ~{left / 60:.0f} min left" if left >= 60 else ""),
                     flush=True,
                 )
         return actor.export_hf(str(run.dir / "sft_model"))[0]

@@ -1,6 +1,7 @@
 """End to end on CPU: the GRPO and PPO recipes in both placements, a reward that rises under GRPO, and the
 quickstart's SFT -> GRPO -> export flow, all on the nano model and a small generated task."""
 
+import importlib
 import json
 import math
 import shutil
@@ -201,12 +202,15 @@ def test_quickstart_flow(ray_session, tmp_path, capsys):
     assert list((run_dir / "tensorboard" / "sft").glob("events.out.tfevents.*"))
 
 
-def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_path, capsys):
+def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_path, capsys, monkeypatch):
     """The LoRA quickstart run after the quickstart, into the same folder, would have replaced its metrics,
     curves and result.json without a word (issue 56): it is refused before anything is written, naming what
     the folder holds, the keys that differ and the ways out. The same command again starts over in place when
-    there is nothing to resume; trainer.overwrite=true replaces another run's results."""
+    there is nothing to resume; trainer.overwrite=true replaces another run's results. (And the warm start
+    prints a line every PROGRESS_S seconds whatever sft.log_every says: here 0 s, so every step.)"""
     from recipes.config import ConfigError
+    # the module (recipes.trainer exports its function under the same name)
+    monkeypatch.setattr(importlib.import_module("recipes.trainer.warm_start"), "PROGRESS_S", 0.0)
 
     run_dir = tmp_path / "quickstart"
     first = [
@@ -214,6 +218,7 @@ def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_
         f"trainer.default_local_dir={run_dir}",
         "sft.total_steps=2",
         "sft.batch_size=8",
+        "sft.log_every=1000",
         "sft.optim.total_steps=2",
         "actor.ppo_mini_batch_size=4",
         "trainer.total_training_steps=1",
@@ -222,6 +227,7 @@ def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_
     ]
     lora = [*first, "actor.lora.rank=16", "actor.lora.alpha=32", "actor.optim.lr=1e-3"]
     quickstart.main(first)
+    assert "[sft] step 1/2 | loss" in capsys.readouterr().out  # by time, not by log_every
     kept = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "result.json", "config.yaml")}
 
     def refused(overrides) -> str:
