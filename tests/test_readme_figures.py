@@ -102,3 +102,30 @@ def test_readme_lora_figures_are_the_recorded_run():
     )
     assert lora["command"] in text and lora["commit"][:7] in text
     assert r["val_after"] - r["val_before"] >= 0.2
+
+
+WORD_COUNT = RESULT.with_name("word_count.json")
+AGENT_ENV = README.parent / "docs" / "agent_env.md"
+
+
+def test_the_word_count_example_learns_as_the_docs_say():
+    """docs/agent_env.md's figures for the one-file example environment, run as documented, equal
+    benchmarks/results/word_count.json, name its commit, and the recorded run learned: held-out success and
+    training reward both rose (issue 56: as shipped before, it earned reward 0 on every step)."""
+    recorded = json.loads(WORD_COUNT.read_text())
+    result = recorded["result"]
+    text = AGENT_ENV.read_text(encoding="utf-8")
+    shown = re.search(
+        r"word-count success rate (\d\.\d\d) -> (\d\.\d\d)\s+\(greedy, (\d+) held-out problems, "
+        r"step 0 -> step (\d+)\)",
+        text,
+    )
+    assert shown, "docs/agent_env.md: the word-count example's printed result is missing"
+    assert (float(shown[1]), float(shown[2])) == (round(result["val_before"], 2), round(result["val_after"], 2))
+    assert (int(shown[3]), int(shown[4])) == (recorded["val_samples"], result["steps"])
+    reward = f"{result['reward_first10']:.2f} over its first 10 steps, {result['reward_last10']:.2f} over its last 10"
+    assert reward in text and f"in {round(result['wall_s'])} s" in text
+    assert recorded["commit"] in text
+    for command in recorded["command"].split(" && "):
+        assert command in text
+    assert result["val_after"] > result["val_before"] and result["reward_last10"] > result["reward_first10"]
