@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
         common.append(f"sft.total_steps={args.sft_steps}")
     arms, sft_model = {}, args.sft_model
     for arm in ("calm", "chaos"):
-        cfg = load_config("quickstart", [*common, f"trainer.default_local_dir={work / arm}", "trainer.overwrite=true"])
+        cfg = load_config(
+            "quickstart", [*common, f"trainer.default_local_dir={work / arm}", "trainer.overwrite=true"]
+        )
         run = start_run(cfg, "quickstart")
         sft_model = sft_model or warm_start(cfg, run, demonstrations)  # one warm start for both arms
         run.model_path = sft_model

@@ -114,7 +114,9 @@ def warm_model(out: Path, sft_steps: int | None) -> str:
         print(f"[bench] reusing the warm start {model}")
         return str(model)
     steps = [f"sft.total_steps={sft_steps}"] if sft_steps is not None else []
-    cfg = load_config("quickstart", [*WARM, *steps, f"trainer.default_local_dir={out / 'warm'}", "trainer.overwrite=true"])
+    cfg = load_config(
+        "quickstart", [*WARM, *steps, f"trainer.default_local_dir={out / 'warm'}", "trainer.overwrite=true"]
+    )
     return warm_start(cfg, start_run(cfg, "quickstart"), demonstrations)
 
 
@@ -126,7 +128,9 @@ def measure_workload(
     response's length, and the seconds of each generate call by its size in sequences. Half the batches go
     in one call each (a sync step's call), the rest in calls of ``call_prompts`` prompts (``full``'s), so the
     decode cost is seen at two concurrencies."""
-    cfg = load_config(RECIPE, [*overrides, f"trainer.default_local_dir={out / 'workload'}", "trainer.overwrite=true"])
+    cfg = load_config(
+        RECIPE, [*overrides, f"trainer.default_local_dir={out / 'workload'}", "trainer.overwrite=true"]
+    )
     run = start_run(cfg, RECIPE, start_ray=False)
     engine = NativeEngine.from_pretrained(run.model_path, run.tokenizer, EngineConfig(seed=cfg.rollout.seed))
     threads = torch.get_num_threads()

@@ -55,7 +55,9 @@ def _summary(engine: str, result: dict, wall_s: float, load: tuple) -> dict:
 
 def main(argv: list[str]) -> dict:
     out_dir = "outputs/bench_sglang_vs_native"
-    base = load_config("quickstart", [*argv, f"trainer.default_local_dir={out_dir}/sft", "trainer.overwrite=true"])
+    base = load_config(
+        "quickstart", [*argv, f"trainer.default_local_dir={out_dir}/sft", "trainer.overwrite=true"]
+    )
     run = start_run(base, "quickstart")  # tiny model, task data, Ray
     t0 = time.perf_counter()
     sft_model = warm_start(base, run, demonstrations)
@@ -63,7 +65,13 @@ def main(argv: list[str]) -> dict:
     rows = []
     for engine in ("native", "sglang"):
         cfg = load_config(
-            "quickstart", [*argv, f"rollout.name={engine}", f"trainer.default_local_dir={out_dir}/{engine}", "trainer.overwrite=true"]
+            "quickstart",
+            [
+                *argv,
+                f"rollout.name={engine}",
+                f"trainer.default_local_dir={out_dir}/{engine}",
+                "trainer.overwrite=true",
+            ],
         )
         engine_run = start_run(cfg, "quickstart", start_ray=False)
         engine_run.model_path = sft_model  # both start from the same warm start

@@ -121,7 +121,10 @@ def test_the_word_count_example_learns_as_the_docs_say():
         text,
     )
     assert shown, "docs/agent_env.md: the word-count example's printed result is missing"
-    assert (float(shown[1]), float(shown[2])) == (round(result["val_before"], 2), round(result["val_after"], 2))
+    assert (float(shown[1]), float(shown[2])) == (
+        round(result["val_before"], 2),
+        round(result["val_after"], 2),
+    )
     assert (int(shown[3]), int(shown[4])) == (recorded["val_samples"], result["steps"])
     reward = f"{result['reward_first10']:.2f} over its first 10 steps, {result['reward_last10']:.2f} over its last 10"
     assert reward in text and f"in {round(result['wall_s'])} s" in text

@@ -49,7 +49,9 @@ def prepare_run_folder(cfg: RecipeConfig, run_dir: Path) -> None:
     held = _describe(steps, checkpoint)
     if cfg.trainer.overwrite:
         _clear(run_dir, with_checkpoints=True)
-        print(f"[run] trainer.overwrite=true: {run_dir} held {held}; removed, the run starts again", flush=True)
+        print(
+            f"[run] trainer.overwrite=true: {run_dir} held {held}; removed, the run starts again", flush=True
+        )
         return
     ways_out = (
         "give this run a folder of its own (trainer.experiment_name=<name> or trainer.default_local_dir=<dir>), "

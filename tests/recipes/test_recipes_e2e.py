@@ -209,6 +209,7 @@ def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_
     there is nothing to resume; trainer.overwrite=true replaces another run's results. (And the warm start
     prints a line every PROGRESS_S seconds whatever sft.log_every says: here 0 s, so every step.)"""
     from recipes.config import ConfigError
+
     # the module (recipes.trainer exports its function under the same name)
     monkeypatch.setattr(importlib.import_module("recipes.trainer.warm_start"), "PROGRESS_S", 0.0)
 
@@ -255,7 +256,9 @@ def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_
     start_run(load_config("quickstart", [*lora, "trainer.overwrite=true"]), "quickstart", start_ray=False)
     assert "trainer.overwrite=true: " in capsys.readouterr().out
     assert not (run_dir / "metrics.jsonl").exists()
-    assert load_config("quickstart", config_path=str(run_dir / "config.yaml"), check=False).actor.lora.rank == 16
+    assert (
+        load_config("quickstart", config_path=str(run_dir / "config.yaml"), check=False).actor.lora.rank == 16
+    )
 
 
 def test_the_ppo_command_warm_starts_the_tiny_model_and_rl_starts_from_it(ray_session, tmp_path, capsys):
