@@ -33,6 +33,44 @@ def new_weights(seed: int):
     return list(tiny_model(seed=seed).state_dict().items())
 
 
+# Long enough that an update from another thread lands mid-generation even on a loaded machine (the tiny model
+# holds 1,024 positions); the update must get in within this many tokens of being asked for.
+LONG = 1000
+
+
+class Generating(threading.Thread):
+    """``fn()`` on a thread of its own, keeping its result or its error for the test to see."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # noqa: BLE001 -- reported by wait_for_tokens / finish
+            self.error = exc
+
+    def wait_for_tokens(self, engine, n: int, timeout_s: float = 60.0) -> None:
+        """Until the engine has generated ``n`` tokens: fails (never hangs) when the generation raised, ended
+        first or did not get there in ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while engine.stats["generated_tokens"] < n:
+            if not self.is_alive():
+                raise AssertionError(f"the generation ended before {n} tokens") from self.error
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {n} tokens generated within {timeout_s:g} s")
+            time.sleep(0.001)
+
+    def finish(self, timeout_s: float = 120.0):
+        self.join(timeout_s)
+        assert not self.is_alive(), f"the generation did not end within {timeout_s:g} s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 def test_tokens_after_an_update_between_steps_carry_the_new_version():
     old, prompt = tiny_model(seed=0), make_prompts([6])[0]
     reference = engine_for(tiny_model(seed=0)).generate_batch([prompt], GREEDY)[0][0]
@@ -57,19 +95,15 @@ def test_an_update_from_another_thread_lands_mid_generation():
     """The generating thread steps back to back; the update (another thread, as a concurrent rollout worker's
     weight receive) must still get in between two steps, not wait for the whole generation."""
     engine = engine_for(tiny_model(seed=0))
-    params = SamplingParams(temperature=0.0, max_new_tokens=200)
-    outs: list = []
+    params = SamplingParams(temperature=0.0, max_new_tokens=LONG)
     weights = new_weights(seed=1)  # built before: building a model while generating would eat the margin
-    gen = threading.Thread(target=lambda: outs.extend(engine.generate_batch(make_prompts([5, 9, 3]), params)))
-    gen.start()
-    while engine.stats["generated_tokens"] < 6:  # generation under way
-        time.sleep(0.001)
+    gen = Generating(lambda: engine.generate_batch(make_prompts([5, 9, 3]), params))
+    gen.wait_for_tokens(engine, 6)  # generation under way
     engine.update_weights(weights, version=1)
-    gen.join()
-    for (out,) in outs:
+    for (out,) in gen.finish():
         v = out.versions
         assert v == sorted(v) and v[0] == 0 and v[-1] == 1, v  # old tokens, then new ones, in order
-        assert 2 <= v.index(1) < 200
+        assert 2 <= v.index(1) < LONG
 
 
 def test_abort_running_at_an_update_aborts_only_requests_started_on_old_weights():
@@ -94,16 +128,12 @@ def test_generate_sequences_returns_versions_and_aborted_rows():
         ids[i, 8 - len(p) :], mask[i, 8 - len(p) :] = torch.tensor(p), 1
     batch = DataProto.from_dict({"input_ids": ids, "attention_mask": mask})
     # long enough that the update lands mid-generation on a loaded machine (the abort ends it there)
-    batch.meta_info = {"do_sample": False, "response_length": 200}
-    result: list = []
+    batch.meta_info = {"do_sample": False, "response_length": LONG}
     weights = new_weights(seed=1)  # built before the generation starts, not in its margin
-    gen = threading.Thread(target=lambda: result.append(engine.generate_sequences(batch)))
-    gen.start()
-    while engine.stats["generated_tokens"] < 4:
-        time.sleep(0.001)
+    gen = Generating(lambda: engine.generate_sequences(batch))
+    gen.wait_for_tokens(engine, 4)
     engine.update_weights(weights, version=2, abort_running=True)
-    gen.join()
-    out = result[0]
+    out = gen.finish()
     assert out.batch["rollout_aborted"].tolist() == [True, True]
     valid = out.batch["response_mask"] > 0
     assert valid.any(dim=1).all() and not valid.all(dim=1).any()  # stopped early, at the update
