@@ -178,9 +178,16 @@ def test_shared_prompts_give_the_unshared_log_probs_values_and_gradients(model_d
     shared, plain = _engine(model_dir), _engine(model_dir, share_prompts=False)
     assert shared.share_prompts and not plain.share_prompts
     ref_lp, ref_ent = _padded_forward(model_dir, b)
-    out = shared.compute_log_prob(b, calculate_entropy=True)
+    fed = []  # the tokens the model itself was run on (an engine that stopped sharing feeds each prompt 4 times)
+    hook = shared.model.get_input_embeddings().register_forward_hook(lambda m, i, o: fed.append(i[0].numel()))
+    try:
+        out = shared.compute_log_prob(b, calculate_entropy=True)
+    finally:
+        hook.remove()
     torch.testing.assert_close(out["log_probs"], ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(out["entropy"], ref_ent, atol=1e-5, rtol=0)
+    each_prompt_once = b["attention_mask"][::4, :-R].sum() + b["attention_mask"][:, -R:].sum()
+    assert sum(fed) == each_prompt_once < b["attention_mask"].sum(), (fed, each_prompt_once)
     # a budget of whole groups, and one that cuts every group (the engine plans by prompt groups; the plain
     # engine by rows)
     for kw in ({}, {"micro_batch_size": 3}, {"max_token_len": 40}, {"max_token_len": 25}):
