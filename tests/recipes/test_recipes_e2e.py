@@ -166,22 +166,34 @@ def test_grpo_raises_an_easy_reward(ray_session, tmp_path):
     assert entropy[-1] < entropy[0]  # the policy sharpened towards digit tokens
 
 
-def test_quickstart_flow(ray_session, tmp_path, capsys):
+def test_quickstart_flow_then_a_second_run_never_overwrites_its_results(
+    ray_session, tmp_path, capsys, monkeypatch
+):
+    """The quickstart's SFT -> GRPO -> export flow and what it prints and writes. Then the LoRA quickstart into
+    the same folder, which would have replaced its metrics, curves and result.json without a word (issue 56): it
+    is refused before anything is written, naming what the folder holds, the keys that differ and the ways out.
+    The same command again starts over in place when there is nothing to resume; trainer.overwrite=true replaces
+    another run's results. (The warm start prints a line every PROGRESS_S seconds whatever sft.log_every says:
+    here 0 s, so every step.)"""
+    from recipes.config import ConfigError
+
+    # the module (recipes.trainer exports its function under the same name)
+    monkeypatch.setattr(importlib.import_module("recipes.trainer.warm_start"), "PROGRESS_S", 0.0)
     run_dir = tmp_path / "qs"
-    out = quickstart.main(
-        [
-            *TINY,
-            f"trainer.default_local_dir={run_dir}",
-            "sft.total_steps=4",
-            "sft.batch_size=8",
-            "sft.log_every=2",
-            "sft.optim.total_steps=4",
-            "actor.ppo_mini_batch_size=4",
-            "trainer.total_training_steps=1",
-            "trainer.test_freq=1",
-        ]
-    )
+    first = [
+        *TINY,
+        f"trainer.default_local_dir={run_dir}",
+        "sft.total_steps=4",
+        "sft.batch_size=8",
+        "sft.log_every=2",
+        "sft.optim.total_steps=4",
+        "actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=1",
+        "trainer.test_freq=1",
+    ]
+    out = quickstart.main(first)
     text = capsys.readouterr().out
+    assert "[sft] step 1/4 | loss" in text  # by time, not by log_every
     assert "[sft] step 4/4 | loss" in text
     assert f"validation accuracy {out['val_before']:.2f} -> {out['val_after']:.2f}" in text
     # the printed result as data: what benchmarks/results/quickstart.json copies from a full run
@@ -201,34 +213,7 @@ def test_quickstart_flow(ray_session, tmp_path, capsys):
     assert Path(out["plot"]).is_file() and str(run_dir / "tensorboard") in text
     assert list((run_dir / "tensorboard" / "sft").glob("events.out.tfevents.*"))
 
-
-def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_path, capsys, monkeypatch):
-    """The LoRA quickstart run after the quickstart, into the same folder, would have replaced its metrics,
-    curves and result.json without a word (issue 56): it is refused before anything is written, naming what
-    the folder holds, the keys that differ and the ways out. The same command again starts over in place when
-    there is nothing to resume; trainer.overwrite=true replaces another run's results. (And the warm start
-    prints a line every PROGRESS_S seconds whatever sft.log_every says: here 0 s, so every step.)"""
-    from recipes.config import ConfigError
-
-    # the module (recipes.trainer exports its function under the same name)
-    monkeypatch.setattr(importlib.import_module("recipes.trainer.warm_start"), "PROGRESS_S", 0.0)
-
-    run_dir = tmp_path / "quickstart"
-    first = [
-        *TINY,
-        f"trainer.default_local_dir={run_dir}",
-        "sft.total_steps=2",
-        "sft.batch_size=8",
-        "sft.log_every=1000",
-        "sft.optim.total_steps=2",
-        "actor.ppo_mini_batch_size=4",
-        "trainer.total_training_steps=1",
-        "trainer.save_freq=1",
-        "trainer.val_before_train=false",
-    ]
     lora = [*first, "actor.lora.rank=16", "actor.lora.alpha=32", "actor.optim.lr=1e-3"]
-    quickstart.main(first)
-    assert "[sft] step 1/2 | loss" in capsys.readouterr().out  # by time, not by log_every
     kept = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "result.json", "config.yaml")}
 
     def refused(overrides) -> str:
@@ -238,13 +223,13 @@ def test_a_second_run_never_overwrites_the_quickstarts_results(ray_session, tmp_
         return str(err.value)
 
     message = refused(lora)  # resume_mode=disable over a checkpoint, whatever the config
-    assert f"{run_dir} holds metrics.jsonl with steps 1-1 and checkpoints up to step 1" in message
+    assert f"{run_dir} holds metrics.jsonl with steps 0-1 and checkpoints up to step 1" in message
     assert "trainer.resume_mode=auto" in message and "trainer.overwrite=true" in message
     assert "trainer.experiment_name=<name>" in message
     assert "holds metrics.jsonl" in refused(first)  # the same config does not start over a checkpoint either
     shutil.rmtree(run_dir / "checkpoints")  # no checkpoint: the config tells the same run from another one
     message = refused(lora)
-    assert "holds the results of another run (metrics.jsonl with steps 1-1;" in message
+    assert "holds the results of another run (metrics.jsonl with steps 0-1;" in message
     assert "actor.lora.alpha (16.0 -> 32.0)" in message and "actor.lora.rank (0 -> 16)" in message
     assert "actor.optim.lr (" in message
     capsys.readouterr()
