@@ -3,7 +3,7 @@
 A folder holds results when its ``metrics.jsonl`` has a step or its ``checkpoints/`` a complete one. Then:
 
 * a run that resumes (``trainer.resume_mode=auto`` with a checkpoint there, or a checkpoint path) continues
-  it, as always;
+  it, printing the keys whose values changed; ``auto`` with another model (``MODEL_KEYS``) is refused;
 * ``trainer.overwrite=true`` removes what the earlier run wrote and starts again;
 * the same config again, with no checkpoint to resume from (a rerun of the same command, a job requeued before
   its first checkpoint) starts again in place: the results it replaces are the ones it will reproduce;
@@ -26,6 +26,14 @@ from recipes.trainer.checkpoint import CheckpointError, latest_step
 # What a run writes in its folder and a fresh start replaces (data/ and sft_model/ are rebuilt or reused on
 # their own terms; files a user put there are never touched).
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "curves.png", "hf_model", "result.json", "config.prev.yaml")
+# The model a checkpoint holds the weights of: resuming one with another of these is another run.
+MODEL_KEYS = {
+    "model.path",
+    "model.tiny_size",
+    "model.tiny_seed",
+    "model.tiny_chat_template",
+    "critic.model_path",
+}
 # Keys that change how a process runs, not what it trains: a run differing only in these is the same run.
 NOT_THE_RUN = {
     "trainer.resume_mode",
@@ -44,8 +52,11 @@ def prepare_run_folder(cfg: RecipeConfig, run_dir: Path) -> None:
     if not steps and checkpoint is None:
         return
     mode = cfg.trainer.resume_mode
-    if mode not in ("auto", "disable") or (mode == "auto" and checkpoint is not None):
-        return  # a resume: the run goes on in its own folder
+    if mode == "auto" and checkpoint is not None:  # a resume: the run goes on in its own folder
+        _check_resume(cfg, run_dir, checkpoint)
+        return
+    if mode not in ("auto", "disable"):
+        return  # an explicit checkpoint path: the user named what to continue
     held = _describe(steps, checkpoint)
     if cfg.trainer.overwrite:
         _clear(run_dir, with_checkpoints=True)
@@ -73,7 +84,27 @@ def prepare_run_folder(cfg: RecipeConfig, run_dir: Path) -> None:
         return
     raise ConfigError(
         f"trainer.default_local_dir: {run_dir} holds the results of another run ({held}; its config.yaml "
-        f"differs in {', '.join(changed)}) that this run would overwrite: {ways_out}"
+        f"differs in {changed[0]}) that this run would overwrite: {ways_out}"
+    )
+
+
+def _check_resume(cfg: RecipeConfig, run_dir: Path, checkpoint: int) -> None:
+    """A resume with another model is refused (its checkpoint holds that run's weights); any other change is
+    printed, so a changed command that quietly continues an earlier run is seen doing so."""
+    diffs = _differences(cfg, run_dir / "config.yaml")
+    if diffs is None or not diffs:
+        return
+    model = [d for d in diffs if d[0] in MODEL_KEYS]
+    if model:
+        raise ConfigError(
+            f"trainer.resume_mode=auto would resume {run_dir} at step {checkpoint}, a run of another model "
+            f"({_named(model)}): give this run a folder of its own (trainer.experiment_name=<name> or "
+            "trainer.default_local_dir=<dir>), or replace that run with trainer.overwrite=true"
+        )
+    print(
+        f"[run] resuming {run_dir} at step {checkpoint} with a config that differs from the run's: "
+        f"{_named(diffs)} (trainer.experiment_name=<name> starts a run of its own instead)",
+        flush=True,
     )
 
 
@@ -105,19 +136,30 @@ def _describe(steps: list[int], checkpoint: int | None) -> str:
     return " and ".join(parts)
 
 
-def _changed_keys(cfg: RecipeConfig, saved: Path, shown: int = 4) -> list[str]:
-    """The dotted keys whose values differ between ``saved`` and ``cfg`` (all of them unknown: a folder
-    without a readable config.yaml is another run's)."""
+def _changed_keys(cfg: RecipeConfig, saved: Path) -> list[str]:
+    """The keys whose values differ between ``saved`` and ``cfg``, as shown in a message (all of them unknown:
+    a folder without a readable config.yaml is another run's)."""
+    diffs = _differences(cfg, saved)
+    if diffs is None:
+        return [f"everything ({saved.name} is missing or unreadable)"]
+    return [_named(diffs)] if diffs else []
+
+
+def _differences(cfg: RecipeConfig, saved: Path) -> list[tuple[str, object, object]] | None:
+    """(dotted key, value in ``saved``, value now) for every key that differs, but those of NOT_THE_RUN; None
+    when ``saved`` cannot be read."""
     try:
         before = yaml.safe_load(saved.read_text())
     except (OSError, yaml.YAMLError):
-        return [f"everything ({saved.name} is missing or unreadable)"]
-    now = yaml.safe_load(to_yaml(cfg))
-    flat_before, flat_now = _flatten(before or {}), _flatten(now)
+        return None
+    flat_before, flat_now = _flatten(before or {}), _flatten(yaml.safe_load(to_yaml(cfg)))
     keys = sorted(k for k in flat_before.keys() | flat_now.keys() if flat_before.get(k) != flat_now.get(k))
-    keys = [k for k in keys if k not in NOT_THE_RUN]
-    named = [f"{k} ({flat_before.get(k)!r} -> {flat_now.get(k)!r})" for k in keys[:shown]]
-    return named + ([f"{len(keys) - shown} more"] if len(keys) > shown else [])
+    return [(k, flat_before.get(k), flat_now.get(k)) for k in keys if k not in NOT_THE_RUN]
+
+
+def _named(diffs: list[tuple[str, object, object]], shown: int = 4) -> str:
+    named = [f"{k} ({before!r} -> {now!r})" for k, before, now in diffs[:shown]]
+    return ", ".join(named + ([f"{len(diffs) - shown} more"] if len(diffs) > shown else []))
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
