@@ -89,8 +89,9 @@ def prepare_run_folder(cfg: RecipeConfig, run_dir: Path) -> None:
 
 
 def _check_resume(cfg: RecipeConfig, run_dir: Path, checkpoint: int) -> None:
-    """A resume with another model is refused (its checkpoint holds that run's weights); any other change is
-    printed, so a changed command that quietly continues an earlier run is seen doing so."""
+    """A resume with another model is refused (its checkpoint holds that run's weights), and so is a changed
+    config over a run that already finished (it would train nothing); any other change is printed, so a changed
+    command that quietly continues an earlier run is seen doing so."""
     diffs = _differences(cfg, run_dir / "config.yaml")
     if diffs is None or not diffs:
         return
@@ -100,6 +101,14 @@ def _check_resume(cfg: RecipeConfig, run_dir: Path, checkpoint: int) -> None:
             f"trainer.resume_mode=auto would resume {run_dir} at step {checkpoint}, a run of another model "
             f"({_named(model)}): give this run a folder of its own (trainer.experiment_name=<name> or "
             "trainer.default_local_dir=<dir>), or replace that run with trainer.overwrite=true"
+        )
+    total = cfg.trainer.total_training_steps
+    if total is not None and checkpoint >= total:
+        raise ConfigError(
+            f"trainer.resume_mode=auto would resume {run_dir}, which finished at step {checkpoint}, with a changed "
+            f"config ({_named(diffs)}), and train nothing: give this run a folder of its own "
+            "(trainer.experiment_name=<name> or trainer.default_local_dir=<dir>), raise "
+            "trainer.total_training_steps to train that run on, or replace it with trainer.overwrite=true"
         )
     print(
         f"[run] resuming {run_dir} at step {checkpoint} with a config that differs from the run's: "

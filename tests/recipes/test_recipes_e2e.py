@@ -227,12 +227,16 @@ def test_quickstart_flow_then_a_second_run_never_overwrites_its_results(
     assert "trainer.resume_mode=auto" in message and "trainer.overwrite=true" in message
     assert "trainer.experiment_name=<name>" in message
     assert "holds metrics.jsonl" in refused(first)  # the same config does not start over a checkpoint either
-    # resume_mode=auto continues the run: saying what changed, and never with another model's checkpoint
+    # resume_mode=auto continues the run: saying what changed, never with another model's checkpoint, and not
+    # a finished run with a changed config (it would train nothing)
+    message = refused([*lora, "trainer.resume_mode=auto"])
+    assert f"would resume {run_dir}, which finished at step 1, with a changed config (" in message
     capsys.readouterr()
-    start_run(load_config("quickstart", [*lora, "trainer.resume_mode=auto"]), "quickstart", start_ray=False)
+    longer = [*lora, "trainer.resume_mode=auto", "trainer.total_training_steps=2"]
+    start_run(load_config("quickstart", longer), "quickstart", start_ray=False)
     said = capsys.readouterr().out
     assert f"[run] resuming {run_dir} at step 1 with a config that differs from the run's: " in said
-    assert "actor.lora.rank (0 -> 16)" in said
+    assert "actor.lora.rank (0 -> 16)" in said and "trainer.total_training_steps (1 -> 2)" in said
     (run_dir / "config.yaml").write_bytes(kept["config.yaml"])  # the first run's again (the resume wrote its own)
     message = refused([*first, "trainer.resume_mode=auto", "model.tiny_size=tiny"])
     assert f"trainer.resume_mode=auto would resume {run_dir} at step 1, a run of another model " in message
