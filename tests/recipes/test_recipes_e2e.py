@@ -237,7 +237,9 @@ def test_quickstart_flow_then_a_second_run_never_overwrites_its_results(
     said = capsys.readouterr().out
     assert f"[run] resuming {run_dir} at step 1 with a config that differs from the run's: " in said
     assert "actor.lora.rank (0 -> 16)" in said and "trainer.total_training_steps (1 -> 2)" in said
-    (run_dir / "config.yaml").write_bytes(kept["config.yaml"])  # the first run's again (the resume wrote its own)
+    (run_dir / "config.yaml").write_bytes(
+        kept["config.yaml"]
+    )  # the first run's again (the resume wrote its own)
     message = refused([*first, "trainer.resume_mode=auto", "model.tiny_size=tiny"])
     assert f"trainer.resume_mode=auto would resume {run_dir} at step 1, a run of another model " in message
     assert "model.tiny_size ('nano' -> 'tiny')" in message
