@@ -26,14 +26,25 @@ class WorkerGroupError(RuntimeError):
         reason: str,
         remote_traceback: str = "",
         kind: str = "raised",
+        process: str = "",
     ):
         self.role, self.rank, self.method = role, rank, method
         self.reason, self.kind = reason, kind
         self.remote_traceback = _ANSI.sub("", remote_traceback)
+        self.process = process  # for a death: the lost process, its pool and every role it held
+        super().__init__(self._message())
+
+    def _message(self) -> str:
         msg = self.summary()
         if self.remote_traceback:
-            msg += f"\n--- remote ({role} rank {rank}) ---\n{self.remote_traceback}"
-        super().__init__(msg)
+            msg += f"\n--- remote ({self.role} rank {self.rank}) ---\n{self.remote_traceback}"
+        return msg
+
+    def name_process(self, process: str) -> None:
+        """Say which process died (``RayWorkerGroup.process_of``): the role that saw the death first is only one
+        of the roles a colocated process held."""
+        self.process = process
+        self.args = (self._message(),)
 
     @property
     def is_fault(self) -> bool:
@@ -43,10 +54,20 @@ class WorkerGroupError(RuntimeError):
     def summary(self) -> str:
         """One line: who failed where and why (no traceback)."""
         where = f"rank {self.rank}" if self.rank is not None else "group"
-        return f"worker group {self.role!r} {where} failed in {self.method!r}: {self.reason}"
+        line = f"worker group {self.role!r} {where} failed in {self.method!r}: {self.reason}"
+        return f"{line}; {self.process}" if self.process else line
 
     def __reduce__(self):
-        return type(self), (self.role, self.rank, self.method, self.reason, self.remote_traceback, self.kind)
+        args = (
+            self.role,
+            self.rank,
+            self.method,
+            self.reason,
+            self.remote_traceback,
+            self.kind,
+            self.process,
+        )
+        return type(self), args
 
 
 class WorkerGroupTimeoutError(WorkerGroupError):

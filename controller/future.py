@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import ray
 
+from controller.errors import WorkerGroupError
 from controller.wait import RankCall, wait_for_calls, wait_for_results
 from dataproto import DataProto, unpad_dataproto
 
@@ -29,8 +30,10 @@ class DataProtoFuture:
         chunk_positions: Sequence[int] | None = None,
         timeout_s: float | None = None,
         started: float | None = None,
+        process_of: Callable[[int], str] | None = None,
     ):
         self.role, self.method = role, method
+        self._process_of = process_of  # rank -> its process, pool and roles (named when a rank dies)
         self.refs, self.ranks = list(refs), list(ranks)
         self.pad_size = pad_size
         self._collect = collect
@@ -60,10 +63,21 @@ class DataProtoFuture:
         """Wait for every rank, collect on the controller and strip padding (cached)."""
         if not self.resolved:
             timeout = self._timeout_s if timeout_s is None else timeout_s
-            self._resolve(
-                wait_for_results(self.refs, self.ranks, self.role, self.method, timeout, self._started)
-            )
+            try:
+                outputs = wait_for_results(
+                    self.refs, self.ranks, self.role, self.method, timeout, self._started
+                )
+            except WorkerGroupError as err:
+                self.name_process(err)
+                raise
+            self._resolve(outputs)
         return self._result
+
+    def name_process(self, err: WorkerGroupError) -> None:
+        """Name the lost process in ``err`` when one of this call's ranks died."""
+        named = err.process or err.kind != "died" or err.rank is None
+        if not named and err.role == self.role and self._process_of is not None:
+            err.name_process(self._process_of(err.rank))
 
     def _resolve(self, outputs: list) -> None:
         """Collect the per-rank ``outputs`` into the result and strip padding."""
@@ -98,6 +112,7 @@ class SelectedFuture(DataProtoFuture):
         self._future, self._select = future, select
         self.role, self.method, self.pad_size = future.role, future.method, future.pad_size
         self.refs, self.ranks, self._timeout_s = future.refs, future.ranks, future._timeout_s
+        self._process_of = future._process_of
 
     @property
     def num_chunks(self) -> int | None:
@@ -126,7 +141,12 @@ def wait_all(futures: Sequence[DataProtoFuture], timeout_s: float | None = None)
     refs = [ref for f in pending for ref in f.refs]
     calls = [RankCall(f.role, f.method, rank) for f in pending for rank in f.ranks]
     started = min((f._started for f in pending), default=None)
-    outputs = wait_for_calls(refs, calls, timeout_s, started)
+    try:
+        outputs = wait_for_calls(refs, calls, timeout_s, started)
+    except WorkerGroupError as err:
+        for f in pending:
+            f.name_process(err)
+        raise
     start = 0
     for f in pending:
         f._resolve(outputs[start : start + len(f.refs)])

@@ -211,6 +211,8 @@ class RayWorkerGroup:
         self._mesh_info: dict[str, list[tuple[int, bool]]] = {}
         self._ready = []  # constructor calls not yet waited for (a group started with wait=False)
         self._pids: list[int] = []  # each rank's process id, once its constructor answered
+        # every role its processes hold: a colocated class's roles, else its own name (spawn sets its roles')
+        self._process_roles = sorted(getattr(worker_cls, COLOCATED_ROLES_ATTR, None) or [name])
         self._bind_methods()
 
     def _bind_methods(self) -> None:
@@ -238,6 +240,13 @@ class RayWorkerGroup:
         """Each rank's process id on its node (what a debugger, a profiler or a fault-injection test attaches
         to); empty until the group is ready."""
         return list(self._pids)
+
+    def process_of(self, rank: int) -> str:
+        """Rank ``rank``'s process as a fault report names it: its pid, its pool and every role it held."""
+        pid = f"pid {self._pids[rank]}, " if rank < len(self._pids) else ""
+        roles = ", ".join(repr(r) for r in self._process_roles)
+        held = f"the roles {roles}" if len(self._process_roles) > 1 else f"the role {roles}"
+        return f"its process ({pid}pool {self.resource_pool.name!r}) held {held}"
 
     def shares_processes_with(self, other: RayWorkerGroup) -> bool:
         """Whether both groups run on the same actors (roles spawned from one colocated group)."""
@@ -296,6 +305,7 @@ class RayWorkerGroup:
             chunk_positions=mode.chunk_ranks_fn(self) if mode.chunk_ranks_fn is not None else None,
             timeout_s=gm.timeout_s if gm.timeout_s is not None else self._default_timeout(args, kwargs),
             started=started,
+            process_of=self.process_of,
         )
         return future if not gm.blocking else future.get()
 
@@ -315,7 +325,14 @@ class RayWorkerGroup:
         ref = getattr(self._actors[rank], gm.remote_name).remote(*args, **kwargs)
         timeout = gm.timeout_s if gm.timeout_s is not None else self._default_timeout(args, kwargs)
         return DataProtoFuture(
-            self.name, method, [ref], [rank], collect=lambda outs: outs[0], timeout_s=timeout, started=started
+            self.name,
+            method,
+            [ref],
+            [rank],
+            collect=lambda outs: outs[0],
+            timeout_s=timeout,
+            started=started,
+            process_of=self.process_of,
         )
 
     # ------------------------------------------------------------------ colocated roles
@@ -345,6 +362,7 @@ class RayWorkerGroup:
         }
         for group in groups.values():
             group._pids = self._pids  # the same processes (filled in by wait_ready if not yet)
+            group._process_roles = sorted(roles)
         return groups
 
     def shutdown(self) -> None:

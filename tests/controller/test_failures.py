@@ -2,6 +2,7 @@
 whose constructor raises: the controller raises WorkerGroupError naming role, rank and method, promptly."""
 
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from controller import (
     Worker,
     WorkerGroupError,
     WorkerGroupTimeoutError,
+    create_colocated_worker_cls,
     register,
     wait,
 )
@@ -166,6 +168,30 @@ def test_a_death_is_named_before_the_peer_errors_it_caused(pool, monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_a_colocated_process_that_dies_is_named_with_every_role_it_held(ray_session):
+    """A process of a colocated pool holds several roles; the role whose call saw the death first is only one
+    of them (a SIGKILLed trainer process was reported as "worker group 'reward' rank 1 failed in
+    'compute_rm_score'"). The error names the process: its pid, its pool and every role it held."""
+    pool = ResourcePool([2], name="fault_naming_pool")
+    fused = create_colocated_worker_cls(
+        {"actor": RayClassWithInitArgs(FlakyWorker), "reward": RayClassWithInitArgs(FlakyWorker)}
+    )
+    group = RayWorkerGroup(pool, fused, name_prefix="actor_reward")
+    try:
+        roles = group.spawn(prefix_set={"actor", "reward"})
+        pids = roles["reward"].pid()
+        with pytest.raises(WorkerGroupError) as err:
+            roles["reward"].die()
+        assert err.value.kind == "died" and (err.value.role, err.value.rank) == ("reward", 1)
+        named = f"its process (pid {pids[1]}, pool 'fault_naming_pool') held the roles 'actor', 'reward'"
+        assert err.value.summary().endswith(named), err.value.summary()
+        assert named in str(err.value)
+        assert pickle.loads(pickle.dumps(err.value)).summary() == err.value.summary()  # as Ray ships it
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
 def test_ray_kill_mid_call_fails_fast(flaky):
     pending = flaky.nap.with_options(blocking=False)(30)
     ray.kill(flaky.actors[0])

@@ -157,6 +157,9 @@ def test_a_trainer_rank_killed_mid_step_is_recovered_to_the_metrics_of_a_hand_re
         len(re.findall(r"FAULT at step 3: worker group '(?:actor|ref|rollout|reward)' rank 1 failed in", out))
         == 1
     ), out
+    # and the line names the process that was lost, with every role it held, not only the one that saw it
+    named = re.search(r"FAULT at step 3: .*; its process \(pid \d+, pool '\w+'\) held the roles ([^\n]+)", out)
+    assert named and all(f"'{role}'" in named[1] for role in ("actor", "ref", "rollout", "reward")), out
     assert (
         "fault 1 of 2, a restart: every worker group is rebuilt and training goes on from the checkpoint of step 2"
         in out
@@ -175,6 +178,7 @@ def test_without_restarts_a_killed_worker_ends_the_run_naming_it(ray_session, tm
     with pytest.raises(WorkerGroupError, match="worker group '(actor|ref|rollout)' rank 0 failed in") as err:
         grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
     assert err.value.kind == "died" and err.value.is_fault
+    assert re.search(r"; its process \(pid \d+, pool '\w+'\) held the roles '", err.value.summary())
 
 
 class _SlowSaver:
