@@ -75,9 +75,11 @@ class DataProtoFuture:
 
     def name_process(self, err: WorkerGroupError) -> None:
         """Name the lost process in ``err`` when one of this call's ranks died."""
-        named = err.process or err.kind != "died" or err.rank is None
-        if not named and err.role == self.role and self._process_of is not None:
-            err.name_process(self._process_of(err.rank))
+        rank = err.rank
+        if rank is None or err.process or err.kind != "died" or err.role != self.role:
+            return
+        if self._process_of is not None:
+            err.name_process(self._process_of(rank))
 
     def _resolve(self, outputs: list) -> None:
         """Collect the per-rank ``outputs`` into the result and strip padding."""

@@ -158,7 +158,9 @@ def test_a_trainer_rank_killed_mid_step_is_recovered_to_the_metrics_of_a_hand_re
         == 1
     ), out
     # and the line names the process that was lost, with every role it held, not only the one that saw it
-    named = re.search(r"FAULT at step 3: .*; its process \(pid \d+, pool '\w+'\) held the roles ([^\n]+)", out)
+    named = re.search(
+        r"FAULT at step 3: .*; its process \(pid \d+, pool '\w+'\) held the roles ([^\n]+)", out
+    )
     assert named and all(f"'{role}'" in named[1] for role in ("actor", "ref", "rollout", "reward")), out
     assert (
         "fault 1 of 2, a restart: every worker group is rebuilt and training goes on from the checkpoint of step 2"
