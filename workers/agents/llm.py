@@ -6,18 +6,15 @@
   tokenised by themselves (``ChatFormat``) and appended, so the records can be trained on.
 * ``ChatLLM``: message level (e.g. an OpenAI-compatible HTTP endpoint): text only, for inference.
 
-``conversation(messages, limit, tools=None)`` starts a conversation (``tools``: OpenAI function schemas, which the
-chat template renders): ``await respond(params)`` -> `ModelResponse`, ``add_user(text)`` appends an observation and
-``add_messages(messages)`` any messages, e.g. ``tool`` results (False when they would not fit under the token limit);
-``complete(prompt, params)`` is one plain ``[user: prompt]`` completion (a `Completion`: text and token usage).
-A request that cannot fit raises `ContextFull`.
+Both are `LLM`s and their conversations `Conversation`s: the two protocols below are the interface, written once.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from workers.agents.chat_format import ChatFormat
 from workers.agents.limits import BudgetSpent
@@ -30,7 +27,9 @@ __all__ = [
     "ChatLLM",
     "Completion",
     "ContextFull",
+    "Conversation",
     "EngineLLM",
+    "LLM",
     "GenerateFn",
     "ModelResponse",
     "TokenConversation",
@@ -91,6 +90,44 @@ class ModelResponse:
             finish_reason=self.finish_reason,
             full_prompt=self.full_prompt,
         )
+
+
+@runtime_checkable
+class Conversation(Protocol):
+    """What every conversation offers an agent, the one written statement of it: `TokenConversation` (token-exact,
+    trainable), `ChatConversation` (messages only, for inference) and ``workers.rlm.session.SessionConversation``
+    (either, wrapped so a long RLM session is compacted) all implement it, and an agent never asks which it holds.
+
+    ``messages`` is the history as the chat template (or the chat endpoint) sees it. ``respond`` runs one model
+    turn and appends it (`ContextFull` when the next request cannot fit its token limit); ``add_messages``
+    appends observations after it (``user``, ``tool``), False and nothing appended when they would leave no room
+    for one more generated token; ``add_user(text)`` is ``add_messages([user: text])``; ``len()`` is the token
+    count fed next (0 where the conversation has no token ids)."""
+
+    messages: list[dict]
+
+    def __len__(self) -> int: ...
+
+    async def respond(self, params: SamplingParams) -> ModelResponse: ...
+
+    def add_user(self, text: str) -> bool: ...
+
+    def add_messages(self, messages: Sequence[dict]) -> bool: ...
+
+
+@runtime_checkable
+class LLM(Protocol):
+    """What every LLM client offers an agent (`EngineLLM`, `ChatLLM`): ``token_exact`` says whether its
+    conversations' records can be trained on; ``conversation`` starts one (``tools``: OpenAI function schemas the
+    template renders; a client that cannot render them raises ValueError); ``complete`` is one plain
+    ``[user: prompt]`` call."""
+
+    name: str
+    token_exact: bool
+
+    def conversation(self, messages: Sequence[dict], limit: int | None, tools=None) -> Conversation: ...
+
+    async def complete(self, prompt: str, params: SamplingParams) -> Completion: ...
 
 
 class EngineLLM:
