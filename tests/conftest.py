@@ -1,4 +1,4 @@
-"""Test-session fixtures: one Ray session for the whole pytest run (DESIGN.md conventions)."""
+"""Test-session fixtures: one Ray session for the whole pytest run (docs/architecture.md, Conventions)."""
 
 import os
 import subprocess
