@@ -92,7 +92,7 @@ def generate_call(model_dir: str, compile: bool, prompts, new: int, out: list):
     """A call that generates for ``prompts`` and leaves each one's tokens in ``out``."""
     from transformers import AutoModelForCausalLM
 
-    from workers.engine.distributed import default_device
+    from workers.distributed import default_device
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(default_device()).eval()
     engine = NativeEngine(

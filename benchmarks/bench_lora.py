@@ -52,8 +52,8 @@ def _loss(outputs, micro, ctx):
 
 
 def measure(model_dir: str, vocab: int, lora_rank: int | None, args) -> dict:
+    from workers.distributed import default_device
     from workers.engine import EngineConfig, FSDPEngine, LoRAConfig, OptimConfig
-    from workers.engine.distributed import default_device
     from workers.models.loading import load_model
     from workers.rollout.native import EngineConfig as RolloutConfig
     from workers.rollout.native import NativeEngine

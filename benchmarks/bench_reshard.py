@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.common import print_table, write_json
-from workers.engine.distributed import free_port
+from workers.distributed import free_port
 from workers.weight_sync.reshard import Resharder, paper_volume_bytes
 from workers.weight_sync.reshard_plan import GenLayout, ReshardPlan, TrainLayout, hf_param_specs
 

@@ -37,8 +37,8 @@ import time
 import torch
 
 from benchmarks.common import QWEN2_0_5B_SHAPE, print_table, time_paired, write_json
+from workers import distributed as du
 from workers.engine import EngineConfig, FSDPEngine, OptimConfig
-from workers.engine import distributed as du
 
 CPU_MODEL = dict(
     vocab_size=2048,

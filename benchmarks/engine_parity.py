@@ -142,7 +142,7 @@ def lp_errors(lp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workers.engine import distributed as du
+    from workers import distributed as du
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(

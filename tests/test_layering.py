@@ -1,6 +1,7 @@
-"""The layering of docs/architecture.md, checked on every import statement of the
-package folders, lazy ones inside functions included: arrows point one way (nothing below imports recipes/, the
-driver layer), controller/ knows no model, algorithms/ knows no Ray. A wrong import fails here, not in review."""
+"""The layering of docs/architecture.md, checked on every import statement of the package folders, lazy ones inside
+functions included: arrows point one way (nothing below imports recipes/, the driver layer), controller/ knows no
+model, algorithms/ knows no Ray, and rollout and environment code never imports the training package. A wrong
+import fails here, not in review."""
 
 import ast
 from pathlib import Path
@@ -27,14 +28,24 @@ NEVER = {
 }
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, top-level module) of every absolute import in ``path``."""
+# Floors inside workers/: what serves rollouts and environments never imports the training package
+# (workers.engine: FSDP, Megatron, their optimizers); the helpers both sides use live below it
+# (workers.distributed, workers.models).
+NOT_THE_TRAINING_PACKAGE = ("rollout", "agents", "sandbox", "rlm", "math_env", "reward", "prm", "weight_sync")
+
+
+def imports(path: Path, depth: int = 1) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``path``, the module cut to its first ``depth`` parts."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = []
         if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name.split(".")[0]) for alias in node.names]
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module.split(".")[0]))
+            names = [node.module]
+            if node.module == "workers":  # from workers import engine
+                names = [f"workers.{alias.name}" for alias in node.names]
+        out += [(node.lineno, ".".join(name.split(".")[:depth])) for name in names]
     return out
 
 
@@ -54,6 +65,18 @@ def violations(folder: str) -> list[str]:
 @pytest.mark.parametrize("folder", sorted(MAY_IMPORT))
 def test_no_import_runs_up_a_layer(folder):
     found = violations(folder)
+    assert not found, "\n".join(found)
+
+
+def test_rollout_and_environment_code_never_imports_the_training_package():
+    found = []
+    for package in NOT_THE_TRAINING_PACKAGE:
+        for path in sorted((ROOT / "workers" / package).rglob("*.py")):
+            found += [
+                f"{path.relative_to(ROOT)}:{line} imports workers.engine (the training package)"
+                for line, module in imports(path, depth=2)
+                if module == "workers.engine"
+            ]
     assert not found, "\n".join(found)
 
 

@@ -8,7 +8,7 @@
   TP/PP/DP; imported on use: megatron-core is optional); both take the methods they share from
   `train_steps.EngineSteps` and their optimizer from `optim`.
 * `checkpoint`: resumable DCP checkpoints and Hugging Face export of any `TrainEngine`.
-* `packing` (unpadded micro-batches), `distributed` (process group helpers). The varlen attention the
+* `packing` (unpadded micro-batches); the process-group helpers are `workers.distributed`. The varlen attention the
   engines run (``hyflow_varlen``) lives beside the models, in `workers.models.attention`.
 """
 

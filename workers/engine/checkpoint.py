@@ -44,7 +44,7 @@ import xxhash
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
-from workers.engine import distributed as du
+from workers import distributed as du
 from workers.engine.base import LoRATrainEngine, TrainEngine
 from workers.engine.lora import write_peft_adapter
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from workers.engine import distributed as du
+from workers import distributed as du
 from workers.engine.base import EngineConfig, LossFn
 from workers.engine.lora import adapter_named_tensors, add_adapters, base_name, merged_named_tensors
 from workers.engine.optim import build_optimizer

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from workers.agents.chat_format import ChatFormat
 from workers.agents.clients import OpenAIChat
-from workers.engine.distributed import default_device
+from workers.distributed import default_device
 from workers.event_loop import LoopThread
 from workers.models import load_tokenizer
 from workers.rollout.native import EngineConfig, NativeEngine

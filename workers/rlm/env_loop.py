@@ -28,7 +28,7 @@ from dataproto import DataProto
 from workers.agents.llm import EngineLLM
 from workers.agents.loop import AgentEnvConfig, AgentJob, AgentLoop, LoopContext
 from workers.agents.trajectory import STATUSES, Trajectory
-from workers.engine.distributed import default_device
+from workers.distributed import default_device
 from workers.models import load_tokenizer
 from workers.reward import score_batch
 from workers.rlm.agent import AgentConfig, RLMAgent, normalize_context

@@ -151,7 +151,7 @@ def rollout_dtype(model: ModelConfig, rollout: RolloutConfig) -> str:
     """The name of the rollout engine's weight and KV-cache dtype: ``rollout.dtype``, where ``auto`` is bfloat16
     on CUDA (what every peer samples in: half the weight and KV bytes that decode streams) and the training dtype
     (``model.dtype``) on CPU, where bfloat16 matmuls are slower than float32 ones."""
-    from workers.engine.distributed import default_device  # the training package: imported only here
+    from workers.distributed import default_device
 
     if rollout.dtype != "auto":
         return rollout.dtype

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from workers.distributed import run_in_processes
 from workers.engine import (
     CheckpointError,
     FSDPEngine,
@@ -31,7 +32,6 @@ from workers.engine import (
     save_checkpoint,
     verify_checkpoint,
 )
-from workers.engine.distributed import run_in_processes
 from workers.engine.fsdp_engine import decoder_layers
 from workers.engine.packing import group_rows_by_prompt, restore_order
 

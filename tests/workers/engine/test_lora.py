@@ -11,8 +11,8 @@ from peft import LoraConfig, get_peft_model
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
+from workers.distributed import run_in_processes
 from workers.engine import CheckpointError, FSDPEngine, LoRAConfig, load_checkpoint, save_checkpoint
-from workers.engine.distributed import run_in_processes
 from workers.engine.lora import target_module_errors
 
 R = 10

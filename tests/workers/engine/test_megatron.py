@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.skips import skip_or_fail
-from workers.engine.distributed import run_in_processes
+from workers.distributed import run_in_processes
 from workers.engine.megatron.hf_conversion import (
     ModelShape,
     hf_chunks,

@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from workers.config import ModelConfig, RolloutConfig
+from workers.distributed import run_in_processes
 from workers.engine import FSDPEngine
-from workers.engine.distributed import run_in_processes
 from workers.models import load_model
 from workers.models.meta_init import RandomWeights, random_init_seed, write_random_init_model
 from workers.roles.rollout import build_rollout_engine

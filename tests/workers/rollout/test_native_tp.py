@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine.distributed import run_in_processes
+from workers.distributed import run_in_processes
 from workers.rollout.native.model import spec_from_hf, tp_local_spec
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [300, 301, 302, 303], [40]]  # different lengths

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine.distributed import run_in_processes
+from workers.distributed import run_in_processes
 from workers.weight_sync.reshard import paper_volume_bytes
 from workers.weight_sync.reshard_plan import (
     GenLayout,

@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from workers.engine import distributed as du
+from workers import distributed as du
 from workers.engine.base import EngineConfig, LossFn, MegatronConfig
 from workers.engine.megatron import cpu_compat
 from workers.engine.megatron.hf_conversion import (

@@ -46,7 +46,7 @@ class HFGenerateEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, model, rollout, tokenizer, *, rank: int = 0, tp_group=None) -> HFGenerateEngine:
-        from workers.engine.distributed import default_device  # the training package: imported only here
+        from workers.distributed import default_device
 
         hf_model = load_model(
             model.path,

@@ -237,7 +237,7 @@ class NativeEngine(RolloutEngine):
         from the tokenizer. A directory that can be built on the meta device keeps one copy of the weights,
         the engine's: its layout is made from a model without weights, then the weights are read in one tensor
         at a time (a random-init directory: the trainer's seeded weights)."""
-        from workers.engine.distributed import default_device  # the training package: imported only here
+        from workers.distributed import default_device
 
         hf_config = load_config(model.path, trust_remote_code=model.trust_remote_code)
         max_len = rollout.prompt_length + rollout.response_length

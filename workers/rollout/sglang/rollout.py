@@ -262,7 +262,7 @@ class SGLangRollout(RolloutEngine):
         engine (tests, CI), whose KV cache is sized for ``max_num_seqs`` whole sequences (no GPU memory to size
         it from)."""
         # the training package and the model loaders: imported only where a worker builds an engine
-        from workers.engine.distributed import default_device
+        from workers.distributed import default_device
         from workers.models import pad_token_id_of
 
         device = default_device().type

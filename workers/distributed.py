@@ -1,5 +1,7 @@
-"""torch.distributed helpers for the training engine: init from env, device choice, reductions that are
-identity when there is no process group."""
+"""torch.distributed helpers that any worker uses (training engines, rollout engines, the PRM, env workers): init from
+env, device choice, rank and world size that are those of one process when there is no process group, and
+``run_in_processes`` for parity tests. A floor below ``workers.engine``: rollout code imports it without the
+training package."""
 
 from __future__ import annotations
 
