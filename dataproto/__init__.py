@@ -1,5 +1,6 @@
 """The batch type that crosses process boundaries (see dataproto/BATCH_LAYOUT.md for shared keys)."""
 
+from dataproto.layout import position_ids
 from dataproto.metrics_merge import merge_meta_info, merge_rule
 from dataproto.proto import DataProto, DataProtoItem, pad_dataproto_to_divisor, unpad_dataproto
 
@@ -9,5 +10,6 @@ __all__ = [
     "merge_meta_info",
     "merge_rule",
     "pad_dataproto_to_divisor",
+    "position_ids",
     "unpad_dataproto",
 ]

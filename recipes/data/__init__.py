@@ -10,27 +10,22 @@ RL prompts::
         ckpt["data"] = loader.state_dict()                       # {"epoch", "index", ...}
     loader.load_state_dict(ckpt["data"])                         # the same next batch as before
 
-SFT warm start (prompt + ``extra_info["solution"]``, loss on the solution tokens only)::
-
-    sft = SFTDataset(["data/arith/train.parquet"], tokenizer, max_length=256)
-    for batch in SFTDataLoader(sft, batch_size=32, seed=0):
-        loss = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")},
-                     labels=batch["labels"]).loss
+SFT warm start (prompt + ``extra_info["solution"]``, loss on the solution tokens only): ``SFTDataset`` holds the
+(prompt ids, solution ids + EOS) pairs; ``recipes.trainer.data.sft_loader`` batches them in the rollout layout that
+``ActorWorker.sft_step`` trains on (``collate_sft_layout``).
 """
 
 from recipes.data.loader import ResumableLoader
 from recipes.data.prompts import PromptDataLoader, PromptDataset, collate_prompts, to_dataproto
 from recipes.data.reading import read_rows, render_prompt
-from recipes.data.sft import SFTDataLoader, SFTDataset, collate_sft
+from recipes.data.sft import SFTDataset
 
 __all__ = [
     "PromptDataLoader",
     "PromptDataset",
     "ResumableLoader",
-    "SFTDataLoader",
     "SFTDataset",
     "collate_prompts",
-    "collate_sft",
     "read_rows",
     "render_prompt",
     "to_dataproto",

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from dataproto import DataProto
+from dataproto import DataProto, position_ids
 from recipes.data.loader import ResumableLoader
 from recipes.data.reading import read_rows, render_prompt, tokenize_texts
 
@@ -215,7 +215,6 @@ def collate_prompts(
         n = len(it["input_ids"])
         input_ids[i, width - n :] = torch.tensor(it["input_ids"], dtype=torch.long)
         attention_mask[i, width - n :] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if uids is None:
         uids = [str(uuid.uuid4()) for _ in items]
     non_tensors = {
@@ -230,7 +229,11 @@ def collate_prompts(
     if any("env_name" in it for it in items):
         non_tensors["env_name"] = object_array([it.get("env_name", "") for it in items])
     return {
-        "tensors": {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+        "tensors": {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids(attention_mask),
+        },
         "non_tensors": non_tensors,
         "meta_info": {},
     }

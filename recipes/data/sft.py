@@ -6,14 +6,9 @@ import logging
 import os
 from collections.abc import Sequence
 
-import torch
-
-from recipes.data.loader import ResumableLoader
 from recipes.data.reading import read_rows, render_prompt, tokenize_texts
 
 logger = logging.getLogger("recipes.data")
-
-IGNORE_INDEX = -100
 
 
 class SFTDataset:
@@ -70,57 +65,3 @@ class SFTDataset:
 
     def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
         return self.items[i]
-
-
-def collate_sft(items: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad (prompt, response) pairs.
-
-    Returns ``input_ids``, ``attention_mask``, ``position_ids`` ([B, L] int64), ``loss_mask``
-    ([B, L] float32, 1 where ``input_ids[b, t]`` is a response token to be predicted -- the logits at
-    ``t - 1`` are scored against it) and ``labels`` (``input_ids`` with -100 outside the response,
-    ready for a Hugging Face causal-LM ``labels=`` argument, which shifts internally).
-    """
-    width = max(len(p) + len(a) for p, a in items)
-    b = len(items)
-    input_ids = torch.full((b, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, width), dtype=torch.long)
-    loss_mask = torch.zeros((b, width), dtype=torch.float32)
-    for i, (p, a) in enumerate(items):
-        seq = p + a
-        input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention_mask[i, : len(seq)] = 1
-        loss_mask[i, len(p) : len(seq)] = 1.0
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    labels = torch.where(loss_mask.bool(), input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "loss_mask": loss_mask,
-        "labels": labels,
-    }
-
-
-class SFTDataLoader(ResumableLoader):
-    """Shuffled (by ``seed`` and epoch), resumable batches of ``collate_sft`` dicts."""
-
-    def __init__(
-        self,
-        dataset: SFTDataset,
-        batch_size: int,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = True,
-        pad_token_id: int | None = None,
-    ):
-        pad = dataset.tokenizer.pad_token_id if pad_token_id is None else pad_token_id
-        if pad is None:
-            raise ValueError("the tokenizer has no pad token; pass pad_token_id")
-        super().__init__(
-            dataset,
-            batch_size,
-            lambda items, epoch, rows: collate_sft(items, pad),
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
 from dataproto import DataProto
 from recipes.config import ConfigError
 from recipes.data import PromptDataLoader, PromptDataset, SFTDataset, to_dataproto
@@ -17,6 +15,7 @@ from recipes.data.loader import ResumableLoader
 from recipes.data.prompts import UnknownDataSourceError, UnknownEnvNameError
 from recipes.schemas import RecipeConfig
 from workers.reward import SCORERS
+from workers.rollout.batch import RolloutRow, build_rollout_batch
 
 
 def scored_data_sources(cfg: RecipeConfig) -> set[str] | None:
@@ -94,32 +93,15 @@ def prompt_batches(loader: PromptDataLoader) -> Iterator[DataProto]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+SFT_KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask")
+
+
 def collate_sft_layout(items: list[tuple[list[int], list[int]]], pad_token_id: int) -> DataProto:
-    """Left-padded ``prompts``, right-padded ``responses`` (the solution + EOS), ``input_ids``,
-    ``attention_mask``, ``position_ids`` and ``response_mask`` -- what ``ActorWorker.sft_step`` trains on."""
-    b = len(items)
-    p_len = max(len(p) for p, _ in items)
-    r_len = max(len(a) for _, a in items)
-    prompts = torch.full((b, p_len), pad_token_id, dtype=torch.long)
-    responses = torch.full((b, r_len), pad_token_id, dtype=torch.long)
-    p_mask = torch.zeros((b, p_len), dtype=torch.long)
-    r_mask = torch.zeros((b, r_len), dtype=torch.long)
-    for i, (p, a) in enumerate(items):
-        prompts[i, p_len - len(p) :] = torch.tensor(p, dtype=torch.long)
-        p_mask[i, p_len - len(p) :] = 1
-        responses[i, : len(a)] = torch.tensor(a, dtype=torch.long)
-        r_mask[i, : len(a)] = 1
-    attention_mask = torch.cat([p_mask, r_mask], dim=1)
-    return DataProto.from_dict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "response_mask": r_mask.float(),
-        }
-    )
+    """(prompt, solution + EOS) pairs as a rollout batch (``build_rollout_batch``, the one builder of the layout):
+    left-padded ``prompts``, right-padded ``responses``, ``input_ids``, ``attention_mask``, ``position_ids`` and
+    ``response_mask`` -- what ``ActorWorker.sft_step`` trains on."""
+    tensors = build_rollout_batch([RolloutRow(p, a) for p, a in items], pad_token_id=pad_token_id)
+    return DataProto.from_dict({k: tensors[k] for k in SFT_KEYS})
 
 
 def sft_loader(cfg, run) -> ResumableLoader:

@@ -11,7 +11,6 @@ import torch
 from recipes.data import (
     PromptDataLoader,
     PromptDataset,
-    SFTDataLoader,
     SFTDataset,
     collate_prompts,
     render_prompt,
@@ -185,19 +184,23 @@ def test_to_dataproto(tokenizer, arith):
 
 
 def test_sft_dataset_masks_prompt(tokenizer, arith, tmp_path, caplog):
+    """SFT pairs in the rollout layout (``collate_sft_layout``, through the rollout batch builder): the prompt as
+    RL renders it, left-padded; the solution + EOS as the response, right-padded, and the loss on it alone."""
+    from recipes.trainer.data import collate_sft_layout
+
     sft = SFTDataset(arith["train"], tokenizer, max_length=128)
     assert len(sft) == 100
-    batch = next(iter(SFTDataLoader(sft, batch_size=4, seed=0)))
-    ids, lm, labels, mask = batch["input_ids"], batch["loss_mask"], batch["labels"], batch["attention_mask"]
-    assert ids.shape == lm.shape == labels.shape
-    assert (mask[:, 0] == 1).all()  # right padded
+    batch = collate_sft_layout([sft[i] for i in range(4)], tokenizer.pad_token_id).batch
+    prompts, responses, rmask = batch["prompts"], batch["responses"], batch["response_mask"]
+    ids, mask, P = batch["input_ids"], batch["attention_mask"], batch["prompts"].shape[1]
+    assert torch.equal(ids, torch.cat([prompts, responses], 1)) and (mask[:, P - 1] == 1).all()  # left padded
+    assert (rmask[:, 0] == 1).all() and torch.equal(rmask, mask[:, P:].float())  # right padded
     for i in range(4):
-        resp = tokenizer.decode(ids[i][lm[i].bool()])
-        prompt = tokenizer.decode(ids[i][(mask[i] == 1) & (lm[i] == 0)])
+        prompt = tokenizer.decode(prompts[i][mask[i, :P].bool()])
+        resp = tokenizer.decode(responses[i][rmask[i].bool()])
         assert prompt.startswith("<|im_start|>user\nCompute ") and prompt.endswith("assistant\n")
         assert "\\boxed{" in resp and resp.endswith("<|im_end|>")
-        assert torch.equal(labels[i][lm[i].bool()], ids[i][lm[i].bool()])
-        assert (labels[i][~lm[i].bool()] == -100).all()
+        assert (prompt, resp) == (tokenizer.decode(sft[i][0]), tokenizer.decode(sft[i][1]))
     # rows without a solution are skipped naming the row; overlong examples are counted
     rows = [_row("Compute 1+2."), _row("Compute 1+2.", solution=""), _row("Compute " + "1+" * 60 + "1.")]
     path = tmp_path / "sft.parquet"
@@ -206,10 +209,13 @@ def test_sft_dataset_masks_prompt(tokenizer, arith, tmp_path, caplog):
         small = SFTDataset(path, tokenizer, max_length=64)
     assert len(small) == 1 and small.num_malformed == 1 and small.num_filtered_overlong == 1
     assert f"skipping row 1 of {path}: extra_info.solution is missing or empty" in caplog.text
-    # the HF loss on labels equals the loss_mask-weighted token loss
+    # the HF loss on labels (the response tokens, -100 elsewhere) equals the response_mask-weighted token loss:
+    # the layout's position_ids and mask are what a HF forward over left padding needs
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tokenizer.name_or_path)
+    lm = torch.cat([torch.zeros_like(prompts, dtype=torch.float32), rmask], 1)
+    labels = torch.where(lm.bool(), ids, torch.full_like(ids, -100))
     out = model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"], labels=labels)
     logp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     manual = -(logp * lm[:, 1:]).sum() / lm[:, 1:].sum()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataproto import DataProto
+from dataproto import DataProto, position_ids
 from workers.rollout.sampling import GenerationOutput
 
 __all__ = [
@@ -124,7 +124,7 @@ def build_rollout_batch(
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "position_ids": position_ids(attention_mask),
         "response_mask": loss_mask,
         "rollout_versions": versions,
         "rollout_aborted": torch.tensor([r.aborted for r in rows], dtype=torch.bool),
