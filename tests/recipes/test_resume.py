@@ -171,6 +171,26 @@ def test_a_trainer_rank_killed_mid_step_is_recovered_to_the_metrics_of_a_hand_re
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3, 4]
 
 
+def test_a_restart_before_the_first_checkpoint_trains_the_run_again_from_its_first_batch(
+    ray_session, tmp_path, tmp_path_factory, monkeypatch, capsys
+):
+    """A worker killed before any checkpoint exists: the run is rebuilt and trained again from the start -- the
+    first batch, a fresh model and optimizer -- so every step's metrics equal the undisturbed run's. (The only
+    test of this path ended in RestartsExhausted and compared no metrics: a restart that rewound the model but
+    not the data loader, or the other way round, would have passed it.)"""
+    full = _full_run("grpo", tmp_path_factory)
+    killed = kill_during_generation(monkeypatch, step=3, rank=0, group="actor")
+    cfg = _cfg("grpo", tmp_path / "run", "trainer.resume_mode=disable", "trainer.save_freq=-1")
+    result = grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))
+    out = capsys.readouterr().out
+    assert len(killed) == 1 and "FAULT at step 3: " in out
+    assert "training goes on from the start (no checkpoint yet)" in out, out
+    got = {r["step"]: r for r in result["history"]}
+    assert sorted(got) == [0, 1, 2, 3, 4] and got[4]["fault/restarts"] == 1
+    assert got[3]["fault/steps_lost"] == 3  # steps 1 and 2 computed again, and the failed step 3
+    _assert_same_metrics("grpo", got, full)
+
+
 def test_without_restarts_a_killed_worker_ends_the_run_naming_it(ray_session, tmp_path, monkeypatch):
     """``trainer.max_restarts=0``: the first fault ends the run with the error naming role, rank and method."""
     from controller import WorkerGroupError
