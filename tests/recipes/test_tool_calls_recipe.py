@@ -78,5 +78,11 @@ def test_tool_calls_recipe_trains_through_a_history_rewriting_template(ray_sessi
             assert tok.decode(prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n<think>\n")
         n = int(batch.batch["attention_mask"][i, P:].sum())
         response = batch.batch["responses"][i, :n].tolist()
-        assert tok.decode(response, skip_special_tokens=True) == turn["response_text"]
+        assert tok.decode(response, skip_special_tokens=True) == turn["response_text"]  # the record's text
         assert int(batch.batch["response_mask"][i].sum()) == n  # every produced token is trained
+    # Independent of the records: the trainer, re-reading each row (its prompt and response tokens) with the
+    # weights that sampled it, gets the engine's log-probs back. A row whose prompt were not the one the engine
+    # was fed (a re-rendered or re-tokenized history) or whose tokens were not the sampled ones would not.
+    mask = batch.batch["response_mask"].bool()
+    diff = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask]
+    assert diff.numel() > 0 and float(diff.max()) < 1e-3, float(diff.max())

@@ -117,5 +117,10 @@ def test_word_count_trains_from_the_command_line(ray_session, tmp_path, data, ca
         for a, rm in zip(nt["answer"], nt["reward_model"])
     ]
     assert batch.batch["token_level_scores"].sum(-1).tolist() == want
+    # the rows are what the engine was fed and sampled: the trainer, reading them with the weights that sampled
+    # them, gets the engine's log-probs back (a shifted, re-tokenized or re-rendered row would not)
+    mask = batch.batch["response_mask"].bool()
+    diff = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask]
+    assert diff.numel() > 0 and float(diff.max()) < 1e-3, float(diff.max())
     # the run's saved config reads back into the same environment
     assert type(load_config("rlm", config_path=run_dir / "config.yaml").env) is WordCountEnvConfig
