@@ -170,6 +170,7 @@ def run_arm(
         f"rollout.seed={seed}",
         f"prm.seed={seed}",
         f"trainer.default_local_dir={run_dir}",
+        "trainer.overwrite=true",  # its own folder: a finished run is read back below, an unfinished one rerun
     ]
     record = run_dir / "compare_run.json"
     if record.is_file():

@@ -238,6 +238,8 @@ def test_reward_errors_warned_each_step_and_a_run_where_every_sample_fails_abort
 
     with pytest.raises(RunAborted) as err:
         _grpo(tmp_path, reward=FLAKY_REWARD)
+    # read before the same config is started again below (which starts the run over in its folder)
+    step1 = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     # errors name the prompt's row in its parquet file: the first sample of each step is its first prompt's
     cfg = _cfg(tmp_path, reward=FLAKY_REWARD)
     batches = prompt_batches(train_loader(cfg, start_run(cfg, "grpo", start_ray=False)))
@@ -254,7 +256,6 @@ def test_reward_errors_warned_each_step_and_a_run_where_every_sample_fails_abort
         f"WARNING step 1: 4 of 8 samples failed to score (reward 0); first: {first_rows[0]} (hyflow/arithmetic): "
         "ValueError: bad row"
     ) in out
-    step1 = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert step1["step"] == 1 and step1["reward/errors"] == 4 and step1["critic/score/mean"] == 0.5
 
 

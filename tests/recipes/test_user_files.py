@@ -142,7 +142,8 @@ def test_an_error_in_the_env_file_stops_the_command_line_before_ray_naming_file_
 
 
 def test_switching_env_loop_on_the_command_line_says_which_yaml_settings_change(my_env, data, no_run, caplog):
-    """rlm_word_count.yaml sets env.agent.max_turns: 3 (the default too) and max_new_tokens: 24 (default 64);
+    """rlm_word_count.yaml sets env.agent.max_turns: 3 (the default too), max_new_tokens: 24 (default 64) and
+    temperature: 0.7 (default 1.0);
     another loop's config drops the YAML's env section, and the warning names what changes and to what."""
     argv = ["--config", str(YAML), *data, f"env.loop={my_env}:MyCountLoop", "env.agent.max_turns=2"]
     with caplog.at_level(logging.WARNING, logger="recipes"):
@@ -153,7 +154,10 @@ def test_switching_env_loop_on_the_command_line_says_which_yaml_settings_change(
         f"env.loop='{my_env}:MyCountLoop' (command line) reads MyCountEnvConfig, not the WordCountEnvConfig"
         in (warning)
     )
-    assert warning.splitlines()[1:] == ["  env.agent.max_new_tokens: 24 -> 64"]  # max_turns: set again
+    assert warning.splitlines()[1:] == [  # max_turns: set again
+        "  env.agent.max_new_tokens: 24 -> 64",
+        "  env.agent.temperature: 0.7 -> 1.0",
+    ]
     caplog.clear()
     # the YAML's own loop named again keeps its section, and says nothing
     with caplog.at_level(logging.WARNING, logger="recipes"):

@@ -42,6 +42,7 @@ from workers.math_env.protocol import (
 )
 from workers.reward import extract_boxed
 from workers.rollout.sampling import SamplingParams
+from workers.sandbox import Repl
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -187,7 +188,7 @@ class _ToolEpisode(Episode):
         self.max_turns = agent.config.max_turns
         self.steps: list[dict] = []
         self.stats = _Stats()
-        self.repl = None
+        self.repl: Repl | None = None  # the trajectory's REPL, created on its first code call
 
     async def start(self) -> None:
         agent = self.agent
@@ -220,7 +221,7 @@ class _ToolEpisode(Episode):
 
     async def step(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> Step:
         if self.agent.tools is not None:
-            return await self._tool_call_step(k, response, turn)
+            return await self._tool_call_step(k, response, turn, self.agent.tools)
         action = parse_action(response.text)
         record = {"kind": action.kind, "action": response.text, "observation": ""}
         self.steps.append(record)
@@ -236,10 +237,11 @@ class _ToolEpisode(Episode):
             observation += LAST_TURN
         return Step(observation=observation)
 
-    async def _tool_call_step(self, k: int, response: ModelResponse, turn: TrajectoryTurn) -> Step:
+    async def _tool_call_step(
+        self, k: int, response: ModelResponse, turn: TrajectoryTurn, tools: ToolUse
+    ) -> Step:
         """A turn in the model family's tool-call format: its calls run, each answered by a ``tool`` message;
         a turn without any is the answer, or malformed."""
-        tools = self.agent.tools
         parsed = tools.parse(response.text)
         record = {"kind": "tool", "action": response.text, "observation": ""}
         self.steps.append(record)

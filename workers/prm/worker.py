@@ -127,6 +127,8 @@ def build_judge(cfg: PRMConfig, reference_path: str | None, rank: int = 0):
     if cfg.scorer == "rule":
         return HindsightJudge()
     if cfg.scorer == "http":
+        if not cfg.endpoint:
+            raise ValueError("prm.scorer=http needs prm.endpoint (the judge's OpenAI-compatible base URL)")
         scorer = HTTPScorer(
             cfg.endpoint, cfg.api_model, api_key_env=cfg.api_key_env, timeout_s=cfg.http_timeout_s
         )

@@ -85,7 +85,7 @@ def evaluate_tokens(toks: list[Token], allow_unary_minus: bool = True) -> Fracti
         nonlocal pos
         v = atom()
         while peek() in ("*", "/"):
-            op = toks[pos]
+            op = str(toks[pos])
             pos += 1
             v = _apply(v, op, atom())
         return v
@@ -94,7 +94,7 @@ def evaluate_tokens(toks: list[Token], allow_unary_minus: bool = True) -> Fracti
         nonlocal pos
         v = term()
         while peek() in ("+", "-"):
-            op = toks[pos]
+            op = str(toks[pos])
             pos += 1
             v = _apply(v, op, term())
         return v

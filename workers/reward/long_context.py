@@ -119,10 +119,12 @@ def parse_pairs(answer: object) -> set[tuple[int, int]]:
     if answer is None:
         return set()
     if not isinstance(answer, str):
-        try:
-            return _canon(answer)  # an iterable of pairs (list, tuple, numpy array of rows)
-        except (TypeError, ValueError):
-            answer = str(answer)
+        if isinstance(answer, Iterable):
+            try:
+                return _canon(answer)  # an iterable of pairs (list, tuple, numpy array of rows)
+            except (TypeError, ValueError):
+                pass
+        answer = str(answer)
     text = answer.strip()
     try:
         value = ast.literal_eval(text)
