@@ -34,6 +34,10 @@ MODEL_KEYS = {
     "model.tiny_chat_template",
     "critic.model_path",
 }
+# The way out every refusal names first
+OWN_FOLDER = (
+    "give this run a folder of its own (trainer.experiment_name=<name> or trainer.default_local_dir=<dir>)"
+)
 # Keys that change how a process runs, not what it trains: a run differing only in these is the same run.
 NOT_THE_RUN = {
     "trainer.resume_mode",
@@ -64,16 +68,13 @@ def prepare_run_folder(cfg: RecipeConfig, run_dir: Path) -> None:
             f"[run] trainer.overwrite=true: {run_dir} held {held}; removed, the run starts again", flush=True
         )
         return
-    ways_out = (
-        "give this run a folder of its own (trainer.experiment_name=<name> or trainer.default_local_dir=<dir>), "
-        "or replace what is there with trainer.overwrite=true"
-    )
+    ways_out = f"{OWN_FOLDER}, or replace what is there with trainer.overwrite=true"
     if checkpoint is not None:  # resume_mode=disable over checkpoints
         raise ConfigError(
             f"trainer.default_local_dir: {run_dir} holds {held} and trainer.resume_mode=disable would start "
             f"over them: resume it with trainer.resume_mode=auto, or {ways_out}"
         )
-    changed = _changed_keys(cfg, run_dir / "config.yaml")
+    changed = _changed(cfg, run_dir / "config.yaml")
     if not changed:
         _clear(run_dir, with_checkpoints=False)
         print(
@@ -84,7 +85,7 @@ def prepare_run_folder(cfg: RecipeConfig, run_dir: Path) -> None:
         return
     raise ConfigError(
         f"trainer.default_local_dir: {run_dir} holds the results of another run ({held}; its config.yaml "
-        f"differs in {changed[0]}) that this run would overwrite: {ways_out}"
+        f"differs in {changed}) that this run would overwrite: {ways_out}"
     )
 
 
@@ -93,22 +94,20 @@ def _check_resume(cfg: RecipeConfig, run_dir: Path, checkpoint: int) -> None:
     config over a run that already finished (it would train nothing); any other change is printed, so a changed
     command that quietly continues an earlier run is seen doing so."""
     diffs = _differences(cfg, run_dir / "config.yaml")
-    if diffs is None or not diffs:
+    if not diffs:  # the same run, or no readable config to compare with
         return
     model = [d for d in diffs if d[0] in MODEL_KEYS]
     if model:
         raise ConfigError(
             f"trainer.resume_mode=auto would resume {run_dir} at step {checkpoint}, a run of another model "
-            f"({_named(model)}): give this run a folder of its own (trainer.experiment_name=<name> or "
-            "trainer.default_local_dir=<dir>), or replace that run with trainer.overwrite=true"
+            f"({_named(model)}): {OWN_FOLDER}, or replace that run with trainer.overwrite=true"
         )
     total = cfg.trainer.total_training_steps
     if total is not None and checkpoint >= total:
         raise ConfigError(
             f"trainer.resume_mode=auto would resume {run_dir}, which finished at step {checkpoint}, with a changed "
-            f"config ({_named(diffs)}), and train nothing: give this run a folder of its own "
-            "(trainer.experiment_name=<name> or trainer.default_local_dir=<dir>), raise "
-            "trainer.total_training_steps to train that run on, or replace it with trainer.overwrite=true"
+            f"config ({_named(diffs)}), and train nothing: {OWN_FOLDER}, raise trainer.total_training_steps to "
+            "train that run on, or replace it with trainer.overwrite=true"
         )
     print(
         f"[run] resuming {run_dir} at step {checkpoint} with a config that differs from the run's: "
@@ -145,13 +144,13 @@ def _describe(steps: list[int], checkpoint: int | None) -> str:
     return " and ".join(parts)
 
 
-def _changed_keys(cfg: RecipeConfig, saved: Path) -> list[str]:
-    """The keys whose values differ between ``saved`` and ``cfg``, as shown in a message (all of them unknown:
-    a folder without a readable config.yaml is another run's)."""
+def _changed(cfg: RecipeConfig, saved: Path) -> str:
+    """The keys whose values differ between ``saved`` and ``cfg`` as a message shows them; "" for the same run
+    (a folder without a readable config.yaml is another run's)."""
     diffs = _differences(cfg, saved)
     if diffs is None:
-        return [f"everything ({saved.name} is missing or unreadable)"]
-    return [_named(diffs)] if diffs else []
+        return f"everything ({saved.name} is missing or unreadable)"
+    return _named(diffs)
 
 
 def _differences(cfg: RecipeConfig, saved: Path) -> list[tuple[str, object, object]] | None:
