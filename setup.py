@@ -31,6 +31,9 @@ setup(
         # LM clients of the RLM inference API (workers/agents/clients.py): the official libraries
         "openai>=1.40",
         "anthropic>=0.40",
+        # the OpenAI-compatible endpoint (workers/agents/gateway.py, recipes/serve.py): an ASGI app and its server
+        "fastapi>=0.110",
+        "uvicorn>=0.30",
         "rich>=13",  # RLM(verbose=True) console output
         # LoRA (actor.lora): the adapters users load elsewhere; small (with accelerate) and pure Python
         "peft>=0.17",

@@ -61,7 +61,7 @@ def success_label(env: AgentEnvConfig) -> str:
     if len(names) > 1:
         return f"success rate over the environments {', '.join(names)}"
     kind = type(env).__name__.removesuffix("EnvConfig") or env.loop
-    words = re.sub(r"(?<=[a-z])(?=[A-Z])", " ", kind).split()
+    words = re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", kind).split()  # OpenAIAgent: 3 words
     return "-".join(w if w.isupper() else w.lower() for w in words) + " success rate"
 
 

@@ -78,6 +78,14 @@ def query_of(raw_prompt, extra_info) -> str:
     raise ValueError(f"cannot find a query in raw_prompt={raw_prompt!r}")
 
 
+def chat_messages(raw_prompt) -> list[dict] | None:
+    """A row's ``raw_prompt`` as a list of chat messages, or None when it is not one."""
+    msgs = raw_prompt.tolist() if isinstance(raw_prompt, np.ndarray) else raw_prompt
+    if isinstance(msgs, (list, tuple)) and msgs and all(isinstance(m, dict) and "role" in m for m in msgs):
+        return [dict(m) for m in msgs]
+    return None
+
+
 class EnvWorker(Worker):
     """The agent environment of one rank: its agent loop, sandbox and event loop, running the policy on the engine
     of the rollout role it shares (``rollout_role``), or on ``policy_factory(tokenizer) -> GenerateFn`` (a
@@ -193,13 +201,16 @@ class EnvWorker(Worker):
         for i in range(num_rows):
             extra = nt["extra_info"][i] if "extra_info" in nt else {}
             extra = extra if isinstance(extra, dict) else {}
-            query = query_of(nt["raw_prompt"][i] if "raw_prompt" in nt else None, extra)
+            raw = nt["raw_prompt"][i] if "raw_prompt" in nt else None
+            query = query_of(raw, extra)
             uid = str(uids[i])
             for k in range(n):
                 j = len(jobs)
                 traj_id = f"{uid.replace('/', '_')}.{k}"
                 job_seed = None if seed is None else int(seed) + j
-                jobs.append(AgentJob(i, k, query, extra, uid, traj_id, job_seed, env_name=env_names[i]))
+                jobs.append(
+                    AgentJob(i, k, query, extra, uid, traj_id, job_seed, env_names[i], chat_messages(raw))
+                )
         return jobs
 
     def _env_names(self, nt: dict, num_rows: int) -> list[str]:

@@ -85,6 +85,7 @@ class AgentJob:
     traj_id: str
     seed: int | None = None
     env_name: str = ""  # the row's ``env_name`` column: which environment runs it (``workers.agents.mixed``)
+    messages: list[dict] | None = None  # the row's chat prompt (``raw_prompt``), when it has one
 
 
 @dataclass
@@ -158,6 +159,7 @@ _LOOPS: dict[str, type[AgentLoop] | str] = {
     "rlm": "workers.rlm.env_loop:RLMLoop",
     "math_tool": "workers.math_env.env_loop:MathToolLoop",
     "mixed": "workers.agents.mixed:MixedLoop",
+    "openai_agent": "workers.agents.openai_agent:OpenAIAgentLoop",
 }
 
 
