@@ -105,31 +105,39 @@ class OpenAIAgentLoop(AgentLoop):
     def __init__(self, env: OpenAIAgentEnvConfig, ctx):
         super().__init__(env, ctx)
         self._program = load_program(env.agent.program) if env.agent.program else None
-        self._key: tuple | None = None
+        self._key: tuple | None = None  # this object's entry of _GATEWAYS, once acquired
+        self._acquiring: asyncio.Future | None = None
 
     async def _gateway(self) -> Gateway:
-        if self._key is None:
-            key = (id(asyncio.get_running_loop()), astuple(self.env.server))
-            entry = _GATEWAYS.get(key)
-            if (
-                entry is None
-            ):  # the first loop starts it; the others started meanwhile wait for the same start
-                gateway = Gateway(self.env.server)
-                loop = asyncio.get_running_loop()
-                entry = _GATEWAYS[key] = [gateway, 0, loop, loop.create_task(gateway.start())]
-            try:
-                await asyncio.shield(entry[3])
-            except BaseException:
-                _GATEWAYS.pop(key, None)
-                raise
-            entry[1] += 1
-            self._key = key
-        return _GATEWAYS[self._key][0]
+        """The endpoint of this event loop, acquired once per loop object (its concurrent runs wait for it)."""
+        if self._acquiring is None:
+            self._acquiring = asyncio.ensure_future(self._acquire())
+        try:
+            return await asyncio.shield(self._acquiring)
+        except BaseException:
+            self._acquiring = None
+            raise
+
+    async def _acquire(self) -> Gateway:
+        key = (id(asyncio.get_running_loop()), astuple(self.env.server))
+        entry = _GATEWAYS.get(key)
+        if entry is None:  # the first loop object starts it; the others started meanwhile wait for the same start
+            gateway = Gateway(self.env.server)
+            loop = asyncio.get_running_loop()
+            entry = _GATEWAYS[key] = [gateway, 0, loop, loop.create_task(gateway.start())]
+        try:
+            await asyncio.shield(entry[3])
+        except BaseException:
+            _GATEWAYS.pop(key, None)
+            raise
+        entry[1] += 1
+        self._key = key
+        return entry[0]
 
     def close(self) -> None:
         if self._key is None:
             return
-        key, self._key = self._key, None
+        key, self._key, self._acquiring = self._key, None, None
         entry = _GATEWAYS[key]
         entry[1] -= 1
         if entry[1] == 0:
