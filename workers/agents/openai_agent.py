@@ -73,12 +73,12 @@ class OpenAIAgentEnvConfig(AgentEnvConfig):
     agent: OpenAIAgentConfig = field(default_factory=OpenAIAgentConfig)
     server: GatewayConfig = field(default_factory=GatewayConfig)
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.loop == "openai_agent" and not (self.agent.program or self.agent.command):
-            raise ValueError(
+    def check(self, errors: list[str], cfg: Any = None) -> None:
+        """The recipe's config check, before Ray starts (the defaults name no agent, so this is not __post_init__)."""
+        if not (self.agent.program or self.agent.command):
+            errors.append(
                 "env.agent.program (an 'async def agent(client, row)' as 'file.py:agent') or env.agent.command "
-                "(a program run per trajectory) is required with env.loop=openai_agent"
+                f"(a program run per trajectory) is required with env.loop={self.loop}"
             )
 
 
@@ -104,6 +104,10 @@ class OpenAIAgentLoop(AgentLoop):
 
     def __init__(self, env: OpenAIAgentEnvConfig, ctx):
         super().__init__(env, ctx)
+        errors: list[str] = []
+        env.check(errors)
+        if errors:
+            raise ValueError(errors[0])
         self._program = load_program(env.agent.program) if env.agent.program else None
         self._key: tuple | None = None  # this object's entry of _GATEWAYS, once acquired
         self._acquiring: asyncio.Future | None = None

@@ -138,8 +138,14 @@ def test_an_agent_command_runs_as_a_subprocess_with_the_openai_environment(tok, 
 
 
 def test_config_errors_name_the_key(agents):
+    errors: list[str] = []
+    OpenAIAgentEnvConfig().check(errors)  # the recipe's check before Ray starts
+    assert errors == [
+        "env.agent.program (an 'async def agent(client, row)' as 'file.py:agent') or env.agent.command (a program "
+        "run per trajectory) is required with env.loop=openai_agent"
+    ]
     with pytest.raises(ValueError, match=r"env.agent.program .* or env.agent.command .* is required"):
-        OpenAIAgentEnvConfig()
+        OpenAIAgentLoop(OpenAIAgentEnvConfig(), None)
     with pytest.raises(ValueError, match="one of program and command"):
         OpenAIAgentConfig(program=f"{agents[0]}:answers", command=["x"])
     with pytest.raises(ValueError, match=r"env.agent.program=.*must be an 'async def agent\(client, row\)'"):
