@@ -49,7 +49,9 @@ def jobs(n: int) -> list[AgentJob]:
     out = []
     for k, text in enumerate(sample_texts(n, seed=1)):
         q = f"How many words: {text}"
-        out.append(AgentJob(k, 0, q, {}, f"u{k}", f"u{k}.0", seed=k, messages=[{"role": "user", "content": q}]))
+        out.append(
+            AgentJob(k, 0, q, {}, f"u{k}", f"u{k}.0", seed=k, messages=[{"role": "user", "content": q}])
+        )
     return out
 
 
@@ -71,7 +73,13 @@ def measure(thread: LoopThread, loop, config, todo: list[AgentJob], concurrency:
     elapsed = time.perf_counter() - start
     calls = sum(len(r[0].turns) for r in runs)
     errors = sum(r[0].status == "error" for r in runs)
-    return {"s": elapsed, "traj/s": len(runs) / elapsed, "calls/s": calls / elapsed, "calls": calls, "err": errors}
+    return {
+        "s": elapsed,
+        "traj/s": len(runs) / elapsed,
+        "calls/s": calls / elapsed,
+        "calls": calls,
+        "err": errors,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,12 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for scenario, policy in policies.items():
             loops = {
-                "in-process AgentLoop": (WordCountToolLoop(in_process[0], LoopContext(policy, None, tok)), in_process[1]),
-                "OpenAI endpoint": (OpenAIAgentLoop(endpoint[0], LoopContext(policy, None, tok)), endpoint[1]),
+                "in-process AgentLoop": (
+                    WordCountToolLoop(in_process[0], LoopContext(policy, None, tok)),
+                    in_process[1],
+                ),
+                "OpenAI endpoint": (
+                    OpenAIAgentLoop(endpoint[0], LoopContext(policy, None, tok)),
+                    endpoint[1],
+                ),
             }
             for concurrency in (8, 64):
                 samples: dict[str, list[dict]] = {name: [] for name in loops}
-                for name, (loop, config) in loops.items():  # warm-up: engine kernels, the endpoint's start
+                for loop, config in loops.values():  # warm-up: engine kernels, the endpoint's start
                     measure(thread, loop, config, todo[:8], concurrency)
                 for _ in range(args.repeats):
                     for name, (loop, config) in loops.items():
@@ -119,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         engine.shutdown()
         thread.stop()
-    print_table(rows, ["scenario", "concurrency", "path", "traj/s", "calls/s", "calls", "err", "vs in-process"])
+    print_table(
+        rows, ["scenario", "concurrency", "path", "traj/s", "calls/s", "calls", "err", "vs in-process"]
+    )
     path = write_json("bench_openai_endpoint", {"args": vars(args), "model": model, "rows": rows})
     print(f"wrote {path}")
 

@@ -125,7 +125,7 @@ class OpenAIAgentLoop(AgentLoop):
     async def _acquire(self) -> Gateway:
         key = (id(asyncio.get_running_loop()), astuple(self.env.server))
         entry = _GATEWAYS.get(key)
-        if entry is None:  # the first loop object starts it; the others started meanwhile wait for the same start
+        if entry is None:  # the first loop object starts it; others started meanwhile await the same start
             gateway = Gateway(self.env.server)
             loop = asyncio.get_running_loop()
             entry = _GATEWAYS[key] = [gateway, 0, loop, loop.create_task(gateway.start())]

@@ -91,6 +91,7 @@ def run_jobs(tok, env: OpenAIAgentEnvConfig, n: int):
         for k in range(n)
     ]
     try:
+
         async def all_jobs():
             return await asyncio.gather(*(loop.run(job, env.agent) for job in jobs))
 
