@@ -375,3 +375,35 @@ def test_the_endpoint_serves_sglang_through_the_engine_contract(sglang_module):
         first.choices[0].model_extra["token_ids"],
         second.choices[0].model_extra["token_ids"],
     ]
+
+
+def test_the_trajectory_can_be_named_by_header_or_body_and_completions_are_recorded(tok):
+    """A client whose base_url it cannot change names its trajectory in a header or in extra_body; a plain
+    completion in a trajectory is recorded like a chat call (its prompt as given)."""
+
+    async def go():
+        engine = RecordingEngine(tok, ["one", "two", "three"])
+        llm = EngineLLM(engine, tok)
+        gateway = await serve(Gateway())
+        try:
+            for tid in ("by-header", "by-body"):
+                gateway.open(tid, llm, TrajectorySampling())
+            headed = openai.AsyncOpenAI(
+                base_url=gateway.url + "/v1",
+                api_key="k",
+                default_headers={"X-Hyflow-Trajectory": "by-header"},
+            )
+            await headed.chat.completions.create(model="policy", messages=START)
+            await headed.completions.create(model="policy", prompt="red cat", max_tokens=8)
+            plain = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="k")
+            await plain.chat.completions.create(
+                model="policy", messages=START, extra_body={"trajectory_id": "by-body"}
+            )
+            return engine, gateway.close("by-header"), gateway.close("by-body")
+        finally:
+            await gateway.stop()
+
+    engine, headed, bodied = asyncio.run(go())
+    assert [t.response_token_ids for t in headed.turns] == engine.produced[:2]
+    assert headed.turns[1].full_prompt and headed.turns[1].prompt_token_ids == tok.encode("red cat")
+    assert [t.response_token_ids for t in bodied.turns] == [engine.produced[2]]
