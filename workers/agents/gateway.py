@@ -198,6 +198,7 @@ class Gateway:
         self.in_flight = 0
         self.app = self._build_app()
         self._server: _Server | None = None
+        self._http: Any = None  # the connection pool of the clients ``client`` makes
         self.url = ""
 
     # -- life cycle ------------------------------------------------------------------------------------------
@@ -224,10 +225,28 @@ class Gateway:
         return self.url
 
     async def stop(self) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.aclose()
         if self._server is not None:
             server, self._server = self._server, None
             with server:
                 await server.stop()
+
+    def client(self, trajectory_id: str, **options: Any):
+        """An ``openai.AsyncOpenAI`` for the trajectory (``options``: the client's, e.g. ``max_retries``). The
+        clients share one connection pool: a pool per client would build an SSL context each (~30 ms of CPU),
+        more than the calls themselves cost. Do not close it; ``stop`` closes the pool."""
+        import openai
+
+        if self._http is None:
+            self._http = openai.DefaultAsyncHttpxClient()
+        return openai.AsyncOpenAI(
+            base_url=self.trajectory_url(trajectory_id),
+            api_key=self.config.api_key or "hyflow",
+            http_client=self._http,
+            **options,
+        )
 
     def trajectory_url(self, trajectory_id: str) -> str:
         """The ``base_url`` an OpenAI client of that trajectory uses."""
@@ -478,7 +497,8 @@ class Gateway:
                 reply = await self.chat(req, trajectory_of(request))
             if req.stream:
                 return sse(chat_chunks(reply, req.model, req.sampling.logprobs, req.include_usage))
-            return chat_response(reply, req.model, req.sampling.logprobs)
+            # JSONResponse as it is: FastAPI's encoder for a returned dict walks every token id in Python
+            return JSONResponse(chat_response(reply, req.model, req.sampling.logprobs))
 
         async def completions(request: Request):
             req = CompletionRequest.parse(await read(request))
@@ -486,7 +506,7 @@ class Gateway:
                 reply = await self.complete(req, trajectory_of(request))
             if req.stream:
                 return sse(completion_chunks(reply, req.model, req.sampling.logprobs, req.include_usage))
-            return completion_response(reply, req.model, req.sampling.logprobs)
+            return JSONResponse(completion_response(reply, req.model, req.sampling.logprobs))
 
         async def models(request: Request):
             return {

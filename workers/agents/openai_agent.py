@@ -40,7 +40,7 @@ from workers.plugins import load_user_object
 
 __all__ = ["OpenAIAgentConfig", "OpenAIAgentEnvConfig", "OpenAIAgentLoop", "load_program"]
 
-API_KEY = "hyflow"  # what the agent's client sends (the training endpoint checks none)
+API_KEY = "hyflow"  # what an agent command's client sends (the training endpoint checks none)
 
 
 @dataclass
@@ -178,7 +178,9 @@ class OpenAIAgentLoop(AgentLoop):
         }
         url = gateway.trajectory_url(job.traj_id)
         try:
-            answer = await asyncio.wait_for(self._run_agent(url, row, config), config.timeout_s)
+            answer = await asyncio.wait_for(
+                self._run_agent(gateway, job.traj_id, row, config), config.timeout_s
+            )
         except TimeoutError:
             _fail(traj, "timeout", f"the agent ran past env.agent.timeout_s={config.timeout_s}")
         except Exception as e:
@@ -194,13 +196,12 @@ class OpenAIAgentLoop(AgentLoop):
             _fail(traj, "no_call", f"the agent made no model call through its client (base_url {url})")
         return [traj]
 
-    async def _run_agent(self, url: str, row: dict, config: OpenAIAgentConfig) -> Any:
+    async def _run_agent(
+        self, gateway: Gateway, trajectory_id: str, row: dict, config: OpenAIAgentConfig
+    ) -> Any:
         if self._program is not None:
-            import openai
-
-            async with openai.AsyncOpenAI(base_url=url, api_key=API_KEY, max_retries=2) as client:
-                return await self._program(client, row)
-        return await _run_command(config.command, url, row)
+            return await self._program(gateway.client(trajectory_id, max_retries=2), row)
+        return await _run_command(config.command, gateway.trajectory_url(trajectory_id), row)
 
     def metrics(self, runs: list[list[Trajectory]], elapsed_s: float, batch: DataProto) -> dict[str, float]:
         roots = [run[0] for run in runs]

@@ -118,6 +118,7 @@ def varlen_sdpa_attention_forward(
             outs.append(o[0])
             continue
         # several sequences padded to the longest: [n, heads, L, head_dim], one call, then the real tokens
+        assert group.valid is not None and group.mask is not None  # attention_plan sets them with index
         index, valid, mask = (t.to(query.device) for t in (group.index, group.valid, group.mask))
         q, k, v = (x[0][:, index].transpose(0, 1) for x in (query, key, value))
         o = F.scaled_dot_product_attention(
@@ -230,7 +231,8 @@ def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
     """No mask is needed for packed rows without padding; with a padding mask, defer to sdpa's mask."""
     if attention_mask is None:
         return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    kwargs["attention_mask"] = attention_mask  # still by keyword; mypy cannot tell *args stops short of it
+    return sdpa_mask(*args, **kwargs)
 
 
 def register_varlen_attention() -> str:

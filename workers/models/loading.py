@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -255,7 +256,8 @@ def build_on_meta(
             trust_remote_code=trust_remote_code,
         )
     if (p / "generation_config.json").is_file():  # what from_pretrained would have read
-        model.generation_config = GenerationConfig.from_pretrained(p)
+        # torch types Module.__setattr__ for Tensor | Module values only; any value is accepted
+        model.generation_config = GenerationConfig.from_pretrained(p)  # type: ignore[assignment]
     return model, source
 
 
@@ -283,6 +285,7 @@ def load_model(
     ``workers.models.attention`` (registered on import). Returns the model on ``device`` in ``dtype``. A
     random-init directory (`meta_init.write_random_init_model`) gives its seeded weights.
     """
+    model: nn.Module  # not PreTrainedModel: its ``to`` is wrapped by functools.wraps, which mypy cannot bind
     if random_init_seed(path) is not None:
         model, source = build_on_meta(
             path,
@@ -297,7 +300,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     _register_attention(attn_implementation)
     config = load_config(p, trust_remote_code=trust_remote_code, **(config_overrides or {}))
-    kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype)
+    kwargs: dict[str, Any] = dict(
+        local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype
+    )
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:
