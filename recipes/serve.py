@@ -5,8 +5,9 @@ exported, so the ``openai`` client, ``curl`` and the RLM API's ``openai`` backen
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "runs/openai_agent", "messages": [{"role": "user", "content": "How many words: red cat"}]}'
 
-The engine is a rollout engine's inference mode (``--engine``: ``native``, the default, or ``"package.module:Class"``
-with its ``for_inference`` options as ``--option key=value``). The chat template is the model's; tool calls are
+The engine is a rollout engine's inference mode (``--engine``: ``native``, the default, ``sglang``, or
+``"package.module:Class"``) with its ``for_inference`` options as ``--option key=value`` (the value read as JSON
+where it is: ``--option max_num_seqs=32``, ``--option 'engine_kwargs={"context_length": 2048}'``). The chat template is the model's; tool calls are
 parsed with ``--tool-parser``. Localhost only unless ``--host`` says otherwise; ``--api-key`` makes requests send
 it. The first line printed is ``serving <name> at <url>/v1``.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from dataclasses import fields
@@ -47,12 +49,10 @@ def _option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--option wants key=value, got {text!r}")
-    for cast in (int, float):
-        try:
-            return key, cast(value)
-        except ValueError:
-            pass
-    return key, {"true": True, "false": False}.get(value.lower(), value)
+    try:  # a number, true/false, null or a JSON object (SGLang's engine_kwargs={"context_length": 2048})
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a plain string: device=cpu
 
 
 def parser() -> argparse.ArgumentParser:

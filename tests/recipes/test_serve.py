@@ -106,3 +106,12 @@ def test_what_cannot_be_served_is_named(tmp_path, capsys):
         model_directory(str(tmp_path))
     with pytest.raises(SystemExit, match="neither a Hugging Face model directory"):
         main(["--model", str(tmp_path / "nothing")])
+
+
+def test_engine_options_are_read_as_json_where_they_are():
+    from recipes.serve import _option
+
+    assert _option("max_num_seqs=32") == ("max_num_seqs", 32)
+    assert _option("device=cpu") == ("device", "cpu")
+    assert _option('engine_kwargs={"context_length": 2048}') == ("engine_kwargs", {"context_length": 2048})
+    assert _option("compile=true") == ("compile", True)
