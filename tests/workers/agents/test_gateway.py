@@ -330,53 +330,6 @@ def test_streaming_gives_the_same_reply_and_tool_calls(tok):
     assert finish == ["tool_calls"] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
-@pytest.mark.sglang
-@pytest.mark.timeout(600)
-def test_the_endpoint_serves_sglang_through_the_engine_contract(sglang_module):
-    """SGLang's offline engine (its CPU engine here) behind the endpoint, driven on the engine's own loop: a
-    two-call conversation from the openai client continues token for token, as with the native engine."""
-    import torch
-
-    from workers.agents.clients import close_llm, engine_loop, make_llm
-
-    kw = {
-        "model_name": ensure_tiny_model("nano", chat_template="qwen3"),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "dtype": "float32",
-        "mem_fraction_static": 0.3,
-        "engine_kwargs": {"max_total_tokens": 4096, "chunked_prefill_size": 1024, "context_length": 2048},
-    }
-    llm = make_llm("sglang", kw)
-
-    async def go():
-        gateway = await serve(Gateway())
-        try:
-            gateway.open("t", llm, TrajectorySampling(max_new_tokens=12, temperature=0.0))
-            client = openai.AsyncOpenAI(base_url=gateway.trajectory_url("t"), api_key="k", max_retries=0)
-            first = await client.chat.completions.create(model="policy", messages=START)
-            grown = [
-                *START,
-                first.choices[0].message.model_dump(exclude_none=True),
-                {"role": "user", "content": "More."},
-            ]
-            second = await client.chat.completions.create(model="policy", messages=grown)
-            return first, second, gateway.close("t")
-        finally:
-            await gateway.stop()
-
-    try:
-        first, second, live = engine_loop(llm).run_until_complete(go())
-    finally:
-        close_llm(llm)
-    sent = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
-    assert second.model_extra["prompt_token_ids"][: len(sent)] == sent  # continued, not re-rendered
-    assert [t.full_prompt for t in live.turns] == [False, False]
-    assert [t.response_token_ids for t in live.turns] == [
-        first.choices[0].model_extra["token_ids"],
-        second.choices[0].model_extra["token_ids"],
-    ]
-
-
 def test_the_trajectory_can_be_named_by_header_or_body_and_completions_are_recorded(tok):
     """A client whose base_url it cannot change names its trajectory in a header or in extra_body; a plain
     completion in a trajectory is recorded like a chat call (its prompt as given)."""

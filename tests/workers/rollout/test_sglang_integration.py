@@ -390,3 +390,38 @@ def test_engine_that_fails_to_start_raises_and_leaves_no_processes_or_open_socke
     time.sleep(1)
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert _alive([p.pid for p in left if "resource_tracker" not in " ".join(p.cmdline())]) == []
+
+
+def test_the_openai_endpoint_serves_this_engine_through_the_engine_contract(rollout, tiny):
+    """The OpenAI-compatible endpoint (``workers.agents.gateway``) over this engine, driven on its own loop: a
+    two-call conversation from the ``openai`` client continues token for token, as with the native engine."""
+
+    from workers.agents.gateway import Gateway, TrajectorySampling
+    from workers.agents.llm import EngineLLM
+
+    llm = EngineLLM(rollout, tiny[1])
+    start = [{"role": "system", "content": "Count up."}, {"role": "user", "content": "Start at 0."}]
+
+    async def go():
+        gateway = Gateway()
+        await gateway.start()
+        try:
+            gateway.open("t", llm, TrajectorySampling(max_new_tokens=12, temperature=0.0))
+            client = gateway.client("t", max_retries=0)
+            first = await client.chat.completions.create(model="policy", messages=start)
+            reply = first.choices[0].message.model_dump(exclude_none=True)
+            second = await client.chat.completions.create(
+                model="policy", messages=[*start, reply, {"role": "user", "content": "More."}]
+            )
+            return first, second, gateway.close("t")
+        finally:
+            await gateway.stop()
+
+    first, second, live = rollout.engine.loop.run_until_complete(go())
+    sent = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    assert second.model_extra["prompt_token_ids"][: len(sent)] == sent  # continued, not re-rendered
+    assert [t.full_prompt for t in live.turns] == [False, False]
+    assert [t.response_token_ids for t in live.turns] == [
+        first.choices[0].model_extra["token_ids"],
+        second.choices[0].model_extra["token_ids"],
+    ]
