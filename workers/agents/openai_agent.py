@@ -92,9 +92,18 @@ def load_program(reference: str):
     return fn
 
 
-# one endpoint per event loop and server config, shared by the loops on it (the reference replay builds one loop
-# per row): [gateway, users, event loop, its start task]
-_GATEWAYS: dict[tuple, list] = {}
+@dataclass
+class _Shared:
+    """One endpoint per event loop and server config, shared by the loop objects on it (the reference replay
+    builds one per row) and stopped when the last of them closes."""
+
+    gateway: Gateway
+    loop: asyncio.AbstractEventLoop
+    started: asyncio.Task
+    users: int = 0
+
+
+_GATEWAYS: dict[tuple, _Shared] = {}  # (id of the event loop, server config) -> its endpoint
 
 
 class OpenAIAgentLoop(AgentLoop):
@@ -123,36 +132,39 @@ class OpenAIAgentLoop(AgentLoop):
             raise
 
     async def _acquire(self) -> Gateway:
-        key = (id(asyncio.get_running_loop()), astuple(self.env.server))
-        entry = _GATEWAYS.get(key)
-        if entry is None:  # the first loop object starts it; others started meanwhile await the same start
+        loop = asyncio.get_running_loop()
+        key = (id(loop), astuple(self.env.server))
+        shared = _GATEWAYS.get(key)
+        if shared is None:  # the first loop object starts it; others started meanwhile await the same start
             gateway = Gateway(self.env.server)
-            loop = asyncio.get_running_loop()
-            entry = _GATEWAYS[key] = [gateway, 0, loop, loop.create_task(gateway.start())]
+            shared = _GATEWAYS[key] = _Shared(gateway, loop, loop.create_task(gateway.start()))
         try:
-            await asyncio.shield(entry[3])
+            await asyncio.shield(shared.started)
         except BaseException:
             _GATEWAYS.pop(key, None)
             raise
-        entry[1] += 1
+        shared.users += 1
         self._key = key
-        return entry[0]
+        return shared.gateway
 
     def close(self) -> None:
         if self._key is None:
             return
         key, self._key, self._acquiring = self._key, None, None
-        entry = _GATEWAYS[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _GATEWAYS[key]
-            gateway, loop = entry[0], entry[2]
-            if loop.is_closed():
-                return
-            if loop.is_running():
-                asyncio.run_coroutine_threadsafe(gateway.stop(), loop).result(timeout=30)
-            else:
-                loop.run_until_complete(gateway.stop())
+        shared = _GATEWAYS[key]
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        del _GATEWAYS[key]
+        loop = shared.loop
+        if loop.is_closed():
+            return
+        if _running_loop() is loop:  # closed from a task on the loop itself: waiting would deadlock
+            loop.create_task(shared.gateway.stop())
+        elif loop.is_running():
+            asyncio.run_coroutine_threadsafe(shared.gateway.stop(), loop).result(timeout=30)
+        else:
+            loop.run_until_complete(shared.gateway.stop())
 
     async def run(self, job: AgentJob, config: OpenAIAgentConfig) -> list[Trajectory]:
         gateway = await self._gateway()
@@ -218,6 +230,13 @@ class OpenAIAgentLoop(AgentLoop):
         for reason, count in failures.items():
             out[f"agent/error/{reason}"] = count / n
         return out
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _fail(traj: Trajectory, reason: str, message: str) -> None:

@@ -97,7 +97,7 @@ def run_jobs(tok, env: OpenAIAgentEnvConfig, n: int):
 
         runs = thread.run(all_jobs())
         metrics = loop.metrics(runs, 1.0, None)
-        url = next(iter(openai_agent._GATEWAYS.values()))[0].url
+        url = next(iter(openai_agent._GATEWAYS.values())).gateway.url
         loop.close()
         assert not openai_agent._GATEWAYS  # the last user stopped the endpoint
         return [r[0] for r in runs], metrics, url
