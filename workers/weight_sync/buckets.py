@@ -190,16 +190,18 @@ def broadcast_bucket(
     (``broadcast_object_list``), then the byte buffer.
     """
     rank = dist.get_rank()
-    if rank == src and flat is None:
+    source = flat if rank == src else None  # the bucket this rank sends (None: it receives)
+    if rank == src and source is None:
         raise ValueError("the source rank must pass the FlatBucket to broadcast")
     if device is None:
         backend = dist.get_backend(group)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    header = [(flat.metas, flat.nbytes) if rank == src else None]
+    header = [(source.metas, source.nbytes) if source is not None else None]
     dist.broadcast_object_list(header, src=src, group=group)
+    assert header[0] is not None  # every rank now holds the source's entry, which is never None
     metas, nbytes = header[0]
-    if rank == src:
-        buffer = flat.buffer if flat.buffer.device == torch.device(device) else flat.buffer.to(device)
+    if source is not None:  # exactly when rank == src (checked above)
+        buffer = source.buffer if source.buffer.device == torch.device(device) else source.buffer.to(device)
     else:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dist.broadcast(buffer, src=src, group=group)

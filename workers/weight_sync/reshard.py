@@ -32,7 +32,7 @@ broadcast spreads the same total over the members differently).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -83,7 +83,7 @@ def _views(buffer: torch.Tensor, metas: list[TensorMeta]) -> dict[str, torch.Ten
     return {m.name: buffer[m.offset : m.end].view(m.dtype).reshape(m.shape) for m in metas}
 
 
-def _new_groups(groups: list[list[int]], rank: int, backend: str | None):
+def _new_groups(groups: Sequence[Sequence[int]], rank: int, backend: str | None):
     """Create every group (collective: all ranks, same order) and return the one holding ``rank``."""
     mine = None
     for ranks in groups:

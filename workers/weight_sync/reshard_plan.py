@@ -40,10 +40,14 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from workers.models.tp_split import LAYER_TP_SPLIT
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,8 @@ def hf_param_specs(
 
 def specs_from_model(model: torch.nn.Module, pp: int) -> list[ParamSpec]:
     """``ParamSpec``s of an HF ``*ForCausalLM`` (tied ``lm_head`` left out: it is the embedding)."""
-    cfg = model.config
+    # torch types Module attributes as Tensor | Module; an HF model's ``config`` is a PretrainedConfig
+    cfg = cast("PretrainedConfig", model.config)
     named = [
         (name, p.shape, p.dtype)
         for name, p in model.named_parameters()  # named_parameters() skips the tied duplicate
@@ -272,7 +277,7 @@ class ReshardPlan:
             for u in range(self.mu)
         )
 
-    def micro_dp_groups(self) -> list[list[int]]:
+    def micro_dp_groups(self) -> list[tuple[int, ...]]:
         """All micro-DP groups, in a fixed order (every rank must create them in the same order)."""
         return sorted({tuple(self.micro_dp_group(r)) for r in range(self.train.world)}, key=lambda g: g[0])
 
@@ -289,7 +294,7 @@ class ReshardPlan:
             self.train.rank_of(s, dp_rank, t) for s in range(self.train.pp) for t in range(self.train.tp)
         )
 
-    def model_parallel_groups(self) -> list[list[int]]:
+    def model_parallel_groups(self) -> list[tuple[int, ...]]:
         return sorted(
             {tuple(self.model_parallel_group(r)) for r in range(self.train.world)}, key=lambda g: g[0]
         )

@@ -32,10 +32,10 @@ Every ``sync()`` returns metrics: ``timing_s/update_weights`` (controller wall t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from controller import DataProtoFuture, RayWorkerGroup, WorkerGroupError, wait_all
+from controller import DataProtoFuture, GroupMethod, RayWorkerGroup, WorkerGroupError, wait_all
 
 STRATEGIES = ("colocated", "resharded", "disaggregated")
 # Method of the colocated rollout group that runs a whole in-process sync, per colocated strategy
@@ -48,6 +48,12 @@ _SENDER_METRICS = (
     "weight_sync/wire_bytes",
     "weight_sync/max_bucket_bytes",
 )
+
+
+def _method(group: RayWorkerGroup, name: str) -> GroupMethod:
+    """``group``'s worker method ``name``: `RayWorkerGroup` binds its worker's methods with setattr at
+    construction, so they are not attributes a type checker sees."""
+    return getattr(group, name)
 
 
 @dataclass
@@ -133,7 +139,7 @@ class WeightSync:
             return None
         if version is not None:
             self.version = version
-        method = getattr(self.rollout, _IN_PROCESS_METHOD[self.strategy])  # it reads the trainer it shares
+        method = _method(self.rollout, _IN_PROCESS_METHOD[self.strategy])  # it reads the trainer it shares
         pending = method.with_options(blocking=False)(version=version)
 
         def wait() -> dict[str, float]:
@@ -157,8 +163,12 @@ class WeightSync:
             return
         wait_all(
             [
-                self.actor.destroy_weight_sync.with_options(blocking=False)(group_name=link.group_name),
-                self.rollout.destroy_weight_sync.with_options(blocking=False)(group_name=link.group_name),
+                _method(self.actor, "destroy_weight_sync").with_options(blocking=False)(
+                    group_name=link.group_name
+                ),
+                _method(self.rollout, "destroy_weight_sync").with_options(blocking=False)(
+                    group_name=link.group_name
+                ),
             ]
         )
 
@@ -188,12 +198,12 @@ class WeightSync:
             backend = "nccl" if all(getattr(p, "use_gpu", False) for p in pools) else "gloo"
         world, timeout = 1 + self.rollout.world_size, self.setup_timeout_s
         name = f"hyflow_weight_sync/{self.actor.name}->{self.rollout.name}"
-        addr, port = self.actor.open_weight_sync_store(world, group_name=name, timeout_s=timeout)
+        addr, port = _method(self.actor, "open_weight_sync_store")(world, group_name=name, timeout_s=timeout)
 
-        def join(group: RayWorkerGroup, member_ranks: list[int | None]):
+        def join(group: RayWorkerGroup, member_ranks: Sequence[int | None]):
             """``init_weight_sync`` on every rank of ``group`` (None: the rank is not a member)."""
             n = group.world_size
-            return group.init_weight_sync.with_options(blocking=False)(
+            return _method(group, "init_weight_sync").with_options(blocking=False)(
                 [addr] * n,
                 [port] * n,
                 member_ranks,
@@ -219,10 +229,10 @@ class WeightSync:
         if self.link is None:
             self.link = self._connect()
         name = self.link.group_name
-        sending = self.actor.send_weights.with_options(blocking=False)(
+        sending = _method(self.actor, "send_weights").with_options(blocking=False)(
             bucket_bytes=bucket_bytes, group_name=name, adapter_only=self.adapter_only
         )
-        receiving = self.rollout.receive_weights.with_options(blocking=False)(
+        receiving = _method(self.rollout, "receive_weights").with_options(blocking=False)(
             group_name=name, version=version, abort_running=abort_running, adapter_only=self.adapter_only
         )
         try:

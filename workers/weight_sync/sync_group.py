@@ -119,8 +119,9 @@ class WeightSyncGroup:
             if master_addr is None or master_port is None:
                 raise ValueError(f"{self.label}: pass either store or master_addr and master_port")
             store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=False, timeout=timeout)
-        self._store = store  # the source keeps its master store alive through this reference
+        self._store: dist.Store | None = store  # keeps the source's master store alive
         prefixed = dist.PrefixStore(f"{group_name}/", store)
+        self._pg: dist.ProcessGroupGloo | dist.ProcessGroupNCCL | None  # None once destroyed
         try:
             if self.backend_name == "gloo":
                 self.device = torch.device("cpu")
@@ -149,7 +150,10 @@ class WeightSyncGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self._pg.broadcast([tensor], opts).wait()
+        # set in __init__ and None only after destroy(); a destroyed group is not used again
+        assert self._pg is not None, f"{self.label}: weight-sync group used after destroy()"
+        # torch's stubs leave the c10d Backend collectives (broadcast, ...) out; they exist at runtime
+        self._pg.broadcast([tensor], opts).wait()  # type: ignore[union-attr]
         return tensor
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
@@ -170,6 +174,7 @@ class WeightSyncGroup:
     def _bucket_body(self, flat: FlatBucket | None, header, src: int) -> FlatBucket:
         metas, nbytes = header
         if self.rank == src:
+            assert flat is not None  # the source's own bucket: send() passes it, receive() runs off rank 0
             buffer = flat.buffer if flat.buffer.device == self.device else flat.buffer.to(self.device)
         else:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -188,7 +193,13 @@ class WeightSyncGroup:
         generator that gathers a sharded model materialises one bucket at a time. Returns counts."""
         if self.rank != 0:
             raise RuntimeError(f"{self.label}: only rank 0 (the trainer) sends weights")
-        stats = {"buckets": 0, "tensors": 0, "bytes": 0, "wire_bytes": 0, "max_bucket_bytes": 0}
+        stats: dict[str, float] = {
+            "buckets": 0,
+            "tensors": 0,
+            "bytes": 0,
+            "wire_bytes": 0,
+            "max_bucket_bytes": 0,
+        }
         for bucket in iter_buckets(named_tensors, bucket_bytes, dtype=dtype):
             flat = flatten_bucket(bucket, device=self.device)
             self.broadcast_object((flat.metas, flat.nbytes))
