@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dataproto", "resource_pools", "controller", "algorithms", "workers", "recipes", "benchmarks")
 # import name -> distribution name, where they differ
 DISTRIBUTION = {"yaml": "pyyaml", "megatron": "megatron-core", "google": "protobuf", "attr": "attrs"}
-# imported at module level only by files that the GPU check never imports (CPU shims, TRL baselines)
-NOT_ON_THE_GPU_PATH = {"hyflow_cpu_shim", "trl", "paths"}
+# imported at module level only by files that the GPU check never imports: CPU shims, TRL baselines, and the
+# OpenAI-compatible endpoint (workers/agents/gateway.py; loaded by name only for env.loop=openai_agent or recipes.serve)
+NOT_ON_THE_GPU_PATH = {"hyflow_cpu_shim", "trl", "paths", "fastapi", "starlette"}
 
 
 def planned_distributions() -> set[str]:

@@ -85,7 +85,7 @@ def test_unknown_or_mistyped_env_key_is_refused_before_ray(monkeypatch, capsys):
 def test_unknown_env_loop_is_refused_before_ray_listing_the_known_ones(monkeypatch, capsys):
     err = _refused(monkeypatch, capsys, "env.loop=word_cnt")
     assert "config key 'env.loop'" in err and "unknown agent loop 'word_cnt'" in err
-    assert "'math_tool' or 'mixed' or 'rlm'" in err and "'package.module:Class'" in err
+    assert "'math_tool' or 'mixed' or 'openai_agent' or 'rlm'" in err and "'package.module:Class'" in err
 
 
 def test_a_recipe_that_reads_its_envs_fields_refuses_another_env():
