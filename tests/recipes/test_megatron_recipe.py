@@ -89,7 +89,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 @pytest.mark.e2e
 def test_grpo_step_with_tensor_parallel_actor(ray_session, tmp_path):
     if importlib.util.find_spec("megatron.core") is None:
-        skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])")
+        skip_or_fail("megatron-core is not installed (pip install -e '.[megatron]')")
     reward_file = tmp_path / "length.py"
     reward_file.write_text(LENGTH_REWARD)
     overrides = [

@@ -59,7 +59,7 @@ GRPO = [
 @pytest.fixture(scope="module", autouse=True)
 def sglang_installed(needs):
     if importlib.util.find_spec("sglang") is None:
-        needs("needs SGLang: run `make sglang-cpu` (CPU engine) or pip install hyflow[sglang] (CUDA)")
+        needs("needs SGLang: run `make sglang-cpu` (CPU engine) or pip install -e '.[sglang]' (CUDA)")
 
 
 def _sglang_processes() -> set[int]:

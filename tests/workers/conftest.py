@@ -121,7 +121,7 @@ def closed_port_url():
     return f"http://127.0.0.1:{port}/v1"
 
 
-SGLANG_HINT = "needs SGLang: run `make sglang-cpu` (CPU engine) or pip install hyflow[sglang] (CUDA)"
+SGLANG_HINT = "needs SGLang: run `make sglang-cpu` (CPU engine) or pip install -e '.[sglang]' (CUDA)"
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from workers.engine.megatron.hf_conversion import (
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
 if importlib.util.find_spec("megatron.core") is None:
-    skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
+    skip_or_fail("megatron-core is not installed (pip install -e '.[megatron]')", allow_module_level=True)
 
 STEPS = 2
 MICRO = 2  # rows per micro-batch: 4 micro-batches of the 8-row batch (1F1B warm-up, steady state, cool-down)

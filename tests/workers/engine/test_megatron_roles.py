@@ -25,7 +25,7 @@ from workers.roles.common import build_engine, data_parallel_size
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
 if importlib.util.find_spec("megatron.core") is None:
-    skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
+    skip_or_fail("megatron-core is not installed (pip install -e '.[megatron]')", allow_module_level=True)
 
 
 P, R = 6, 5

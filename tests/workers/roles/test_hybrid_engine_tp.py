@@ -32,7 +32,7 @@ from workers.weight_sync import WeightSync
 
 # find_spec, not importorskip: megatron-core itself is imported only in the processes that build engines
 if importlib.util.find_spec("megatron.core") is None:
-    skip_or_fail("megatron-core is not installed (pip install hyflow[megatron])", allow_module_level=True)
+    skip_or_fail("megatron-core is not installed (pip install -e '.[megatron]')", allow_module_level=True)
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

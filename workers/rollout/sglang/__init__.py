@@ -2,7 +2,7 @@
 CPU engine for tests and CI: ``make sglang-cpu``, ``device="cpu"``).
 
 sglang is imported lazily (only when an engine is built), so this package imports without it; then
-``SGLangRollout(config)`` raises ``ImportError`` naming ``make sglang-cpu`` / ``pip install hyflow[sglang]``.
+``SGLangRollout(config)`` raises ``ImportError`` naming ``make sglang-cpu`` / ``pip install -e '.[sglang]'``.
 Run for real against sglang 0.5.20 (``tests/workers/rollout/test_sglang_integration.py``); the
 weight-update session of >= 0.5.21 (``begin_weight_update`` / ``end_weight_update``) was read from the
 0.5.21 wheel. ``lifecycle.py``: the engine's processes, death, idle state and shutdown.

@@ -71,7 +71,7 @@ from workers.weight_sync.buckets import bucket_mb_to_bytes, flatten_bucket, iter
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "on a CUDA machine: pip install hyflow[sglang]; for the CPU engine (tests, CI): make sglang-cpu"
+    "on a CUDA machine: pip install -e '.[sglang]'; for the CPU engine (tests, CI): make sglang-cpu"
 )
 CPU_SHIM_DIR = Path(__file__).resolve().parent / "cpu_shim"
 
@@ -298,7 +298,7 @@ class SGLangRollout(RolloutEngine):
         if importlib.util.find_spec("sglang") is None:
             errors.append(
                 f"rollout.name={rollout.name} needs the sglang package: `make sglang-cpu` (CPU engine, for tests "
-                "and CI) or `pip install hyflow[sglang]` on a CUDA machine"
+                "and CI) or `pip install -e '.[sglang]'` on a CUDA machine"
             )
         if rollout.compile:  # SGLang compiles (and captures CUDA graphs) by its own server arguments
             errors.append(
