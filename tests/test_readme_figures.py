@@ -132,3 +132,25 @@ def test_the_word_count_example_learns_as_the_docs_say():
     for command in recorded["command"].split(" && "):
         assert command in text
     assert result["val_after"] > result["val_before"] and result["reward_last10"] > result["reward_first10"]
+
+
+OPENAI_AGENT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "openai_agent.json"
+OPENAI_AGENTS_DOC = Path(__file__).resolve().parents[1] / "docs" / "openai_agents.md"
+
+
+def test_the_openai_agent_record_is_the_one_the_docs_show():
+    """docs/openai_agents.md's table of full runs of rlm_openai_agent.yaml (issue 54) equals
+    benchmarks/results/openai_agent.json, names its commit, and its arms start from one warm start."""
+    recorded = json.loads(OPENAI_AGENT.read_text())
+    text = OPENAI_AGENTS_DOC.read_text(encoding="utf-8")
+    assert recorded["commit"] in text and recorded["val_samples"] == 32
+    arms = recorded["arms"]
+    assert len({arm["val_before"] for arm in arms.values()}) == 1, "the arms must share their warm start"
+    for arm in arms.values():
+        row = (
+            f"{arm['val_before']:.2f} -> {arm['val_after']:.2f} | "
+            f"{arm['reward_first10']:.2f} -> {arm['reward_last10']:.2f} | "
+            f"{arm['entropy_step1']:.2f} -> {arm['entropy_max']:.2f} | {round(arm['wall_s'])} s |"
+        )
+        assert row in text, f"docs/openai_agents.md does not show {row!r}"
+        assert arm["steps"] == 40 and len(arm["val_every_10_steps"]) == 5
