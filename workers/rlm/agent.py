@@ -64,7 +64,7 @@ from typing import Any
 
 from workers.agents.limits import Budget, BudgetLimits, BudgetSpent
 from workers.agents.llm import ModelResponse
-from workers.agents.tool_calls import ToolCall, tool_parser
+from workers.agents.tool_calls import ParsedTurn, ToolCall, tool_parser
 from workers.agents.tool_use import ToolUse
 from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn
 from workers.agents.turns import EnvFailure, Episode, PolicyFailure, Step, run_turns
@@ -656,9 +656,11 @@ class _RLMEpisode(Episode):
             messages.append({"role": "user", "content": observation})
         return Step(messages=messages)
 
-    async def _answer_calls(self, calls, turn: TrajectoryTurn) -> list[dict]:
+    async def _answer_calls(self, calls: ParsedTurn, turn: TrajectoryTurn) -> list[dict]:
         """Run the turn's calls in the model's tool-call format on the host (the REPL's tools, their timeouts);
         one ``tool`` message each, recorded in ``metadata["tool_calls"]`` with the turn."""
+        tool_use = self.tool_use
+        assert tool_use is not None, "calls in the model's format come only from self.tool_use.parse"
         ctx = self.context
         tool_context = (
             {f"context_{i}": c for i, c in enumerate(ctx.values)} if isinstance(ctx, Contexts) else ctx
@@ -675,8 +677,8 @@ class _RLMEpisode(Episode):
                 json.dumps(outcome["ok"], ensure_ascii=False), self.agent.config.max_observation_chars
             )
 
-        messages = await self.tool_use.answer(calls, run)
-        self.traj.metadata["tool_use"] = dict(vars(self.tool_use.stats))
+        messages = await tool_use.answer(calls, run)
+        self.traj.metadata["tool_use"] = dict(vars(tool_use.stats))
         return messages
 
     def _count_errors(self, results: list[CodeResult]) -> None:
@@ -710,6 +712,7 @@ class _RLMEpisode(Episode):
 
     async def close(self) -> None:
         if self.in_session:  # the session keeps its REPL open for the next call
+            assert self.session is not None, "in_session is set only after self.session.begin"
             self.session.end(self.conv)
             return
         if self.repl is not None:

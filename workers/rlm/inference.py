@@ -33,11 +33,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from workers.agents.batch import trajectory_json
 from workers.agents.clients import BACKENDS, close_llm, engine_loop, make_llm
-from workers.agents.llm import ChatLLM, EngineLLM
+from workers.agents.llm import LLM, ChatLLM, EngineLLM
 from workers.agents.tool_calls import normalize_tools
 from workers.agents.trajectory import Trajectory
 from workers.event_loop import CallerLoop, LoopThread
@@ -51,6 +51,8 @@ from workers.sandbox import ReplSandbox
 from workers.sandbox.tools import Tool, as_tools
 
 __all__ = ["RLM", "RLMError", "RLMResult", "trajectory_tree"]
+
+T = TypeVar("T")
 
 
 def trajectory_tree(trajectories: list[Trajectory], root_id: str | None = None) -> dict:
@@ -116,6 +118,11 @@ def declared(tools: dict, schemas: list[dict] | None) -> dict:
             tool, description=fn.get("description", tool.description), parameters=fn["parameters"]
         )
     return out
+
+
+def _given(value: T | None, default: T) -> T:
+    """A keyword argument of `RLM` left as None keeps the config's value (``default``)."""
+    return default if value is None else value
 
 
 def _engine_llm(engine, tokenizer, name: str):
@@ -227,39 +234,32 @@ class RLM:
         tool_format: str | None = None,
     ):
         cfg = agent_config or AgentConfig()
-        overrides = {
-            k: v
-            for k, v in {
-                "max_depth": max_depth,
-                "max_iterations": max_iterations,
-                "temperature": temperature,
-                "max_new_tokens": max_new_tokens,
-                "max_total_tokens": max_total_tokens,
-                "max_cost_usd": max_cost_usd,
-                "prices": {m: list(p) for m, p in prices.items()} if prices is not None else None,
-                "max_errors": max_errors,
-                "max_concurrent_subcalls": max_concurrent_subcalls,
-                "tool_format": tool_format,
-                # inference asks for a last answer when the turns run out unless told otherwise (training: off)
-                "final_answer_on_exhaustion": final_answer_on_exhaustion
-                if final_answer_on_exhaustion is not None or agent_config is not None
-                else True,
-                "prompt": replace(
-                    cfg.prompt,
-                    **{
-                        k: v
-                        for k, v in {
-                            "custom_system_prompt": custom_system_prompt,
-                            "system_prompts": system_prompts,
-                            "style": prompt_style,
-                        }.items()
-                        if v is not None
-                    },
-                ),
-            }.items()
-            if v is not None
-        }
-        self.config = replace(cfg, **overrides)
+        self.config = replace(
+            cfg,
+            max_depth=_given(max_depth, cfg.max_depth),
+            max_iterations=_given(max_iterations, cfg.max_iterations),
+            temperature=_given(temperature, cfg.temperature),
+            max_new_tokens=_given(max_new_tokens, cfg.max_new_tokens),
+            max_total_tokens=_given(max_total_tokens, cfg.max_total_tokens),
+            max_cost_usd=_given(max_cost_usd, cfg.max_cost_usd),
+            prices=_given(
+                {m: list(p) for m, p in prices.items()} if prices is not None else None, cfg.prices
+            ),
+            max_errors=_given(max_errors, cfg.max_errors),
+            max_concurrent_subcalls=_given(max_concurrent_subcalls, cfg.max_concurrent_subcalls),
+            tool_format=_given(tool_format, cfg.tool_format),
+            # inference asks for a last answer when the turns run out unless told otherwise (training: off)
+            final_answer_on_exhaustion=_given(
+                final_answer_on_exhaustion,
+                cfg.final_answer_on_exhaustion if agent_config is not None else True,
+            ),
+            prompt=replace(
+                cfg.prompt,
+                custom_system_prompt=_given(custom_system_prompt, cfg.prompt.custom_system_prompt),
+                system_prompts=_given(system_prompts, cfg.prompt.system_prompts),
+                style=_given(prompt_style, cfg.prompt.style),
+            ),
+        )
         self._sandbox = sandbox
         self._own_sandbox = sandbox is None
         self._sandbox_config = sandbox_config
@@ -318,7 +318,7 @@ class RLM:
                 except ValueError as exc:
                     raise ValueError(f"other_backends[{i}]: {exc}") from None
                 self._own_llms.append(other_llms[-1])
-            self.sub_llms = {}
+            self.sub_llms: dict[str, LLM] = {}
             for llm in ([] if engine is not None else [self.policy]) + other_llms:
                 if llm.name in self.sub_llms:
                     raise ValueError(
@@ -384,7 +384,7 @@ class RLM:
             usage=Usage.from_dict(res.root.metadata["usage"]),
         )
         if self.log_path:
-            self._log(out.trajectories)
+            self._log(self.log_path, out.trajectories)
         if self.raise_on_error and out.status == "error":
             raise RLMError(f"RLM failed: {out.root.error}", out)
         return out
@@ -405,9 +405,9 @@ class RLM:
             raise ValueError("RLM: models on two SGLang engines cannot share one RLM (each has its own loop)")
         return CallerLoop(next(iter(loops.values()))) if loops else LoopThread(name="rlm-inference")
 
-    def _log(self, trajectories: list[Trajectory]) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        with self._log_lock, open(self.log_path, "a", encoding="utf-8") as f:
+    def _log(self, path: str, trajectories: list[Trajectory]) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with self._log_lock, open(path, "a", encoding="utf-8") as f:
             for t in trajectories:
                 f.write(trajectory_json(t, tokens=self.log_tokens) + "\n")
 

@@ -322,9 +322,9 @@ def format_observation(
     tells the model to answer now.
     """
     parts: list[str] = []
-    results = [_as_result(r) for r in results]
-    n = len(results)
-    for i, r in enumerate(results, 1):
+    blocks = [_as_result(r) for r in results]
+    n = len(blocks)
+    for i, r in enumerate(blocks, 1):
         head = f"[REPL block {i}/{n}" + (f", {r.elapsed_s:.2f}s" if r.elapsed_s else "") + "]"
         texts = [r.stdout or "", r.stderr or "", r.error or ""]
         if sum(map(len, texts)) > max_chars:

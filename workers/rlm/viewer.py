@@ -31,10 +31,13 @@ import re
 import sys
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.agents.trajectory import CodeResult, Trajectory, TrajectoryTurn, load_jsonl
 from workers.rlm.protocol import TRUNCATION_MARKER, scan_fences
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = ["load_trajectories", "main", "render_html", "write_html"]
 
@@ -557,17 +560,21 @@ def render_html(trajectories: Iterable[Trajectory], title: str = "RLM trajectori
     )
 
 
+def _is_paths(x: object) -> TypeIs[str | os.PathLike | Sequence[str | os.PathLike]]:
+    """Whether ``write_html`` reads ``x`` as JSONL path(s): one path, or a non-empty list or tuple whose
+    first item is a path (anything else is taken as the trajectories themselves)."""
+    return isinstance(x, (str, os.PathLike)) or (
+        isinstance(x, (list, tuple)) and bool(x) and isinstance(x[0], (str, os.PathLike))
+    )
+
+
 def write_html(
     trajectories: Iterable[Trajectory] | str | os.PathLike | Sequence[str | os.PathLike],
     out_path: str | os.PathLike,
     title: str = "RLM trajectories",
 ) -> str:
     """Render ``trajectories`` (or JSONL path(s)) to ``out_path``; returns the path."""
-    if isinstance(trajectories, (str, os.PathLike)) or (
-        isinstance(trajectories, (list, tuple))
-        and trajectories
-        and isinstance(trajectories[0], (str, os.PathLike))
-    ):
+    if _is_paths(trajectories):
         trajectories = load_trajectories(trajectories)
     out_path = os.fspath(out_path)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
