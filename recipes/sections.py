@@ -29,7 +29,7 @@ from workers.engine.base import OptimConfig
 from workers.engine.registry import TRAIN_ENGINES, train_engine_class
 from workers.models.chat_templates import CHAT_TEMPLATES
 from workers.models.hub import model_path_problem
-from workers.models.tiny import TINY_MODEL_SIZES
+from workers.models.tiny import TINY_ARCHS, TINY_MODEL_SIZES
 from workers.reward import load_custom_scorer
 from workers.rollout.registry import rollout_engine_class
 
@@ -155,6 +155,8 @@ class RecipeModelConfig(ModelConfig):
     # the tiny model's chat template family (workers/models/chat_templates.py: chatml, qwen3, deepseek_r1,
     # llama3); a model.path keeps its own template
     tiny_chat_template: str = "chatml"
+    # the tiny model's architecture: dense (Qwen2) or moe (Qwen3-MoE, 4 experts, top-2; docs/moe.md)
+    tiny_arch: str = "dense"
 
     def check(self, errors: list[str], cfg: RecipeConfig) -> None:
         # a local model folder, or a Hugging Face Hub id (in the Hub's cache, or fetched when the run starts)
@@ -162,6 +164,8 @@ class RecipeModelConfig(ModelConfig):
             errors.append(problem)
         if self.path is None and self.tiny_size not in TINY_MODEL_SIZES:
             errors.append(f"model.tiny_size={self.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
+        if self.path is None and self.tiny_arch not in TINY_ARCHS:
+            errors.append(f"model.tiny_arch={self.tiny_arch!r}; choose one of {list(TINY_ARCHS)}")
         if self.path is None and self.tiny_chat_template not in CHAT_TEMPLATES:
             errors.append(
                 f"model.tiny_chat_template={self.tiny_chat_template!r}; choose one of {sorted(CHAT_TEMPLATES)}"
@@ -716,6 +720,7 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
     if error:
         errors.append(error)
     _check_lora(errors, cfg)
+    _check_moe(errors, cfg)
     for role in ("actor", "critic"):
         strategy = getattr(cfg, role).strategy
         if cfg.model.compile and not _train_engine_can(strategy, "supports_compile"):
@@ -731,6 +736,47 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
             cfg.data.train_batch_size,
             samples_per_prompt(cfg),
             data_parallel_sizes(cfg).train,
+        )
+
+
+def model_is_moe(cfg: RecipeConfig) -> bool | None:
+    """Whether the policy is a mixture of experts: the tiny model's ``model.tiny_arch``, or its folder's config.json
+    naming experts; None when that cannot be told before the model is fetched (a Hub id not yet cached)."""
+    if cfg.model.path is None:
+        return cfg.model.tiny_arch == "moe"
+    config = Path(cfg.model.path) / "config.json"
+    if not config.is_file():
+        return None
+    import json
+
+    hf = json.loads(config.read_text())
+    return any(int(hf.get(key) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _check_moe(errors: list[str], cfg: RecipeConfig) -> None:
+    """A mixture-of-experts policy: engines that train and generate it, and ``actor.moe.routing_replay``'s source of
+    routes (docs/moe.md)."""
+    moe, replay = model_is_moe(cfg), cfg.actor.moe.routing_replay
+    if moe is False and replay != "none":
+        errors.append(
+            f"actor.moe.routing_replay={replay} replays a mixture of experts' routes, but the model is dense "
+            f"({cfg.model.path or 'model.tiny_arch=' + cfg.model.tiny_arch}); set actor.moe.routing_replay=none"
+        )
+    if not moe:
+        return
+    roles = ["actor", "critic"] if uses_critic(cfg) else ["actor"]
+    for role in roles:
+        strategy = getattr(cfg, role).strategy
+        if not _train_engine_can(strategy, "supports_moe"):
+            errors.append(
+                f"the model is a mixture of experts, which {role}.strategy={strategy!r} does not train "
+                f"(supports_moe=False); use {role}.strategy=fsdp"
+            )
+    if replay == "rollout" and not _engine_can(cfg, "records_routes"):
+        errors.append(
+            f"actor.moe.routing_replay=rollout replays the experts the rollout engine chose, which "
+            f"rollout.name={cfg.rollout.name!r} does not record (records_routes=False); use rollout.name=native or "
+            "actor.moe.routing_replay=old_log_prob"
         )
 
 

@@ -4,7 +4,7 @@ so a verl user finds ``actor.ppo_mini_batch_size`` where they expect it); worker
 import math
 from dataclasses import dataclass, field
 
-from workers.engine.base import LoRAConfig, MegatronConfig, OptimConfig
+from workers.engine.base import LoRAConfig, MegatronConfig, MoEConfig, OptimConfig
 
 
 @dataclass
@@ -45,6 +45,8 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     # rank > 0: train LoRA adapters only; the frozen base is the reference (no reference model is loaded)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # mixture-of-experts models: routing replay and the router losses (docs/moe.md); a dense model ignores it
+    moe: MoEConfig = field(default_factory=MoEConfig)
     seed: int = 0
 
     def __post_init__(self):

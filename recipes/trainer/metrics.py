@@ -7,7 +7,8 @@
   ``critic/advantages/*``, ``critic/returns/*``, ``critic/values/*`` (PPO), ``response_length/*``
   (incl. ``clip_ratio``: share of responses cut at max length), ``prompt_length/*``, and
   ``training/rollout_logprob_diff_{max,mean}``: |log p_rollout - log p_trainer| of the sampled tokens, the rollout
-  engine's log-probs against the trainer's ``old_log_probs`` (near 0 when the engine holds the trainer's weights).
+  engine's log-probs against the trainer's ``old_log_probs`` (near 0 when the engine holds the trainer's weights),
+  and ``training/rollout_k3_kl``, the k3 estimate of KL(rollout || trainer) over those tokens.
 * ``compute_throughput``: ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (tokens /
   step time / devices, verl's definition).
 * ``timer``: ``with timer("gen", timings): ...`` adds ``timings["gen"]`` seconds -> ``timing_s/gen``.
@@ -91,10 +92,12 @@ def compute_data_metrics(batch: DataProto) -> dict[str, float]:
     out["response_length/clip_ratio"] = float((resp_len >= max_resp).float().mean())
     out.update(_stats("prompt_length", prompt_len))
     if "rollout_log_probs" in b and "old_log_probs" in b:
-        diff = _masked_values((b["rollout_log_probs"] - b["old_log_probs"]).abs(), mask)
-        if diff.numel():
-            out["training/rollout_logprob_diff_max"] = float(diff.max())
-            out["training/rollout_logprob_diff_mean"] = float(diff.mean())
+        log_ratio = _masked_values(b["old_log_probs"] - b["rollout_log_probs"], mask)
+        if log_ratio.numel():
+            out["training/rollout_logprob_diff_max"] = float(log_ratio.abs().max())
+            out["training/rollout_logprob_diff_mean"] = float(log_ratio.abs().mean())
+            # k3 estimate of KL(rollout || trainer) over the sampled tokens: r - 1 - log r, r = p_trainer / p_rollout
+            out["training/rollout_k3_kl"] = float((log_ratio.exp() - 1 - log_ratio).mean())
     return out
 
 

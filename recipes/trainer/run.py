@@ -120,7 +120,10 @@ def resolve_model(cfg: RecipeConfig) -> str:
         except ModelPathError as err:
             raise ConfigError(str(err)) from None
     return ensure_tiny_model(
-        cfg.model.tiny_size, seed=cfg.model.tiny_seed, chat_template=cfg.model.tiny_chat_template
+        cfg.model.tiny_size,
+        seed=cfg.model.tiny_seed,
+        chat_template=cfg.model.tiny_chat_template,
+        arch=cfg.model.tiny_arch,
     )
 
 

@@ -32,6 +32,7 @@ MODEL_KEYS = {
     "model.tiny_size",
     "model.tiny_seed",
     "model.tiny_chat_template",
+    "model.tiny_arch",
     "critic.model_path",
 }
 # The way out every refusal names first

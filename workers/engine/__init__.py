@@ -1,6 +1,6 @@
 """Training engines and what they share.
 
-* `base`: the engine configs (`EngineConfig`, `OptimConfig`, `MegatronConfig`), `LossContext`, and the
+* `base`: the engine configs (`EngineConfig`, `OptimConfig`, `MegatronConfig`, `MoEConfig`), `LossContext`, and the
   `TrainEngine` protocol that role workers and checkpointing use, with the capabilities an engine declares.
 * `registry`: ``<role>.strategy`` (``fsdp``, ``megatron`` or ``"module:Class"``) -> the engine class, checked
   against the contract; `build_train_engine` builds it (docs/training_engines.md).
@@ -8,6 +8,8 @@
   TP/PP/DP; imported on use: megatron-core is optional); both take the methods they share from
   `train_steps.EngineSteps` and their optimizer from `optim`.
 * `checkpoint`: resumable DCP checkpoints and Hugging Face export of any `TrainEngine`.
+* `moe` (routers: recorded routes, routing replay, router losses and route metrics) and `moe_forward` (one
+  micro-batch forward of a mixture of experts in the FSDP engine).
 * `packing` (unpadded micro-batches); the process-group helpers are `workers.distributed`. The varlen attention the
   engines run (``hyflow_varlen``) lives beside the models, in `workers.models.attention`.
 """
@@ -17,6 +19,7 @@ from workers.engine.base import (
     LoRAConfig,
     LossContext,
     MegatronConfig,
+    MoEConfig,
     OptimConfig,
     TrainEngine,
 )
@@ -37,6 +40,7 @@ __all__ = [
     "LoRAConfig",
     "LossContext",
     "MegatronConfig",
+    "MoEConfig",
     "OptimConfig",
     "TrainEngine",
     "export_hf",

@@ -54,6 +54,33 @@ class OptimConfig:
             raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+ROUTING_REPLAY = ("none", "rollout", "old_log_prob")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts training (docs/moe.md); a dense model ignores it."""
+
+    # none: the trainer routes every token itself; rollout (R3): every forward of the update and the old log-prob
+    # pass uses the experts the rollout engine chose (batch column routed_experts); old_log_prob (R2): the update
+    # uses the experts the old log-prob pass chose (column old_routed_experts)
+    routing_replay: str = "none"
+    aux_loss_coef: float = (
+        0.0  # Switch-style load-balancing loss (moe.load_balancing_loss), added to the loss
+    )
+    z_loss_coef: float = 0.0  # router z-loss (moe.router_z_loss): mean logsumexp(router logits)^2
+
+    def __post_init__(self):
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(
+                f"routing_replay must be one of {list(ROUTING_REPLAY)}, got {self.routing_replay!r}"
+            )
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{key} must be a finite number >= 0, got {value}")
+
+
 @dataclass
 class EngineConfig:
     model_path: str
@@ -72,6 +99,7 @@ class EngineConfig:
     config_overrides: dict = field(default_factory=dict)
     optim: OptimConfig | None = field(default_factory=OptimConfig)  # None: forward-only (reference model)
     lora: LoRAConfig | None = None  # adapters only train (workers/engine/lora.py); None or rank 0: full model
+    moe: MoEConfig = field(default_factory=MoEConfig)  # router losses (the update); replay is chosen per call
 
 
 @dataclass
@@ -189,6 +217,9 @@ class TrainEngine(Protocol):
     # its model-parallel layout is process-global state (Megatron's parallel_state): roles that share a process
     # (colocated actor and critic) must use the same model-parallel sizes
     process_global_parallel_state: ClassVar[bool]
+    # it trains mixture-of-experts models: EngineConfig.moe's router losses, ``replay_routes`` (the batch column of
+    # expert routes its forwards replay) and the routes it chose in ``compute_log_prob``'s result (docs/moe.md)
+    supports_moe: ClassVar[bool]
 
     config: EngineConfig
     device: torch.device
@@ -243,6 +274,7 @@ class TrainEngine(Protocol):
         calculate_entropy: bool = False,
         micro_batch_size: int | None = None,
         max_token_len: int | None = None,
+        replay_routes: str | None = None,
     ) -> dict[str, torch.Tensor]: ...
 
     def compute_values(
@@ -262,6 +294,7 @@ class TrainEngine(Protocol):
         temperature: float | None = None,
         calculate_entropy: bool = False,
         loss_mask_key: str = "response_mask",
+        replay_routes: str | None = None,
     ) -> dict[str, Any]: ...
 
     def full_state_dict_iter(

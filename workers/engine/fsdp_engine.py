@@ -37,6 +37,8 @@ from torch.distributed.tensor import DTensor
 from workers import distributed as du
 from workers.engine.base import EngineConfig, LossFn
 from workers.engine.lora import adapter_named_tensors, add_adapters, base_name, merged_named_tensors
+from workers.engine.moe import is_moe
+from workers.engine.moe_forward import OLD_ROUTES, ROLLOUT_ROUTES, MoEForward
 from workers.engine.optim import build_optimizer
 from workers.engine.packing import (
     group_rows_by_prompt,
@@ -84,6 +86,7 @@ class FSDPEngine(EngineSteps):
 
     supports_lora: ClassVar[bool] = True  # lora, adapter_state_iter, base_model_mode
     supports_compile: ClassVar[bool] = True  # compile_layers
+    supports_moe: ClassVar[bool] = True  # moe_forward.MoEForward around each micro-batch
     reshards_for_generation: ClassVar[bool] = False  # full tensors only (full_state_dict_iter)
     process_global_parallel_state: ClassVar[bool] = False
 
@@ -187,6 +190,7 @@ class FSDPEngine(EngineSteps):
             self.device_mesh = device_mesh
             model.to(self.device)
         self.model = model
+        self.is_moe = is_moe(model)
         self.hf_config = model.config
         self.hf_config.architectures = [architecture]
         self.generation_config = getattr(model, "generation_config", None)
@@ -283,33 +287,38 @@ class FSDPEngine(EngineSteps):
         response_length: int,
         temperature: float,
         calculate_entropy: bool,
-    ) -> dict[str, torch.Tensor]:
-        """Packed forward of one micro-batch; outputs are [b, R] (zeros at response padding)."""
+        replay_routes: str | None = None,
+    ) -> tuple[dict[str, torch.Tensor], MoEForward | None]:
+        """Packed forward of one micro-batch; outputs are [b, R] (zeros at response padding). A mixture of experts
+        also gives its `MoEForward` (routes, router losses), replaying the column ``replay_routes`` if named."""
         packed = pack_sequences(
             micro["input_ids"], micro["attention_mask"], response_length, share_prompts=self.share_prompts
         )
-        with self._autocast():
+        moe = MoEForward(self.model, packed, micro, replay_routes) if self.is_moe else None
+        with self._autocast(), moe.routing() if moe is not None else contextlib.nullcontext():
             if self.is_value_model:
                 out = self.model(**packed.model_kwargs())
                 values = out.logits[0, :, 0].index_select(0, packed.keep_index).float()
-                return {"values": scatter_response(values, packed.response_valid)}
+                return {"values": scatter_response(values, packed.response_valid)}, moe
             with head_computes_log_probs(self.model, packed.labels, temperature, calculate_entropy):
                 out = self.model(**packed.model_kwargs(), logits_to_keep=packed.keep_index)
         pair = out.logits[0]  # [n, 2]: log-probs and entropies of the kept (response-predicting) positions
         result = {"log_probs": scatter_response(pair[:, 0], packed.response_valid)}
         if calculate_entropy:
             result["entropy"] = scatter_response(pair[:, 1], packed.response_valid)
-        return result
+        return result, moe
 
     def _dummy_forward(self, template: Mapping[str, torch.Tensor], response_length: int) -> torch.Tensor:
         """A forward on one real row whose loss is 0: keeps this rank in step with ranks that have more
         micro-batches (every FSDP forward/backward is collective)."""
         micro = {k: v[:1] for k, v in template.items()}
-        out = self._forward_micro(micro, response_length, 1.0, False)
-        return sum(v.sum() for v in out.values()) * 0.0
+        out, moe = self._forward_micro(micro, response_length, 1.0, False)
+        zero = sum(v.sum() for v in out.values()) * 0.0
+        return zero + sum(lg.sum() for lg in moe.logits) * 0.0 if moe is not None else zero
 
     def _forward(self, call: EngineCall, calculate_entropy: bool) -> dict[str, torch.Tensor]:
-        tensors = {k: call.tensors[k] for k in ("input_ids", "attention_mask", "responses")}
+        keys = ("input_ids", "attention_mask", "responses", ROLLOUT_ROUTES, OLD_ROUTES)
+        tensors = {k: call.tensors[k] for k in keys if k in call.tensors}
         response_length = call.response_length
         parts = self._plan(tensors, response_length, call.micro_batch_size, call.max_token_len)
         self.model.eval()
@@ -319,9 +328,15 @@ class FSDPEngine(EngineSteps):
             if not part:
                 self._dummy_forward(dev, response_length)
                 continue
-            out = self._forward_micro(
-                self._rows(dev, part), response_length, call.temperature, calculate_entropy
+            out, moe = self._forward_micro(
+                self._rows(dev, part),
+                response_length,
+                call.temperature,
+                calculate_entropy,
+                call.replay_routes,
             )
+            if moe is not None:
+                out.update(moe.outputs())
             for k, v in out.items():
                 chunks.setdefault(k, []).append(v.cpu())
         return {k: restore_order(v, [p for p in parts if p]) for k, v in chunks.items()}
@@ -341,13 +356,35 @@ class FSDPEngine(EngineSteps):
                 self._dummy_forward(mini_dev, call.response_length).backward()
                 continue
             micro = self._rows(mini_dev, part)
-            outputs = self._forward_micro(micro, call.response_length, call.temperature, calculate_entropy)
+            outputs, moe = self._forward_micro(
+                micro, call.response_length, call.temperature, calculate_entropy, call.replay_routes
+            )
             ctx = context(micro_batch_index=ui, num_micro_batches=len(parts))
             loss, m = call_loss_fn(loss_fn, outputs, micro, ctx)
+            if moe is not None:
+                loss, m = self._with_router_losses(loss, m, moe, len(parts) * ctx.dp_size)
             loss.backward()
             step_loss += loss.detach().double()
             metrics.append(m)
         return step_loss, metrics
+
+    def _with_router_losses(
+        self, loss: torch.Tensor, metrics: dict[str, float], moe: MoEForward, shares: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The policy loss plus the configured router losses (each of the mini-batch's ``shares`` micro-batches,
+        over all DP ranks, adds its part of their mean), and their values and the route mismatch as metrics."""
+        cfg = self.config.moe
+        balance, z = moe.losses()
+        if cfg.aux_loss_coef:
+            loss = loss + cfg.aux_loss_coef * balance / shares
+        if cfg.z_loss_coef:
+            loss = loss + cfg.z_loss_coef * z / shares
+        metrics = {**metrics, "moe/aux_loss": float(balance.detach()), "moe/z_loss": float(z.detach())}
+        routes = moe.outputs()
+        if "route_tokens" in routes and float(routes["route_tokens"].sum()) > 0:
+            diff = routes["route_diff"].sum(0) / routes["route_tokens"].sum()
+            metrics["moe/route_mismatch"] = float(diff.mean())
+        return loss, metrics
 
     def _grads(self) -> list[torch.Tensor]:
         grads = []

@@ -178,6 +178,26 @@ class PackedBatch:
     response_valid: torch.Tensor  # [b, R] bool, True on real response tokens (attention_mask of the response)
     # per segment, the lengths of its shared-prompt branches (() for a plain sequence); None: no shared prompts
     branches: tuple[tuple[int, ...], ...] | None = None
+    # [T] each packed token's place in the micro-batch's [b, P+R] tensors, flattened (row * (P+R) + column): a
+    # per-token column (the rollout's expert routes) packs as column.flatten(0, 1)[source_index]
+    source_index: torch.Tensor | None = None
+    # [b, P+R] the packed index of each real token of the micro-batch (a shared prompt's rows all point at its one
+    # copy), -1 on padding: the way back from packed order
+    packed_index: torch.Tensor | None = None
+
+    def pack_column(self, column: torch.Tensor) -> torch.Tensor:
+        """A per-token ``[b, P+R, ...]`` column of the micro-batch in packed order, ``[T, ...]``."""
+        assert self.source_index is not None
+        return column.flatten(0, 1).index_select(0, self.source_index.to(column.device))
+
+    def unpack_column(self, values: torch.Tensor, fill: float | int) -> torch.Tensor:
+        """Packed ``[T, ...]`` values back to the micro-batch's ``[b, P+R, ...]`` layout, ``fill`` on padding."""
+        assert self.packed_index is not None
+        index = self.packed_index.to(values.device)
+        real = index >= 0
+        out = values.new_full((*index.shape, *values.shape[1:]), fill)
+        out[real] = values.index_select(0, index[real])
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -252,7 +272,7 @@ def pack_sequences(
     keep_index = pred_pos[response_valid]
     labels = input_ids[:, prompt_len:][response_valid]
     if share_prompts:
-        shared = _share_prompts(input_ids, mask, prompt_len, response_valid, labels)
+        shared = _share_prompts(input_ids, mask, prompt_len, response_valid, labels, total)
         if shared is not None:
             return shared
     cu = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
@@ -265,6 +285,8 @@ def pack_sequences(
         keep_index=keep_index,
         labels=labels,
         response_valid=response_valid,
+        source_index=mask.flatten().nonzero()[:, 0],
+        packed_index=torch.where(mask, cum - 1 + offsets[:, None], -1),
     )
 
 
@@ -274,6 +296,7 @@ def _share_prompts(
     prompt_len: int,
     response_valid: torch.Tensor,
     labels: torch.Tensor,
+    width: int,
 ) -> PackedBatch | None:
     """``pack_sequences`` with one segment per distinct prompt: its tokens, then each of its rows' responses as
     branches. None when no two rows share a prompt (the plain packing is the same then)."""
@@ -285,18 +308,26 @@ def _share_prompts(
     device = input_ids.device
     lens = response_valid.sum(dim=1).tolist()
     responses = input_ids[:, prompt_len:]
-    pieces, positions, bounds, branches = [], [], [0], []
+    pieces, positions, bounds, branches, sources = [], [], [0], [], []
+    packed_index = torch.full(mask.shape, -1, dtype=torch.long, device=device)
     first_pred = [0] * len(input_ids)  # packed position predicting each row's first response token
     branch_at = [0] * len(input_ids)  # packed position of each row's first response token
     for prompt, rows in groups.items():
         p, start = len(prompt), bounds[-1]
         pieces.append(torch.tensor(prompt, dtype=input_ids.dtype, device=device))
         positions.append(torch.arange(p, device=device))
+        prompt_cols = mask[rows[0], :prompt_len].nonzero()[:, 0]
+        sources.append(rows[0] * width + prompt_cols)
         offset = start + p
         for i in rows:
+            packed_index[i, prompt_cols] = torch.arange(start, start + p, device=device)
+            packed_index[i, prompt_len : prompt_len + lens[i]] = torch.arange(
+                offset, offset + lens[i], device=device
+            )
             first_pred[i], branch_at[i] = start + p - 1, offset
             pieces.append(responses[i, : lens[i]])
             positions.append(torch.arange(p, p + lens[i], device=device))
+            sources.append(i * width + torch.arange(prompt_len, prompt_len + lens[i], device=device))
             offset += lens[i]
         bounds.append(offset)
         # a branch of no tokens is no branch; a lone row is a plain sequence
@@ -317,6 +348,8 @@ def _share_prompts(
         labels=labels,
         response_valid=response_valid,
         branches=tuple(branches),
+        source_index=torch.cat(sources),
+        packed_index=packed_index,
     )
 
 

@@ -35,6 +35,8 @@ class EngineCall:
     temperature: float  # divides the logits
     micro_batch_size: int | None  # rows per micro-batch, or
     max_token_len: int | None  # a token budget per micro-batch
+    # mixture of experts: the batch column of expert routes every forward replays (None: the routers choose)
+    replay_routes: str | None = None
 
     @property
     def rows(self) -> int:
@@ -241,15 +243,19 @@ class EngineSteps:
         calculate_entropy: bool = False,
         micro_batch_size: int | None = None,
         max_token_len: int | None = None,
+        replay_routes: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Log-probs of ``responses`` under the model: {"log_probs": [B, R]} (+ "entropy" [B, R]), fp32, on
         CPU, zeros at response padding, rows in the input order. ``temperature`` divides the logits (default:
         meta_info["temperature"] or 1). Micro-batching: ``max_token_len`` (token budget) or
-        ``micro_batch_size`` rows; defaults from meta_info (use_dynamic_bsz/max_token_len/micro_batch_size)."""
+        ``micro_batch_size`` rows; defaults from meta_info (use_dynamic_bsz/max_token_len/micro_batch_size).
+        A mixture-of-experts model also returns its routes (`moe.MoEForward.outputs`); ``replay_routes`` names the
+        batch column of routes its routers replay."""
         if self.is_value_model:
             raise TypeError("compute_log_prob on a value-head model; use compute_values")
         where = f"{type(self).__name__}.compute_log_prob"
         call = read_call(data, where, temperature, micro_batch_size, max_token_len)
+        call.replay_routes = replay_routes
         return self._forward(call, calculate_entropy)
 
     @torch.no_grad()
@@ -278,6 +284,7 @@ class EngineSteps:
         temperature: float | None = None,
         calculate_entropy: bool = False,
         loss_mask_key: str = "response_mask",
+        replay_routes: str | None = None,
     ) -> dict[str, Any]:
         """One or more optimizer steps over this rank's shard of the batch.
 
@@ -306,6 +313,7 @@ class EngineSteps:
         call = read_call(
             data, f"{type(self).__name__}.train_step", temperature, micro_batch_size, max_token_len
         )
+        call.replay_routes = replay_routes
         n = call.rows
         mbs = mini_batch_size or n
         if n % mbs:

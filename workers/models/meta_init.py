@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 RANDOM_INIT_FILE = "hyflow_random_init.json"
 BLOCK_ELEMENTS = 1 << 20  # elements per random-init block (rounded to whole rows): the unit of determinism
+
+# a fused experts parameter of HF mixture-of-experts modules (the checkpoint may keep one weight per expert)
+_FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
 
 
 def write_random_init_model(out_dir: str | os.PathLike, config, seed: int = 0, tokenizer=None) -> str:
@@ -179,6 +183,8 @@ class CheckpointWeights(WeightSource):
         return (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
 
     def fill(self, name, shape, offset, out):
+        if name not in self.entries and (fused := _FUSED_EXPERTS.fullmatch(name)):
+            return self._fill_fused_experts(fused[1], fused[2], offset, out)
         if name not in self.entries:
             raise KeyError(f"{str(self.path)!r} holds no weight {name!r}")
         file, start, dtype, stored = self.entries[name]
@@ -198,6 +204,24 @@ class CheckpointWeights(WeightSource):
                 return buf.view(dtype).reshape((b - a,) + tuple(shape[1:]))
 
             fill_in_chunks(read_rows, shape, offset, out)
+
+    def _fill_fused_experts(self, prefix: str, kind: str, offset: tuple[int, ...], out: torch.Tensor) -> None:
+        """A mixture of experts' fused ``[experts, out, in]`` parameter (``<prefix>.gate_up_proj``: each expert's
+        gate rows then its up rows; ``<prefix>.down_proj``) from a checkpoint that keeps one weight per expert, as
+        transformers saves Qwen3-MoE and Mixtral-style models (``<prefix>.<e>.gate_proj.weight``, ...). Reads only
+        the experts of ``out``'s piece, one at a time."""
+        parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+        for i in range(out.shape[0]):
+            weights = []
+            for part in parts:
+                name = f"{prefix}.{offset[0] + i}.{part}.weight"
+                if name not in self.entries:
+                    raise KeyError(f"{str(self.path)!r} holds neither {prefix}.{kind} nor {name!r}")
+                stored = self.entries[name][3]
+                weights.append(torch.empty(stored, dtype=out.dtype))
+                self.fill(name, stored, (0,) * len(stored), weights[-1])
+            expert = torch.cat(weights)
+            out[i].copy_(expert[offset[1] : offset[1] + out.shape[1], offset[2] : offset[2] + out.shape[2]])
 
 
 def local_piece_of(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -76,6 +76,12 @@ TINY_MODEL_SIZES: dict[str, dict] = {
 
 MAX_POSITION_EMBEDDINGS = 2048
 
+# Architectures (``model.tiny_arch``). "moe": Hugging Face's Qwen3-MoE class over the size preset's attention, every
+# layer a mixture of TINY_MOE["num_experts"] experts of half the dense MLP's width with top-2 routing, so a token's
+# active MLP is as wide as the dense model's.
+TINY_ARCHS = ("dense", "moe")
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.0)
+
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizer training text (generated, seeded)
@@ -217,12 +223,15 @@ def build_tokenizer(seed: int = 0, vocab_size: int = VOCAB_SIZE):
     )
 
 
-def tiny_config(size: str = "tiny", vocab_size: int = VOCAB_SIZE, **overrides):
-    """A ``Qwen2Config`` for one of ``TINY_MODEL_SIZES`` (keyword overrides win)."""
-    from transformers import Qwen2Config
+def tiny_config(size: str = "tiny", vocab_size: int = VOCAB_SIZE, arch: str = "dense", **overrides):
+    """A ``Qwen2Config`` (``arch="moe"``: a ``Qwen3MoeConfig``) for one of ``TINY_MODEL_SIZES`` (keyword overrides
+    win)."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
     if size not in TINY_MODEL_SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {list(TINY_ARCHS)}")
     ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     kw = dict(
         vocab_size=vocab_size,
@@ -239,6 +248,11 @@ def tiny_config(size: str = "tiny", vocab_size: int = VOCAB_SIZE, **overrides):
         pad_token_id=ids[PAD],
         **TINY_MODEL_SIZES[size],
     )
+    if arch == "moe":
+        kw.pop("use_sliding_window")
+        kw.update(TINY_MOE, moe_intermediate_size=kw["intermediate_size"] // 2, decoder_sparse_step=1)
+        kw.update(overrides)
+        return Qwen3MoeConfig(**kw)
     kw.update(overrides)
     return Qwen2Config(**kw)
 
@@ -270,27 +284,34 @@ def _dir_lock(out_dir: Path):
 
 
 def build_tiny_model(
-    out_dir: str | os.PathLike, size: str = "tiny", seed: int = 0, overwrite: bool = False
+    out_dir: str | os.PathLike,
+    size: str = "tiny",
+    seed: int = 0,
+    overwrite: bool = False,
+    arch: str = "dense",
 ) -> str:
-    """Build tokenizer + randomly initialised tiny Qwen2 model into ``out_dir``; return its path.
+    """Build tokenizer + randomly initialised tiny Qwen2 model (``arch="moe"``: Qwen3-MoE) into ``out_dir``; return
+    its path.
 
-    Deterministic: the same ``(size, seed)`` gives byte-identical weights and tokenizer. Idempotent:
+    Deterministic: the same ``(size, seed, arch)`` gives byte-identical weights and tokenizer. Idempotent:
     when ``out_dir`` already holds a complete build of the same ``(size, seed)`` nothing is done;
     a different build there is an error unless ``overwrite=True``. Safe against concurrent callers
     (file lock) and interrupted builds (files are written to a temporary directory and moved in, the
     marker file last). Takes a few seconds on one CPU core.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen3MoeForCausalLM
 
     out = Path(out_dir).resolve()
     want = {"format_version": FORMAT_VERSION, "size": size, "seed": seed, "vocab_size": VOCAB_SIZE}
+    if arch != "dense":  # a dense build's marker has no "arch" (builds made before MoE stay valid)
+        want["arch"] = arch
     if size not in TINY_MODEL_SIZES:
         raise ValueError(f"unknown tiny model size {size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
     with _dir_lock(out):
         info = _is_complete(out)
         if info is not None:
-            if all(info.get(k) == v for k, v in want.items()):
+            if all(info.get(k) == v for k, v in want.items()) and info.get("arch", "dense") == arch:
                 return str(out)
             if not overwrite:
                 raise ValueError(
@@ -304,11 +325,11 @@ def build_tiny_model(
         try:
             tokenizer = build_tokenizer(seed=seed)
             tokenizer.save_pretrained(tmp)
-            config = tiny_config(size, vocab_size=len(tokenizer))
+            config = tiny_config(size, vocab_size=len(tokenizer), arch=arch)
             state = torch.random.get_rng_state()
             try:
                 torch.manual_seed(seed)
-                model = Qwen2ForCausalLM(config)
+                model = (Qwen3MoeForCausalLM if arch == "moe" else Qwen2ForCausalLM)(config)
             finally:
                 torch.random.set_rng_state(state)
             model.generation_config = GenerationConfig(
@@ -341,16 +362,19 @@ def build_tiny_model(
     return str(out)
 
 
-def default_tiny_dir(size: str = "tiny", seed: int = 0) -> str:
+def default_tiny_dir(size: str = "tiny", seed: int = 0, arch: str = "dense") -> str:
     """Where ``ensure_tiny_model`` keeps a build: ``$HYFLOW_CACHE`` or ``~/.cache/hyflow``."""
     root = os.environ.get("HYFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hyflow")
-    return os.path.join(root, f"tiny-{size}-v{FORMAT_VERSION}-seed{seed}")
+    name = size if arch == "dense" else f"{size}-{arch}"
+    return os.path.join(root, f"tiny-{name}-v{FORMAT_VERSION}-seed{seed}")
 
 
-def ensure_tiny_model(size: str = "tiny", seed: int = 0, chat_template: str = "chatml") -> str:
-    """Build (once) and return the path of the cached tiny model for ``(size, seed)``; ``chat_template`` (a
+def ensure_tiny_model(
+    size: str = "tiny", seed: int = 0, chat_template: str = "chatml", arch: str = "dense"
+) -> str:
+    """Build (once) and return the path of the cached tiny model for ``(size, seed, arch)``; ``chat_template`` (a
     name in ``workers.models.chat_templates``) gives the same weights and tokenizer with that family's template."""
-    base = build_tiny_model(default_tiny_dir(size, seed), size=size, seed=seed)
+    base = build_tiny_model(default_tiny_dir(size, seed, arch), size=size, seed=seed, arch=arch)
     if chat_template == "chatml":
         return base
     return _with_template(base, chat_template)

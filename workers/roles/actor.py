@@ -42,6 +42,7 @@ from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import LossContext
 from workers.engine.base import as_lora_engine
+from workers.engine.moe_forward import OLD_ROUTES, ROLLOUT_ROUTES
 from workers.engine.registry import train_engine_class
 from workers.roles.common import (
     ACTOR_MESH,
@@ -63,9 +64,15 @@ ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 UPDATE_INPUTS = Inputs(
     batch=("input_ids", "attention_mask", "responses", "response_mask", "advantages"),
     # ref_log_prob: needed with actor.use_kl_loss; old_log_probs: unless the update is strictly on-policy
-    optional=("old_log_probs", "ref_log_prob", ROLLOUT_IS_WEIGHTS),
+    optional=("old_log_probs", "ref_log_prob", ROLLOUT_IS_WEIGHTS, ROLLOUT_ROUTES, OLD_ROUTES),
 )
 ROW_INDEX = "_row"  # the row of each micro-batch row in the call's batch (on-policy old log-probs go there)
+
+
+def replay_kwargs(routing_replay: str) -> dict[str, str]:
+    """The update's ``replay_routes`` for ``actor.moe.routing_replay`` (none: no argument, which any engine takes)."""
+    column = {"rollout": ROLLOUT_ROUTES, "old_log_prob": OLD_ROUTES}.get(routing_replay)
+    return {"replay_routes": column} if column else {}
 
 
 class ActorWorker(EngineRoleWorker, WeightSyncMember):
@@ -100,7 +107,8 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
         """Join the process group, build the engine (model + AdamW + LR schedule) and load the tokenizer."""
         a = self.actor_config
         lora = a.lora if a.lora.enabled else None
-        self._init_engine(engine_config(self.model_config, optim=a.optim, seed=a.seed, lora=lora), a, "actor")
+        config = engine_config(self.model_config, optim=a.optim, seed=a.seed, lora=lora, moe=a.moe)
+        self._init_engine(config, a, "actor")
 
     # -- the reference, with LoRA: the frozen base ---------------------------------------------------------------
 
@@ -118,20 +126,29 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
 
     # -- forward ----------------------------------------------------------------------------------------------
 
-    @register(ACTOR_MESH, inputs=Inputs(batch=FORWARD_KEYS))
+    @register(ACTOR_MESH, inputs=Inputs(batch=FORWARD_KEYS, optional=(ROLLOUT_ROUTES,)))
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` [B, R] (and ``entropys`` unless ``meta_info["calculate_entropy"]`` is False) of the
         responses at ``meta_info["temperature"]`` (default rollout.temperature); zeros on response padding.
-        Micro-batching: rollout.log_prob_* (meta_info use_dynamic_bsz / max_token_len / micro_batch_size win)."""
+        Micro-batching: rollout.log_prob_* (meta_info use_dynamic_bsz / max_token_len / micro_batch_size win).
+        A mixture of experts replays the rollout's routes with ``actor.moe.routing_replay=rollout``; with
+        ``old_log_prob`` it returns its own routes as ``old_routed_experts``, which the update replays."""
         engine = self._require_engine("compute_log_prob")
         calc_entropy = bool(data.meta_info.get("calculate_entropy", True))
         temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
+        replay = self.actor_config.moe.routing_replay
         out = engine.compute_log_prob(
-            data.batch, temperature=temperature, calculate_entropy=calc_entropy, **micro
+            data.batch,
+            temperature=temperature,
+            calculate_entropy=calc_entropy,
+            **({"replay_routes": ROLLOUT_ROUTES} if replay == "rollout" else {}),
+            **micro,
         )
         tensors = {"old_log_probs": out["log_probs"]}
         if calc_entropy:
             tensors["entropys"] = out["entropy"]
+        if replay == "old_log_prob" and "routes" in out:
+            tensors[OLD_ROUTES] = out["routes"]
         return DataProto.from_dict(tensors, meta_info={"temperature": temperature})
 
     # -- training ---------------------------------------------------------------------------------------------
@@ -204,9 +221,18 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
             return loss
 
         m = self._ppo_train_step(
-            data, loss_fn, a, mbs, stage="update_actor", temperature=temperature, calculate_entropy=True
+            data,
+            loss_fn,
+            a,
+            mbs,
+            stage="update_actor",
+            temperature=temperature,
+            calculate_entropy=True,
+            **replay_kwargs(a.moe.routing_replay),
         )
         losses = metrics.reduce(engine)
+        # mixture of experts (this rank's micro-batches): router losses, experts that differ from the rollout's
+        losses.update({k: v for k, v in m.items() if k.startswith("moe/")})
         if a.use_kl_loss:
             losses["kl_coef"] = float(a.kl_loss_coef)
         result = self._train_result("update_actor", "actor", m, losses)

@@ -37,6 +37,7 @@ from workers.engine import (
     LoRAConfig,
     LossContext,
     MegatronConfig,
+    MoEConfig,
     OptimConfig,
     TrainEngine,
     export_hf,
@@ -67,6 +68,7 @@ def engine_config(
     seed: int = 0,
     value_head: bool = False,
     lora: LoRAConfig | None = None,
+    moe: MoEConfig | None = None,
 ) -> EngineConfig:
     """The training-engine config of one role: the model's settings plus its optimizer (None: forward only)
     and LoRA adapters (the actor's ``lora``)."""
@@ -82,6 +84,7 @@ def engine_config(
         seed=seed,
         trust_remote_code=model.trust_remote_code,
         optim=optim,
+        moe=moe or MoEConfig(),
     )
 
 

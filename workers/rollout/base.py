@@ -12,6 +12,8 @@ and use it only through this interface; what differs between engines is declared
   ranks (the 3D-HybridEngine, ``rollout.tensor_model_parallel_size > 1``);
 * ``loads_adapters``: it can load LoRA adapters on top of its base weights (``load_adapter``); the trainer then
   sends the adapter alone, else the weights with the adapter merged in;
+* ``records_routes``: for a mixture-of-experts model it reports the experts it routed every position to
+  (`GenerationOutput.routes`, the batch column ``routed_experts``), which rollout routing replay needs;
 * ``event_loop``: the asyncio loop concurrent ``generate`` calls must run on (None: any loop);
 * ``release_memory`` / ``resume_memory`` / ``flush_cache``: how it frees memory and drops state that is stale
   after a weight change.
@@ -43,6 +45,7 @@ class RolloutEngine(ABC):
     swaps_weights_mid_generation: ClassVar[bool] = False
     accepts_tp_group: ClassVar[bool] = False
     loads_adapters: ClassVar[bool] = False
+    records_routes: ClassVar[bool] = False
     # the policy version (the trainer's step) of the loaded weights; tokens record it. Callers only read it (it may
     # be a read-only property): the engine's own update_weights / load_adapter set it from their ``version``
     weight_version: int = 0

@@ -14,7 +14,10 @@ observation tokens masked out of the loss). One rule for each column, whoever pr
   by a 0 (a trainer reading it as the behaviour policy would compute ratios against probability 1); a step
   that needs it and finds it absent stops with an error naming the key (``recipes/trainer/steps.py``);
 * ``rollout_versions`` the weight version that sampled each token, 0 where none was recorded;
-* ``rollout_aborted`` per row.
+* ``rollout_aborted`` per row;
+* ``routed_experts`` (mixture-of-experts models) ``[B, P + R, MoE layers, top-k]`` int16: the expert ids the
+  engine routed each position to, aligned with ``input_ids``, -1 where none was recorded (padding, a row's last
+  token). Like ``rollout_log_probs``, written only when every row brought routes.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class RolloutRow:
     log_probs: Sequence[float] | None = None  # per response token; None: the engine reported none
     versions: Sequence[int] | None = None  # per response token (may be shorter: the rest 0); None: all 0
     aborted: bool = False
+    # [positions from the prompt's first token (at most prompt + response), MoE layers, top-k]; None: no routes
+    routes: torch.Tensor | None = None
 
 
 def rows_from_outputs(
@@ -62,7 +67,12 @@ def rows_from_outputs(
         raise ValueError(f"{len(prompts)} prompts for {len(outputs)} outputs")
     return [
         RolloutRow(
-            p, o.token_ids, log_probs=o.log_probs, versions=o.versions, aborted=o.finish_reason == "abort"
+            p,
+            o.token_ids,
+            log_probs=o.log_probs,
+            versions=o.versions,
+            aborted=o.finish_reason == "abort",
+            routes=o.routes,
         )
         for p, o in zip(prompts, outputs)
     ]
@@ -131,7 +141,24 @@ def build_rollout_batch(
     }
     if with_log_probs:
         batch["rollout_log_probs"] = log_probs
+    if rows and all(r.routes is not None for r in rows):
+        batch["routed_experts"] = _routes_column(rows, P, R)
     return batch
+
+
+def _routes_column(rows: Sequence[RolloutRow], P: int, R: int) -> torch.Tensor:
+    """The rows' routes aligned with ``input_ids`` [B, P + R, layers, k] (int16, -1 where none)."""
+    shapes = {tuple(r.routes.shape[1:]) for r in rows if r.routes is not None}
+    if len(shapes) != 1:
+        raise ValueError(f"rows bring routes of different [layers, top-k] shapes: {sorted(shapes)}")
+    (shape,) = shapes
+    out = torch.full((len(rows), P + R, *shape), -1, dtype=torch.int16)
+    for i, r in enumerate(rows):
+        assert r.routes is not None
+        n = min(len(r.routes), len(r.prompt) + len(r.response))
+        start = P - len(r.prompt)
+        out[i, start : start + n] = r.routes[:n].to(torch.int16)
+    return out
 
 
 def _prompt_ids(prompts: DataProto) -> torch.Tensor:

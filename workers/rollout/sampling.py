@@ -1,9 +1,14 @@
 """Sampling parameters and per-request outputs shared by every rollout engine (native, SGLang), and the one
 translation of a ``generate_sequences`` call's ``meta_info`` into them."""
 
+from __future__ import annotations
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -46,6 +51,9 @@ class GenerationOutput:
     finish_reason: str  # "stop" (EOS / stop id / stop string), "length", or "abort"
     text: str | None = None
     versions: list[int] | None = None  # per token: the weight version that sampled it (None: not tracked)
+    # mixture of experts: the expert ids each MoE layer routed every position the engine ran to, [prompt + tokens
+    # - 1, MoE layers, top-k] (the last sampled token is never run); None: a dense model or an engine without them
+    routes: torch.Tensor | None = None
 
 
 def token_id_list(value: Any) -> list[int]:

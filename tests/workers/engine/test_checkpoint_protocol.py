@@ -21,6 +21,7 @@ class LinearEngine:
     supports_compile: ClassVar[bool] = False
     reshards_for_generation: ClassVar[bool] = False
     process_global_parallel_state: ClassVar[bool] = False
+    supports_moe: ClassVar[bool] = False
     use_fsdp = False
     num_params = 8
 

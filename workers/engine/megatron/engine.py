@@ -147,6 +147,7 @@ class MegatronEngine(EngineSteps):
 
     supports_lora: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = False
+    supports_moe: ClassVar[bool] = False  # its HF conversion maps dense decoder layers only
     reshards_for_generation: ClassVar[bool] = True  # reshard_plan, generation_shard_iter, reshard_stats
     process_global_parallel_state: ClassVar[bool] = True  # megatron.core.parallel_state
 

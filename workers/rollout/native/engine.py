@@ -101,6 +101,7 @@ class Request:
         "aborted",
         "text_len",
         "max_stop_len",
+        "routes",
     )
 
     def __init__(self, prompt: list[int], params: SamplingParams, rng, stop_ids: frozenset, max_new: int):
@@ -120,6 +121,8 @@ class Request:
         self.aborted = False
         self.text_len = 0
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        # mixture of experts: each forward's [tokens, MoE layers, top-k] expert ids of this request's positions
+        self.routes: list[torch.Tensor] = []
 
     @property
     def finished(self) -> bool:
@@ -132,6 +135,7 @@ class Request:
             finish_reason=self.finish_reason or "abort",
             text=self.text,
             versions=list(self.versions),
+            routes=torch.cat(self.routes) if self.routes else None,
         )
 
 
@@ -148,6 +152,7 @@ class NativeEngine(RolloutEngine):
     # LoRA: merged into the weights from a kept copy of each wrapped base weight (an exact unmerge: the next
     # adapter starts from the copy, not from subtracting the last one); decode runs at the base model's speed
     loads_adapters = True
+    records_routes = True  # a mixture of experts' routes, recorded by NativeCausalLM for every forward
 
     def __init__(
         self, model: torch.nn.Module, tokenizer=None, config: EngineConfig | None = None, tp_group=None
@@ -399,6 +404,11 @@ class NativeEngine(RolloutEngine):
             t0 = time.perf_counter()
             slot0 = len(self._running)
             logits = self.model.prefill([g[0].prompt for g in chunk_groups], slot0)
+            if self.model.last_routes is not None:  # a prompt's copies share its computed routes
+                routes = self.model.last_routes.cpu().split([len(g[0].prompt) for g in chunk_groups])
+                for g, prompt_routes in zip(chunk_groups, routes):
+                    for r in g:
+                        r.routes = [prompt_routes]
             # slots: the computed prompts first (slot0 + k), then each group's copies after them
             chunk = [g[0] for g in chunk_groups]
             rows = list(range(len(chunk)))
@@ -429,6 +439,9 @@ class NativeEngine(RolloutEngine):
         logits = self.model.decode([r.tokens[-1] for r in running], [r.seq_len for r in running])
         for r in running:
             r.seq_len += 1
+        if self.model.last_routes is not None:
+            for r, step_routes in zip(running, self.model.last_routes.cpu().split(1)):
+                r.routes.append(step_routes)
         if self._decode_sampler is None:
             self._decode_sampler = self._make_sampler(running)
         self._accept(running, self._decode_sampler, logits, finished)

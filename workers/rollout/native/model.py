@@ -50,7 +50,7 @@ from workers.models.tp_split import LAYER_TP_SPLIT
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,12 @@ class ModelSpec(DecoderShape):
     mlp_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
+    # mixture of experts (qwen3_moe): the layers whose MLP is a router over experts, and their sizes
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def q_size(self) -> int:
@@ -95,16 +101,28 @@ def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
     if "dynamic" in rope_type or rope_type == "longrope":
         raise NotImplementedError(f"RoPE type {rope_type!r} depends on the sequence length")
     layer0 = model.get_submodule("model.layers.0")
-    attn, mlp = layer0.get_submodule("self_attn"), layer0.get_submodule("mlp")
+    attn = layer0.get_submodule("self_attn")
+    moe_layers = tuple(
+        i
+        for i in range(cfg.num_hidden_layers)
+        if hasattr(model.get_submodule(f"model.layers.{i}.mlp"), "experts")
+    )
+    dense = [i for i in range(cfg.num_hidden_layers) if i not in moe_layers]
+    mlp = model.get_submodule(f"model.layers.{dense[0]}.mlp") if dense else None
     return ModelSpec(
         **DecoderShape.sizes_from_hf_config(cfg),
         model_type=cfg.model_type,
         hidden_act=cfg.hidden_act,
         qkv_bias=attn.get_submodule("q_proj").bias is not None,
         o_bias=attn.get_submodule("o_proj").bias is not None,
-        mlp_bias=mlp.get_submodule("gate_proj").bias is not None,
+        mlp_bias=mlp is not None and mlp.get_submodule("gate_proj").bias is not None,
         qk_norm=hasattr(attn, "q_norm"),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        moe_layers=moe_layers,
+        num_experts=getattr(cfg, "num_experts", 0) if moe_layers else 0,
+        experts_per_token=getattr(cfg, "num_experts_per_tok", 0) if moe_layers else 0,
+        moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) if moe_layers else 0,
+        norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)),
     )
 
 
@@ -122,6 +140,11 @@ def tp_local_spec(spec: ModelSpec, tp: int) -> ModelSpec:
     """The spec of one of ``tp`` ranks' shards; raise naming the sizes that ``tp`` does not divide."""
     if tp == 1:
         return spec
+    if spec.moe_layers:
+        raise ValueError(
+            f"tensor-parallel size tp={tp}: the native engine runs a mixture-of-experts model ({spec.model_type}) "
+            "on one rank per replica (no expert or tensor parallelism); use rollout.tensor_model_parallel_size=1"
+        )
     bad = [
         f"{key}={value}"
         for key, value in (
@@ -239,6 +262,15 @@ def build_store(spec: ModelSpec, dtype, device) -> WeightStore:
             names[p + "self_attn.o_proj.bias"] = (f"{i}.o_b", 0, H)
         entries[f"{i}.ln2"] = (H,)
         names[p + "post_attention_layernorm.weight"] = (f"{i}.ln2", 0, H)
+        if i in spec.moe_layers:
+            E, moe_inter = spec.num_experts, spec.moe_intermediate_size
+            entries[f"{i}.router_w"] = (E, H)
+            names[p + "mlp.gate.weight"] = (f"{i}.router_w", 0, E)
+            entries[f"{i}.experts_gu_w"] = (E, 2 * moe_inter, H)  # HF's fused layout: gate rows, then up rows
+            names[p + "mlp.experts.gate_up_proj"] = (f"{i}.experts_gu_w", 0, E)
+            entries[f"{i}.experts_down_w"] = (E, H, moe_inter)
+            names[p + "mlp.experts.down_proj"] = (f"{i}.experts_down_w", 0, E)
+            continue
         entries[f"{i}.gu_w"] = (2 * inter, H)
         names[p + "mlp.gate_proj.weight"] = (f"{i}.gu_w", 0, inter)
         names[p + "mlp.up_proj.weight"] = (f"{i}.gu_w", inter, 2 * inter)
@@ -277,6 +309,28 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [n, in] grouped by expert (group e ends at row ``ends[e]``) times their expert's
+    ``weight[e]`` [out, in]^T: one grouped GEMM where torch has it for this device, dtype and alignment (CUDA's
+    kernel takes bf16; every kernel needs 16-byte-aligned strides), else a matmul per expert."""
+    if _grouped_mm_fits(x, weight):
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):  # one host read of the group sizes
+        if end > start:
+            torch.mm(x[start:end], weight[e].t(), out=out[start:end])
+        start = end
+    return out
+
+
+def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm") or (x.device.type != "cpu" and x.dtype != torch.bfloat16):
+        return False
+    align = 16 // x.element_size()
+    return x.shape[1] % align == 0 and weight.shape[1] % align == 0
+
+
 class _Layer:
     """One decoder layer's weights (views into the WeightStore buffer)."""
 
@@ -293,6 +347,9 @@ class _Layer:
         "gu_b",
         "down_w",
         "down_b",
+        "router_w",
+        "experts_gu_w",
+        "experts_down_w",
     )
 
     def __init__(self, t: dict[str, torch.Tensor], i: int):
@@ -304,10 +361,13 @@ class _Layer:
         self.o_w = t[f"{i}.o_w"]
         self.o_b = t.get(f"{i}.o_b")
         self.ln2 = t[f"{i}.ln2"]
-        self.gu_w = t[f"{i}.gu_w"]
+        self.gu_w = t.get(f"{i}.gu_w")  # a mixture-of-experts layer has router and expert weights instead
         self.gu_b = t.get(f"{i}.gu_b")
-        self.down_w = t[f"{i}.down_w"]
+        self.down_w = t.get(f"{i}.down_w")
         self.down_b = t.get(f"{i}.down_b")
+        self.router_w = t.get(f"{i}.router_w")
+        self.experts_gu_w = t.get(f"{i}.experts_gu_w")
+        self.experts_down_w = t.get(f"{i}.experts_down_w")
 
 
 class NativeCausalLM:
@@ -366,6 +426,11 @@ class NativeCausalLM:
         self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1).to(self.device)
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Mixture of experts: with record_routes set, each forward leaves its tokens' expert ids in last_routes,
+        # [tokens, MoE layers, top-k] (uint8), the tokens in the order the forward took them.
+        self.record_routes = bool(self.spec.moe_layers)
+        self.last_routes: torch.Tensor | None = None
+        self._routes: list[torch.Tensor] | None = None
         # a layer's two blocks around attention, as the forward passes call them (compile_blocks swaps them)
         self.qkv_block: Callable = self._layer_qkv
         self.out_block: Callable = self._layer_out
@@ -501,11 +566,40 @@ class NativeCausalLM:
             h = torch.addmm(h, attn, layer.o_w.t())
         else:
             h = h + F.linear(attn, layer.o_w, layer.o_b)
+        if layer.router_w is not None:
+            return h + self._moe_mlp(self._norm(h, layer.ln2, s.rms_norm_eps), layer)
+        assert layer.gu_w is not None and layer.down_w is not None
         gu = F.linear(self._norm(h, layer.ln2, s.rms_norm_eps), layer.gu_w, layer.gu_b)
         act = self._act(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]
         if layer.down_b is None:
             return torch.addmm(h, act, layer.down_w.t())
         return h + F.linear(act, layer.down_w, layer.down_b)
+
+    def _moe_mlp(self, x: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """x [n, H] (normed) -> the routed experts' weighted sum [n, H], choosing experts as HF's top-k router
+        does (fp32 softmax, top-k, renormalised when norm_topk_prob). The (token, expert) pairs are sorted by
+        expert so that each projection is one grouped matmul over every expert: no loop over tokens or experts.
+        Each token's top-k expert ids go to ``self._routes`` while routes are recorded."""
+        s = self.spec
+        assert (
+            layer.router_w is not None and layer.experts_gu_w is not None and layer.experts_down_w is not None
+        )
+        k, inter = s.experts_per_token, s.moe_intermediate_size
+        probs = torch.softmax(F.linear(x, layer.router_w), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self._routes is not None:
+            self._routes.append(ids)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        ends = torch.cumsum(torch.bincount(flat, minlength=s.num_experts), 0).to(torch.int32)
+        gu = _grouped_linear(x[token], layer.experts_gu_w, ends)
+        act = self._act(gu[:, :inter]) * gu[:, inter:]
+        y = _grouped_linear(act, layer.experts_down_w, ends) * weights.to(x.dtype).reshape(-1)[order, None]
+        # each token's experts are added in ascending expert order, as HF's per-expert loop adds them
+        return torch.zeros_like(x).index_add_(0, token, y)
 
     def _row_parallel(self, x, weight, bias):
         """x [n, local in] @ weight [out, local in]^T summed over the TP ranks, then the (replicated) bias."""
@@ -517,6 +611,7 @@ class NativeCausalLM:
         # Same as _layer_out, with the row-parallel o_proj / down_proj partial sums all-reduced first.
         s = self.spec
         h = h + self._row_parallel(attn, layer.o_w, layer.o_b)
+        assert layer.gu_w is not None and layer.down_w is not None  # tp_local_spec refuses MoE models
         gu = F.linear(self._norm(h, layer.ln2, s.rms_norm_eps), layer.gu_w, layer.gu_b)
         act = self._act(gu[:, : s.intermediate_size]) * gu[:, s.intermediate_size :]
         return h + self._row_parallel(act, layer.down_w, layer.down_b)
@@ -565,6 +660,7 @@ class NativeCausalLM:
         gqa = s.num_kv_heads != s.num_heads
         k_cache, v_cache = self._kv_cache()
         assert self.embed is not None, "weights released"
+        self._start_routes()
         h = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv_block(h, layer, cos, sin_signed)
@@ -581,7 +677,18 @@ class NativeCausalLM:
                 )
                 parts.append(attn.transpose(1, 2).reshape((e - a) * t, s.q_size).index_select(0, padded))
             h = self.out_block(h, parts[0] if len(parts) == 1 else torch.cat(parts), layer)
+        self._end_routes()
         return self._logits(h[starts + lens - 1])
+
+    def _start_routes(self) -> None:
+        self.last_routes = None
+        self._routes = [] if self.record_routes and self.spec.moe_layers else None
+
+    def _end_routes(self) -> None:
+        if self._routes is not None:
+            ids = torch.stack(self._routes, dim=1)
+            self.last_routes = ids.to(torch.uint8 if self.spec.num_experts <= 256 else torch.int16)
+            self._routes = None
 
     def _row_groups(
         self, lengths: list[int], group_cost: int, min_rows: int, squared: bool = False
@@ -639,6 +746,7 @@ class NativeCausalLM:
         scale = hd**-0.5
         k_cache, v_cache = self._kv_cache()
         assert self.embed is not None, "weights released"
+        self._start_routes()
         h = F.embedding(tokens_t, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv_block(h, layer, cos, sin_signed)
@@ -654,4 +762,5 @@ class NativeCausalLM:
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
                 torch.bmm(probs, values, out=attn[a * nkv : e * nkv])
             h = self.out_block(h, attn.view(B, s.q_size), layer)
+        self._end_routes()
         return self._logits(h)
