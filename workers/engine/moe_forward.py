@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ class MoEForward:
     ):
         routers = moe_routers(model)
         self.model = model
-        self.top_k = int(routers[0].top_k)
+        self.top_k = int(cast(int, routers[0].top_k))
         self.packed = packed
         if replay is not None and replay not in micro:
             raise KeyError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +138,8 @@ def _group_pieces(
     pieces: list[list[int]] = []
     weights: list[int] = []
     for prompt, rows in prompt_groups:
-        piece, tokens = [], prompt
+        piece: list[int] = []
+        tokens = prompt
         for i in rows:
             response = lengths[i] - prompt
             if piece and tokens + response > max_token_len:
@@ -206,7 +208,7 @@ class PackedBatch:
     def model_kwargs(self) -> dict:
         """Keyword arguments for an HF forward: no 2D mask, no cache, FlashAttention-style varlen metadata (and
         the shared-prompt branches, which only ``hyflow_varlen`` attention reads)."""
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             input_ids=self.input_ids,
             position_ids=self.position_ids,
             attention_mask=None,

@@ -33,7 +33,11 @@ import os
 import signal
 import sys
 
-if __package__:
+# Type checkers treat a name TYPE_CHECKING as true, so they read only the package imports below (the
+# zygote's copies are the same modules); a constant, not typing's, keeps the zygote's imports minimal.
+TYPE_CHECKING = False
+
+if TYPE_CHECKING or __package__:
     from workers.sandbox._linux import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, _enter_namespaces, prctl
     from workers.sandbox._zygote import _Zygote
 else:  # run as a script (the zygote): its modules lie beside this file; keep them off the REPL's path

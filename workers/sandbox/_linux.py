@@ -11,7 +11,11 @@ import ctypes.util
 import os
 import signal
 
-if __package__:
+# Type checkers treat a name TYPE_CHECKING as true, so they read only the package imports below (the
+# zygote's copies are the same modules); a constant, not typing's, keeps the zygote's imports minimal.
+TYPE_CHECKING = False
+
+if TYPE_CHECKING or __package__:
     from workers.sandbox import _seccomp
 else:  # in the zygote, which imports its modules from its own folder (see _child.py)
     import _seccomp

@@ -52,7 +52,7 @@ def _fresh(pristine):
     """A copy of a JSON value's lists and dicts that shares its immutable leaves (strings, numbers)."""
     if type(pristine) not in (list, dict):
         return pristine
-    root = [] if type(pristine) is list else {}
+    root: list | dict = [] if type(pristine) is list else {}
     stack = [(pristine, root)]
     while stack:
         src, dst = stack.pop()

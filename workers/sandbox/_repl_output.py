@@ -41,12 +41,14 @@ class _Capture(io.TextIOBase):
     def fileno(self):
         return self.fd
 
+    # typeshed declares TextIOBase.encoding / .errors as writable attributes; in CPython they are
+    # read-only properties, as here
     @property
-    def encoding(self):
+    def encoding(self):  # type: ignore[override]
         return "utf-8"
 
     @property
-    def errors(self):
+    def errors(self):  # type: ignore[override]
         return "strict"
 
     @property

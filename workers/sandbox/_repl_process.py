@@ -9,7 +9,11 @@ import os
 import signal
 import socket
 
-if __package__:
+# Type checkers treat a name TYPE_CHECKING as true, so they read only the package imports below (the
+# zygote's copies are the same modules); a constant, not typing's, keeps the zygote's imports minimal.
+TYPE_CHECKING = False
+
+if TYPE_CHECKING or __package__:
     from workers.sandbox import _seccomp
     from workers.sandbox._linux import (
         PR_SET_NO_NEW_PRIVS,

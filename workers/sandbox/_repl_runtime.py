@@ -17,7 +17,11 @@ import sys
 import threading
 import types
 
-if __package__:
+# Type checkers treat a name TYPE_CHECKING as true, so they read only the package imports below (the
+# zygote's copies are the same modules); a constant, not typing's, keeps the zygote's imports minimal.
+TYPE_CHECKING = False
+
+if TYPE_CHECKING or __package__:
     from workers.sandbox._repl_namespace import (
         CONTEXT_NAME,
         MAX_VARS_LISTED,
@@ -45,8 +49,8 @@ class _Repl:
         self.call_lock = threading.Lock()
         self.in_step = False
         self.step = 0
-        self.final_answer = None
-        self.reserve = bytearray(4 << 20)  # released to report a MemoryError cleanly
+        self.final_answer: str | None = None
+        self.reserve: bytearray | None = bytearray(4 << 20)  # released to report a MemoryError cleanly
         self.real_out, self.real_err = sys.__stdout__, sys.__stderr__
         self.main_pid = os.getpid()
         self.ns: dict = {}
@@ -329,9 +333,11 @@ class _Repl:
 
     def _exec(self, code: str, filename: str) -> None:
         tree = compile(code, filename, "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+        assert isinstance(tree, ast.Module)  # what compile returns for "exec" with PyCF_ONLY_AST
         last = None
-        if self.echo and tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        if self.echo and tree.body and isinstance(tail := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(tail.value)
         exec(compile(tree, filename, "exec", dont_inherit=True), self.ns)
         if last is not None:
             value = eval(compile(last, filename, "eval", dont_inherit=True), self.ns)

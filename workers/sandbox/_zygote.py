@@ -14,7 +14,11 @@ import socket
 import sys
 import time
 
-if __package__:
+# Type checkers treat a name TYPE_CHECKING as true, so they read only the package imports below (the
+# zygote's copies are the same modules); a constant, not typing's, keeps the zygote's imports minimal.
+TYPE_CHECKING = False
+
+if TYPE_CHECKING or __package__:
     from workers.sandbox import _seccomp
     from workers.sandbox._linux import CLONE_NEWUSER, PR_SET_NO_NEW_PRIVS, _lib, prctl
     from workers.sandbox._repl_process import _repl_child
@@ -37,7 +41,7 @@ class _Zygote:
         self.args = args
         self.ctrl = socket.socket(fileno=int(args["ctrl_fd"]))
         self.ctrl.setblocking(True)
-        self.uid_base = args.get("uid_base")
+        self.uid_base: int | None = args.get("uid_base")
         self.uid_sep = False
         self.seccomp = False
         self.scratch_root = args["scratch_root"]
@@ -121,9 +125,10 @@ class _Zygote:
 
     def loop(self) -> None:
         send_frame(self.ctrl, {"op": "ready", "report": self.report, "pid": os.getpid()})
+        watched: list[socket.socket | int] = [self.ctrl, self.wake_r]
         while True:
             try:
-                ready, _, _ = select.select([self.ctrl, self.wake_r], [], [])
+                ready, _, _ = select.select(watched, [], [])
             except InterruptedError:
                 ready = []
             if self.wake_r in ready:
@@ -212,8 +217,11 @@ class _Zygote:
                 os._exit(127)
         self.removers[pid] = (rid, path)
 
-    def _uid(self, slot: int):
-        return int(self.uid_base) + slot if self.uid_sep else None
+    def _uid(self, slot: int) -> int | None:
+        if not self.uid_sep:
+            return None
+        assert self.uid_base is not None  # uid_sep: the probe ran with a uid_base
+        return int(self.uid_base) + slot
 
     def _spawn(self, slot: int, gen: int, sock_fd: int, cgroup_fd, scratch: str, limits: dict) -> dict:
         uid = self._uid(slot)
@@ -355,6 +363,7 @@ class _Zygote:
 
     def _killer_uid(self) -> int:
         """The uid block's last uid: never a slot's (``SandboxConfig.max_repls`` stays below it)."""
+        assert self.uid_base is not None  # only called with uid_sep (a slot uid to kill)
         return int(self.uid_base) + KILLER_SLOT
 
     def _shutdown(self) -> None:

@@ -269,11 +269,15 @@ class ReplSandbox:
             else "NOT isolated: the REPL shares the host network"
         )
         report["filesystem"] = fs
-        report["uid_separation"] = (
-            f"each REPL runs as its own unprivileged uid (from {self._uid_block.base}), scratch dir mode 0700"
-            if uid_sep
-            else f"none ({zr.get('uid_separation')}): all REPLs share one uid"
-        )
+        if uid_sep:
+            # the zygote separates uids only when given a uid_base, i.e. the uid block (_ensure_zygote)
+            assert self._uid_block is not None
+            base = self._uid_block.base
+            report["uid_separation"] = (
+                f"each REPL runs as its own unprivileged uid (from {base}), scratch dir mode 0700"
+            )
+        else:
+            report["uid_separation"] = f"none ({zr.get('uid_separation')}): all REPLs share one uid"
         if uid_sep:
             procs = f"RLIMIT_NPROC {cfg.max_procs} (processes + threads) on the REPL's own uid: enforced"
         elif not root:

@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 from workers.sandbox.protocol import _ReplSpec
 from workers.sandbox.tools import Tool, tool_record
@@ -29,7 +30,7 @@ async def _answer_tools(payloads: list, spec: _ReplSpec, tool_calls: list[dict])
             return {"error": "malformed tool call"}
         name, args, kwargs = payload.get("name"), payload.get("args"), payload.get("kwargs")
         tool = tools.get(name) if isinstance(name, str) else None
-        if not isinstance(tool, Tool):
+        if not isinstance(name, str) or not isinstance(tool, Tool):  # (a name that is not a str has no tool)
             return {"error": f"no tool named {str(name)[:100]!r}"}
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             outcome = {"error": f"tool {name!r}: malformed arguments"}
@@ -60,7 +61,8 @@ async def _answer_calls(
             return "Error: malformed sub-call payload"
         try:
             if is_async:
-                result = await asyncio.wait_for(handler(kind, payload), timeout)
+                # a coroutine function's call returns an awaitable
+                result = await asyncio.wait_for(cast(Awaitable[str], handler(kind, payload)), timeout)
             else:
                 result = await asyncio.wait_for(asyncio.to_thread(handler, kind, payload), timeout)
                 if inspect.isawaitable(result):

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import cast
 
 from workers.sandbox import _wire
 from workers.sandbox.config import SandboxError
@@ -97,15 +98,16 @@ class _ZygoteClient:
             self._on_death()
 
     def _dispatch(self, msg: dict) -> None:
+        # The zygote's frames carry ints here; a malformed one just matches no watcher or request.
         if msg.get("op") == "exited":
-            key = (msg.get("slot"), msg.get("gen"))
+            key = cast(tuple[int, int], (msg.get("slot"), msg.get("gen")))
             with self._lock:
                 cb = self._watchers.pop(key, None)
             if cb is not None:
                 cb(msg)
             return
         with self._lock:
-            fut = self._pending.pop(msg.get("rid"), None)
+            fut = self._pending.pop(cast(int, msg.get("rid")), None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
 
