@@ -202,3 +202,33 @@ def test_the_mixed_record_is_the_one_the_docs_show():
         f"{result['reward_first4']:.2f} over the first 4 steps, {result['reward_last4']:.2f} over the last 4"
         in text
     )
+
+
+MOE = RESULT.with_name("moe.json")
+MOE_DOC = README.parent / "docs" / "moe.md"
+
+
+def test_the_moe_figures_are_the_recorded_run():
+    """docs/moe.md's quickstart-on-MoE line and replay table equal benchmarks/results/moe.json (issue 53), the
+    recorded run learned, and replay brought the rollout-vs-trainer k3 KL down."""
+    recorded = json.loads(MOE.read_text())
+    text = MOE_DOC.read_text(encoding="utf-8")
+    learning = recorded["learning"]
+    result = learning["result"]
+    line = (
+        f"validation accuracy {result['val_before']:.2f} -> {round(result['val_after'], 2):.2f}  "
+        f"(greedy, {learning['val_samples']} held-out problems, step 0 -> step {result['steps']})"
+    )
+    assert line in text and f"in {round(result['wall_s'])} s" in text
+    assert learning["command"] in text
+    assert result["val_after"] - result["val_before"] >= 0.2
+    rows = {(r["model"].split("/")[-2] if "/" in r["model"] else r["model"], r["trainer routes"]): r for r in
+            recorded["mismatch"]["trained"]["rows"]}  # fmt: skip
+    own, replay = rows[("quickstart_moe", "own routers")], rows[("quickstart_moe", "replay rollout (R3)")]
+    dense = rows[("quickstart", "own routers")]
+    for row, label in ((own, "its own"), (replay, "replay rollout (R3)")):
+        shown = f"| MoE | {label} | {row['route_mismatch']:.2%} | {row['logprob_diff_mean']:.4f} |"
+        assert shown in text, shown
+    assert f"| {dense['logprob_diff_mean']:.4f} | {dense['logprob_diff_max']:.2f} |" in text
+    assert f"cuts it {own['k3_kl'] / replay['k3_kl']:.1f}x" in text
+    assert replay["k3_kl"] < own["k3_kl"] / 2

@@ -172,6 +172,9 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
             data = DataProto(
                 batch={**data.batch, ROW_INDEX: torch.arange(len(data))}, meta_info=data.meta_info
             )
+        replay = replay_kwargs(a.moe.routing_replay)
+        if own_old is not None and replay.get("replay_routes") == OLD_ROUTES:
+            replay = {}  # strictly on-policy: this forward is the old log-prob pass, whose routes are its own
         policy_loss_fn = get_policy_loss_fn(a.policy_loss)
         names = ["pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "entropy"]
         if a.use_kl_loss:
@@ -228,7 +231,7 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
             stage="update_actor",
             temperature=temperature,
             calculate_entropy=True,
-            **replay_kwargs(a.moe.routing_replay),
+            **replay,
         )
         losses = metrics.reduce(engine)
         # mixture of experts (this rank's micro-batches): router losses, experts that differ from the rollout's
