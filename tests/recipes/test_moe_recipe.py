@@ -36,6 +36,8 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
     assert len(steps) == 2
     for row in steps:
         assert row["actor/moe/route_mismatch"] == 0.0
+        assert row["actor/moe/route_mismatch/layer_0"] == 0.0 and "actor/moe/route_mismatch/layer_1" in row
+        assert 1.0 <= row["actor/moe/expert_load_max_over_mean"] <= 2.0  # 4 experts, top-2: at most 2
         assert row["training/rollout_logprob_diff_max"] < 1e-3
         assert row["actor/moe/aux_loss"] >= 1.0 - 1e-6  # the load-balancing loss is 1 at perfect balance
         assert row["actor/grad_norm"] > 0

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from workers import distributed as du
 from workers.engine.base import EngineConfig, LossFn
 from workers.engine.lora import adapter_named_tensors, add_adapters, base_name, merged_named_tensors
-from workers.engine.moe import is_moe
+from workers.engine.moe import expert_load, is_moe
 from workers.engine.moe_forward import OLD_ROUTES, ROLLOUT_ROUTES, MoEForward
 from workers.engine.optim import build_optimizer
 from workers.engine.packing import (
@@ -380,10 +380,13 @@ class FSDPEngine(EngineSteps):
         if cfg.z_loss_coef:
             loss = loss + cfg.z_loss_coef * z / shares
         metrics = {**metrics, "moe/aux_loss": float(balance.detach()), "moe/z_loss": float(z.detach())}
+        load = expert_load(moe.own_routes(), moe.num_experts)
+        metrics["moe/expert_load_max_over_mean"] = load["moe/expert_load_max_over_mean"]
         routes = moe.outputs()
         if "route_tokens" in routes and float(routes["route_tokens"].sum()) > 0:
             diff = routes["route_diff"].sum(0) / routes["route_tokens"].sum()
             metrics["moe/route_mismatch"] = float(diff.mean())
+            metrics.update({f"moe/route_mismatch/layer_{i}": float(d) for i, d in enumerate(diff)})
         return loss, metrics
 
     def _grads(self) -> list[torch.Tensor]:

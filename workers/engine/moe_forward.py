@@ -32,6 +32,7 @@ class MoEForward:
         routers = moe_routers(model)
         self.model = model
         self.top_k = int(cast(int, routers[0].top_k))
+        self.num_experts = int(cast(int, routers[0].num_experts))
         self.packed = packed
         if replay is not None and replay not in micro:
             raise KeyError(

@@ -186,7 +186,7 @@ def test_replay_uses_the_rollouts_experts_where_the_trainer_would_route_otherwis
     batch["advantages"] = torch.ones_like(batch["response_mask"])
     free, m_free = _one_update(model_dir, batch, None)
     replayed, _ = _one_update(model_dir, batch, "routed_experts")
-    assert m_free["moe/route_mismatch"] > 0.5
+    assert m_free["moe/route_mismatch"] > 0.5 and m_free["moe/route_mismatch/layer_0"] == 1.0
     assert (free["log_probs"][0] - replayed["log_probs"][0]).abs().max() > 1e-3
     from workers.engine.moe import routing_replay
 
