@@ -772,11 +772,6 @@ def _check_moe(errors: list[str], cfg: RecipeConfig) -> None:
                 f"the model is a mixture of experts, which {role}.strategy={strategy!r} does not train "
                 f"(supports_moe=False); use {role}.strategy=fsdp"
             )
-    if replay == "rollout" and getattr(cfg, "env", None) is not None:
-        errors.append(
-            "actor.moe.routing_replay=rollout: the agent layer's trajectories (env.loop) do not carry the engine's "
-            "expert routes yet, so there is nothing to replay; use actor.moe.routing_replay=old_log_prob"
-        )
     if replay == "rollout" and not _engine_can(cfg, "records_routes"):
         errors.append(
             f"actor.moe.routing_replay=rollout replays the experts the rollout engine chose, which "

@@ -7,13 +7,15 @@ tokens (a shifted or mis-packed column would replay wrong experts and move both)
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from recipe_testlib import BRIEF_GRPO
 
-from recipes import grpo
+from recipes import grpo, rlm
 from recipes.config import ConfigError, load_config
 from recipes.trainer.run import start_run
+from workers.agents.examples.word_count import write_dataset
 
 
 @pytest.mark.parametrize("replay", ["rollout", "old_log_prob"])
@@ -60,11 +62,6 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
             ["model.tiny_arch=moe", "actor.moe.routing_replay=rollout", "rollout.name=sglang"],
             "rollout.name='sglang' does not record",
         ),
-        (
-            "rlm",
-            ["model.tiny_arch=moe", "actor.moe.routing_replay=rollout"],
-            "do not carry the engine's expert",
-        ),
         ("grpo", ["model.tiny_arch=moe", "actor.moe.routing_replay=r3"], "routing_replay must be one of"),
         ("grpo", ["model.tiny_arch=experts"], "model.tiny_arch='experts'; choose one of"),
     ],
@@ -72,3 +69,48 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
 def test_moe_settings_that_cannot_work_are_refused_before_ray(recipe, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(recipe, overrides)
+
+
+def test_an_agent_environments_multi_turn_rows_carry_their_routes(ray_session, tmp_path):
+    """The one-file word-count environment (a tool call, its observation, then the answer: two engine calls per
+    trajectory) on the tiny MoE with rollout replay: each row takes its last call's routes, whose prompt was the
+    whole row before its response, so the trainer's own routers agree with them everywhere (fp32) and its
+    log-probs are the engine's."""
+    yaml = Path(__file__).resolve().parents[2] / "recipes" / "rlm_word_count.yaml"
+    paths = write_dataset(str(tmp_path / "data"), n_train=8, n_val=2)
+    result = rlm.main(
+        [
+            "--config",
+            str(yaml),
+            f"data.train_files=[{paths['train']}]",
+            f"data.val_files=[{paths['val']}]",
+            "model.tiny_size=nano",
+            "model.tiny_arch=moe",
+            "actor.moe.routing_replay=rollout",
+            "data.train_batch_size=2",
+            "data.val_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=2",
+            "sft.total_steps=2",
+            "sft.batch_size=4",
+            "env.agent.max_new_tokens=16",
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+            "trainer.progress_bar=false",
+            "trainer.logger=[console]",
+            "trainer.plot=false",
+            "trainer.export_hf=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ]
+    )
+    batch = result["last_batch"].batch
+    routes, real = batch["routed_experts"], batch["attention_mask"].bool()
+    assert routes.shape[:2] == real.shape and routes.shape[2:] == (2, 2)
+    P = batch["prompts"].shape[1]
+    for i in range(len(routes)):  # every row brought routes: its prompt's from its last call's prefill
+        have = routes[i, :, 0, 0] >= 0
+        assert have[:P][real[i, :P]].all() and not have[~real[i]].any()
+    assert result["final"]["actor/moe/route_mismatch"] == 0.0
+    mask = batch["response_mask"].bool()
+    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+    assert diff.numel() > 0 and float(diff.max()) < 1e-3

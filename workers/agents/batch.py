@@ -64,12 +64,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dataproto import DataProto
 from workers.agents.trajectory import Trajectory
 from workers.rollout.batch import RolloutRow, build_rollout_batch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OWN_COLUMNS",
@@ -116,6 +120,9 @@ class _Row:
     mask: list[int]
     logprobs: list[float]
     versions: list[int]  # per response token: the weight version that sampled it (0 on observations)
+    # mixture of experts: expert routes of the row's positions from its first prompt token (the row's last call
+    # covered them all: its prompt was everything before its response); None where the engine gave none
+    routes: torch.Tensor | None = None
 
     def row_id(self, traj: Trajectory) -> str:
         return traj.id if self.turn < 0 else f"{traj.id}@{self.turn}"
@@ -125,15 +132,17 @@ class _Row:
         cut (``""``, ``"prompt"``, ``"response"``); its loss mask is zeroed when the prompt was cut, when the
         response was with ``mask_truncated``, or when the trajectory ``trains`` nothing."""
         prompt, response, mask, lps, cut = self.prompt, self.response, self.mask, self.logprobs, ""
-        versions = self.versions
+        versions, routes = self.versions, self.routes
         if len(prompt) > P:
+            routes = routes[len(prompt) - P :] if routes is not None else None
             prompt, cut = prompt[-P:], "prompt"
         if len(response) > R:
             response, mask, lps, versions = response[:R], mask[:R], lps[:R], versions[:R]
+            routes = routes[: len(prompt) + R] if routes is not None else None
             cut = cut or "response"
         if cut == "prompt" or (cut and mask_truncated) or not trains:
             mask = [0] * len(mask)
-        return _Row(self.source, self.turn, prompt, response, mask, lps, versions), cut
+        return _Row(self.source, self.turn, prompt, response, mask, lps, versions, routes), cut
 
 
 def _environment_failed(traj: Trajectory) -> bool:
@@ -155,7 +164,21 @@ def _whole_row(i: int, traj: Trajectory) -> _Row:
     versions: list[int] = []  # aligned with ids[n:]: each turn's observation (0s), then its response
     for k, t in enumerate(turns):
         versions += [0] * (len(t.prompt_token_ids) if k else 0) + _turn_versions(t)
-    return _Row(i, -1, ids[:n], ids[n:], mask[n:], lps[n:], versions)
+    return _Row(
+        i, -1, ids[:n], ids[n:], mask[n:], lps[n:], versions, _routes_of(turns[-1] if turns else None, ids)
+    )
+
+
+def _routes_of(turn, row_ids: list[int]) -> torch.Tensor | None:
+    """The expert routes of a row whose last call is ``turn``: the call's routes cover its whole prompt and its
+    response but the last token, so they are the row's when that prompt was the row's tokens before the call's
+    response -- checked by finding the response where the routes say it starts; None otherwise."""
+    routes = turn.routes if turn is not None else None
+    if routes is None:
+        return None
+    response = list(turn.response_token_ids)
+    start = len(routes) + 1 - len(response)
+    return routes if start >= 0 and row_ids[start : start + len(response)] == response else None
 
 
 def _turn_rows(i: int, traj: Trajectory, max_prompt_length: int) -> tuple[list[_Row], int]:
@@ -176,6 +199,7 @@ def _turn_rows(i: int, traj: Trajectory, max_prompt_length: int) -> tuple[list[_
             [1] * len(t.response_token_ids),
             lps + [0.0] * (len(t.response_token_ids) - len(lps)),
             _turn_versions(t),
+            _routes_of(t, prefix + list(t.response_token_ids)),
         )
         (rows if len(prefix) <= max_prompt_length else cut).append(row)
         prefix += t.response_token_ids
@@ -256,7 +280,9 @@ def trajectories_to_dataproto(
     }
     answers = {t.id: t.final_answer for t in trajectories if t.depth == 0}
     rows = [
-        RolloutRow(r.prompt, r.response, loss_mask=r.mask, log_probs=r.logprobs, versions=r.versions)
+        RolloutRow(
+            r.prompt, r.response, loss_mask=r.mask, log_probs=r.logprobs, versions=r.versions, routes=r.routes
+        )
         for r in specs
     ]
     # a failed turn fails its trajectory instead of aborting a row: rollout_aborted is all False

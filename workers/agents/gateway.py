@@ -148,6 +148,7 @@ class LiveTrajectory:
             },
             finish_reason=resp.finish_reason,
             full_prompt=bool(self.turns) and not extends,
+            routes=resp.routes,
         )
         self.turns.append(turn)
         self._sequence = list(prompt_ids) + list(resp.token_ids)
@@ -408,6 +409,7 @@ class Gateway:
             prompt_tokens=len(ids),
             model=policy.name,
             versions=list(out.versions or []),
+            routes=out.routes,
         )
         if traj is not None:
             traj.record(ids, resp)

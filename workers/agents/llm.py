@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from workers.agents.chat_format import ChatFormat
 from workers.agents.limits import BudgetSpent
@@ -71,6 +71,7 @@ class ModelResponse:
     full_prompt: bool = (
         False  # ``prompt_ids`` is the whole prompt (the template rewrote the history), not a suffix
     )
+    routes: Any = None  # mixture of experts: the call's expert routes (`GenerationOutput.routes`), else None
 
     def turn(self, index: int) -> TrajectoryTurn:
         """The record of this response as turn ``index`` of a trajectory (its environment part still empty)."""
@@ -89,6 +90,7 @@ class ModelResponse:
             },
             finish_reason=self.finish_reason,
             full_prompt=self.full_prompt,
+            routes=self.routes,
         )
 
 
@@ -225,6 +227,7 @@ class TokenConversation:
             model=self.llm.name,
             versions=list(out.versions or []),
             full_prompt=self.pending_full,
+            routes=out.routes,
         )
         self.ids = self.ids + ids
         self.fed += fmt.raw_text(ids)

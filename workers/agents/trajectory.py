@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 __all__ = [
@@ -121,9 +121,13 @@ class TrajectoryTurn:
     # ``prompt_token_ids`` is the whole prompt the engine was fed, not a continuation of the previous turn: the
     # chat template rewrote the history (``workers.agents.chat_format``), so this turn starts a new segment
     full_prompt: bool = False
+    # mixture of experts: the engine's expert routes of the call's whole prompt and response ([prompt + response
+    # - 1, layers, k], `GenerationOutput.routes`); None for a dense model. Kept out of to_dict (no JSON log needs it)
+    routes: Any = field(default=None, compare=False, repr=False)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = asdict(replace(self, routes=None))
+        d.pop("routes")
         d["response_token_ids"] = [int(t) for t in self.response_token_ids]
         d["prompt_token_ids"] = [int(t) for t in self.prompt_token_ids]
         d["response_logprobs"] = [float(x) for x in self.response_logprobs]

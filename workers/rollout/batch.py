@@ -17,7 +17,7 @@ observation tokens masked out of the loss). One rule for each column, whoever pr
 * ``rollout_aborted`` per row;
 * ``routed_experts`` (mixture-of-experts models) ``[B, P + R, MoE layers, top-k]`` int16: the expert ids the
   engine routed each position to, aligned with ``input_ids``, -1 where none was recorded (padding, a row's last
-  token). Like ``rollout_log_probs``, written only when every row brought routes.
+  token, a row that brought none: its routers choose). Written when any row brought routes.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def build_rollout_batch(
     }
     if with_log_probs:
         batch["rollout_log_probs"] = log_probs
-    if rows and all(r.routes is not None for r in rows):
+    if any(r.routes is not None for r in rows):
         batch["routed_experts"] = _routes_column(rows, P, R)
     return batch
 
@@ -154,7 +154,8 @@ def _routes_column(rows: Sequence[RolloutRow], P: int, R: int) -> torch.Tensor:
     (shape,) = shapes
     out = torch.full((len(rows), P + R, *shape), -1, dtype=torch.int16)
     for i, r in enumerate(rows):
-        assert r.routes is not None
+        if r.routes is None:
+            continue
         n = min(len(r.routes), len(r.prompt) + len(r.response))
         start = P - len(r.prompt)
         out[i, start : start + n] = r.routes[:n].to(torch.int16)

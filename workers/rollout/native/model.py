@@ -539,7 +539,9 @@ class NativeCausalLM:
         parallelism (its all-reduce). Same tokens as eager, log-probs within float rounding (the ``compiled``
         cases of tests/workers/rollout/test_native_engine.py); compiles on first use."""
         self.qkv_block = torch.compile(self._layer_qkv, dynamic=True)
-        if self.tp_group is None:
+        # a mixture of experts' out block stays eager too: its expert groups have data-dependent sizes and it
+        # appends the routes it chose to a list
+        if self.tp_group is None and not self.spec.moe_layers:
             self.out_block = torch.compile(self._layer_out, dynamic=True)
 
     def _layer_qkv(self, h, layer: _Layer, cos, sin_signed):
