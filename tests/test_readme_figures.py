@@ -232,3 +232,8 @@ def test_the_moe_figures_are_the_recorded_run():
     assert f"| {dense['logprob_diff_mean']:.4f} | {dense['logprob_diff_max']:.2f} |" in text
     assert f"cuts it {own['k3_kl'] / replay['k3_kl']:.1f}x" in text
     assert replay["k3_kl"] < own["k3_kl"] / 2
+    # README's sentence says the same
+    readme = README.read_text(encoding="utf-8")
+    shown = f"held-out accuracy {result['val_before']:.2f} -> {round(result['val_after'], 2):.2f} in {round(result['wall_s'])} s"
+    assert shown in " ".join(readme.split()), shown
+    assert f"k3 KL {own['k3_kl'] / replay['k3_kl']:.1f}x" in " ".join(readme.split())
