@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from recipe_testlib import BRIEF_GRPO
+from recipe_testlib import BRIEF_GRPO, BRIEF_RLM
 
 from recipes import grpo, rlm
 from recipes.config import ConfigError, load_config
@@ -108,6 +108,32 @@ def test_an_agent_environments_multi_turn_rows_carry_their_routes(ray_session, t
     assert routes.shape[:2] == real.shape and routes.shape[2:] == (2, 2)
     P = batch["prompts"].shape[1]
     for i in range(len(routes)):  # every row brought routes: its prompt's from its last call's prefill
+        have = routes[i, :, 0, 0] >= 0
+        assert have[:P][real[i, :P]].all() and not have[~real[i]].any()
+    assert result["final"]["actor/moe/route_mismatch"] == 0.0
+    mask = batch["response_mask"].bool()
+    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+    assert diff.numel() > 0 and float(diff.max()) < 1e-3
+
+
+def test_the_rlm_repl_environments_rows_carry_their_routes(ray_session, tmp_path):
+    """The RLM recipe (the REPL environment: code, its output, more code; its own agent loop) on the tiny MoE
+    with rollout replay: its rows carry their last call's routes too, the trainer's routers agree with them
+    (fp32), and its log-probs are the engine's."""
+    result = rlm.main(
+        [
+            *BRIEF_RLM,
+            "model.tiny_arch=moe",
+            "actor.moe.routing_replay=rollout",
+            "trainer.val_before_train=false",
+            "trainer.export_hf=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ]
+    )
+    batch = result["last_batch"].batch
+    routes, real = batch["routed_experts"], batch["attention_mask"].bool()
+    P = batch["prompts"].shape[1]
+    for i in range(len(routes)):
         have = routes[i, :, 0, 0] >= 0
         assert have[:P][real[i, :P]].all() and not have[~real[i]].any()
     assert result["final"]["actor/moe/route_mismatch"] == 0.0
