@@ -382,9 +382,8 @@ class FSDPEngine(EngineSteps):
         metrics = {**metrics, "moe/aux_loss": float(balance.detach()), "moe/z_loss": float(z.detach())}
         load = expert_load(moe.own_routes(), moe.num_experts)
         metrics["moe/expert_load_max_over_mean"] = load["moe/expert_load_max_over_mean"]
-        routes = moe.outputs()
-        if "route_tokens" in routes and float(routes["route_tokens"].sum()) > 0:
-            diff = routes["route_diff"].sum(0) / routes["route_tokens"].sum()
+        diff = moe.mismatch_by_layer()
+        if diff is not None:
             metrics["moe/route_mismatch"] = float(diff.mean())
             metrics.update({f"moe/route_mismatch/layer_{i}": float(d) for i, d in enumerate(diff)})
         return loss, metrics

@@ -62,21 +62,18 @@ class MoEForward:
         return load_balancing_loss(self.logits, self.top_k), router_z_loss(self.logits)
 
     def outputs(self) -> dict[str, torch.Tensor]:
-        """Per-row results in the micro-batch's row order: ``routes`` [b, P+R, routers, k] int16 (the routers' own
-        choice, -1 on padding) and, where the batch has the rollout's routes, ``route_diff`` [b, routers] (tokens
-        whose expert set differs from the rollout's) and ``route_tokens`` [b] (tokens compared)."""
+        """Per-row results in the micro-batch's row order: ``routes`` [b, P+R, routers, k] int16, the routers' own
+        choice (-1 on padding): what the old log-prob pass hands the update with ``routing_replay=old_log_prob``."""
+        return {"routes": self.packed.unpack_column(self.own_routes().to(torch.int16), -1)}
+
+    def mismatch_by_layer(self) -> torch.Tensor | None:
+        """[routers]: the share of the packed tokens with rollout routes whose expert set differs from the routers'
+        own top-k; None when the batch has no rollout routes (or none to compare)."""
+        if self.rollout is None:
+            return None
+        compared = self.rollout[:, 0, 0] >= 0
+        if not bool(compared.any()):
+            return None
         own = self.own_routes()
-        out = {"routes": self.packed.unpack_column(own.to(torch.int16), -1)}
-        if self.rollout is not None:
-            compared = self.rollout[:, 0, 0] >= 0
-            differ = (own.sort(-1).values != self.rollout.sort(-1).values).any(-1) & compared[:, None]
-            rows = self.packed.unpack_column(torch.arange(len(own), device=own.device), -1)
-            row_of = torch.empty(len(own), dtype=torch.long, device=own.device)
-            real = rows >= 0
-            row_of[rows[real]] = real.nonzero()[:, 0]  # a shared prompt's tokens count for its last row
-            b = rows.shape[0]
-            out["route_diff"] = torch.zeros(b, own.shape[1], device=own.device).index_add_(
-                0, row_of, differ.float()
-            )
-            out["route_tokens"] = torch.zeros(b, device=own.device).index_add_(0, row_of, compared.float())
-        return out
+        differ = (own.sort(-1).values != self.rollout.sort(-1).values).any(-1)
+        return differ[compared].float().mean(0)
