@@ -35,8 +35,9 @@ from typing import Any, get_args, get_origin, get_type_hints
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from recipes.schemas import SCHEMAS, RecipeConfig
-from recipes.sections import WORKER_SECTION_CHECKS
+from recipes.schemas import SCHEMAS
+from recipes.sections import RecipeConfig
+from recipes.worker_sections import WORKER_SECTION_CHECKS
 from workers.agents.loop import AgentEnvConfig, agent_loop_class
 from workers.engine.checkpoint import write_atomic
 from workers.plugins import absolute_reference

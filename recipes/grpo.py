@@ -16,7 +16,7 @@ advantages and the critic update; ``recipes/rlm.py`` runs it with an environment
 from __future__ import annotations
 
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer import (
     Run,
     Session,

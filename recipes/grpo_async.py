@@ -16,7 +16,7 @@ and after the update the new weights go to the rollout engines while they genera
 from __future__ import annotations
 
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer import (
     Run,
     Session,

@@ -14,7 +14,7 @@ runs on a WorkerGroup of Ray actors; advantages are computed here on the control
 from __future__ import annotations
 
 from recipes.grpo import rl_step
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer import Run, Session, cli, demonstrations, parse_args, start_run, warm_start
 
 

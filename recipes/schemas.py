@@ -20,7 +20,8 @@
   ``trainer.val_before_train`` / ``trainer.test_freq`` --: pass@k for every k in ``eval.pass_k`` from
   ``max(pass_k)`` samples per held-out problem at ``eval.temperature``).
 
-Each section checks itself (``recipes.sections``); a schema adds the rules of its recipe across sections in
+Each section checks itself (``recipes.sections``, which also holds ``RecipeConfig``, the sections every recipe
+has); a schema adds the rules of its recipe across sections in
 ``check_recipe``. The type a schema gives ``env`` is the base every ``env.loop``'s config must derive from.
 """
 
@@ -30,45 +31,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from recipes.sections import (
-    AlgorithmConfig,
-    AsyncRLConfig,
-    CustomRewardConfig,
-    DataConfig,
-    RecipeCriticConfig,
-    RecipeModelConfig,
-    SFTConfig,
-    TaskConfig,
-    TrainerConfig,
-)
+from recipes.sections import AsyncRLConfig, RecipeConfig
 from workers.agents.loop import AgentEnvConfig
-from workers.config import ActorConfig, RewardConfig, RolloutConfig
 from workers.math_env.env_loop import MathToolEnvConfig
 from workers.prm.worker import PRMConfig
 from workers.rlm.env_loop import RLMEnvConfig
-
-
-@dataclass
-class RecipeConfig:
-    """The sections every recipe has (``sft``: the supervised warm start before RL, by default exactly when
-    the model is the locally built tiny one, whose weights are random). A section with a ``check(errors, cfg)`` method (or an entry in
-    ``WORKER_SECTION_CHECKS`` for the workers' own dataclasses) checks itself in ``validate``; the recipe's
-    schema adds its rules in ``check_recipe``."""
-
-    data: DataConfig = field(default_factory=DataConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    model: RecipeModelConfig = field(default_factory=RecipeModelConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    critic: RecipeCriticConfig = field(default_factory=RecipeCriticConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-
-    def check_recipe(self, errors: list[str]) -> None:
-        """Rules of one recipe across sections (subclasses); none for the base."""
 
 
 @dataclass

@@ -1,10 +1,12 @@
-"""The config sections every recipe shares, each with its checks.
+"""The config sections every recipe shares, each with its checks, and ``RecipeConfig``, the config they make up.
 
 A section dataclass checks itself with ``check(errors, cfg)``: it appends one message per problem, naming the
 keys and numbers, and may read the other sections of ``cfg`` (batch sizes against the data-parallel sizes,
-placement against the estimator). The role sections reuse the workers' own dataclasses
-(``workers/config.py``); their checks are the functions in ``WORKER_SECTION_CHECKS``. ``recipes.config.validate``
-runs them all, then the recipe schema's ``check_recipe`` (``recipes.schemas``).
+placement against the estimator). What the sections imply together (worker group sizes, whether a reference
+model loads, what the chosen engines can do) is computed once, at the end of this module, for those checks and
+for the driver (``recipes.trainer``). The role sections reuse the workers' own dataclasses (``workers/config.py``);
+their checks are in ``recipes.worker_sections``. ``recipes.config.validate`` runs them all, then the recipe
+schema's ``check_recipe`` (``recipes.schemas``, which builds each recipe's schema on ``RecipeConfig``).
 
 Sections (verl names inside each): ``data``, ``task`` (generate a dataset with ``recipes.tasks``), ``model``,
 ``actor``, ``rollout``, ``critic`` (PPO), ``reward``, ``custom_reward_function``, ``algorithm``
@@ -16,15 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from algorithms import list_adv_estimators, list_rollout_corrections
 from recipes.tasks import ALL_TASKS, task_config
 from resource_pools.plans import PLACEMENTS
-from workers.config import CriticConfig, ModelConfig
+from workers.config import ActorConfig, CriticConfig, ModelConfig, RewardConfig, RolloutConfig
 from workers.engine.base import OptimConfig
 from workers.engine.registry import TRAIN_ENGINES, train_engine_class
 from workers.models.chat_templates import CHAT_TEMPLATES
@@ -32,9 +32,6 @@ from workers.models.hub import model_path_problem
 from workers.models.tiny import TINY_ARCHS, TINY_MODEL_SIZES
 from workers.reward import load_custom_scorer
 from workers.rollout.registry import rollout_engine_class
-
-if TYPE_CHECKING:  # the schemas are made of these sections
-    from recipes.schemas import RecipeConfig
 
 LOGGERS = ("console", "tensorboard", "wandb")
 OLD_LOG_PROB_SOURCES = ("auto", "recompute", "rollout")  # algorithm.old_log_prob
@@ -184,13 +181,13 @@ class RecipeCriticConfig(CriticConfig):
             errors.append(problem)  # the critic reads the policy's tokens: its folder needs no tokenizer
         if not uses_critic(cfg):
             return
-        worlds = _device_worlds(cfg)
-        _, error = _megatron_replicas("critic", self, worlds.get("critic", worlds["train"]))
+        worlds = device_worlds(cfg)
+        _, error = megatron_replicas("critic", self, worlds.get("critic", worlds["train"]))
         if error:
             errors.append(error)
         _check_megatron_colocation(errors, cfg)
         if cfg.data.train_batch_size >= 1:
-            _check_ppo_batches(
+            check_ppo_batches(
                 errors,
                 "critic",
                 self,
@@ -449,7 +446,7 @@ class AsyncRLConfig:
             errors.append(
                 f"async_rl.on_weight_update must be one of {list(ON_WEIGHT_UPDATE)}, got {self.on_weight_update!r}"
             )
-        elif self.on_weight_update == "abort" and not _engine_can(cfg, "swaps_weights_mid_generation"):
+        elif self.on_weight_update == "abort" and not engine_can(cfg, "swaps_weights_mid_generation"):
             errors.append(
                 "async_rl.on_weight_update=abort needs rollout.name=native or another engine that swaps weights "
                 f"mid-generation (rollout.name={cfg.rollout.name!r} changes weights only between calls: its "
@@ -498,6 +495,29 @@ class SFTConfig:
             )
 
 
+@dataclass
+class RecipeConfig:
+    """The sections every recipe has (``sft``: the supervised warm start before RL, by default exactly when
+    the model is the locally built tiny one, whose weights are random). A section with a ``check(errors, cfg)`` method (or an entry in
+    ``recipes.worker_sections.WORKER_SECTION_CHECKS`` for the workers' own dataclasses) checks itself in ``validate``; the recipe's
+    schema adds its rules in ``check_recipe``."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: RecipeModelConfig = field(default_factory=RecipeModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: RecipeCriticConfig = field(default_factory=RecipeCriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def check_recipe(self, errors: list[str]) -> None:
+        """Rules of one recipe across sections (subclasses); none for the base."""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # What the sections imply: worker group sizes, and the checks of the workers' own sections
 # ----------------------------------------------------------------------------------------------------------------
@@ -540,7 +560,7 @@ def reference_is_actor(cfg: RecipeConfig) -> bool:
 
 def syncs_adapters(cfg: RecipeConfig) -> bool:
     """Whether weight syncs carry the LoRA adapter alone (the rollout engine loads adapters), not merged weights."""
-    return cfg.actor.lora.enabled and _engine_can(cfg, "loads_adapters")
+    return cfg.actor.lora.enabled and engine_can(cfg, "loads_adapters")
 
 
 def uses_critic(cfg: RecipeConfig) -> bool:
@@ -561,7 +581,7 @@ class DataParallelSizes(NamedTuple):
     critic: int
 
 
-def _device_worlds(cfg: RecipeConfig) -> dict[str, int]:
+def device_worlds(cfg: RecipeConfig) -> dict[str, int]:
     """``device_counts`` once the devices and placement are valid, else zeros."""
     if cfg.trainer.device_errors(cfg):
         return {"train": 0, "rollout": 0}
@@ -569,21 +589,21 @@ def _device_worlds(cfg: RecipeConfig) -> dict[str, int]:
 
 
 def data_parallel_sizes(cfg: RecipeConfig) -> DataParallelSizes:
-    worlds = _device_worlds(cfg)
+    worlds = device_worlds(cfg)
     critic = worlds.get("critic", worlds["train"])
     if uses_critic(cfg):
-        critic = _megatron_replicas("critic", cfg.critic, critic)[0]
+        critic = megatron_replicas("critic", cfg.critic, critic)[0]
     return DataParallelSizes(
-        _megatron_replicas("actor", cfg.actor, worlds["train"])[0], worlds["rollout"], critic
+        megatron_replicas("actor", cfg.actor, worlds["train"])[0], worlds["rollout"], critic
     )
 
 
-def _model_parallel(role_cfg) -> tuple[int, int]:
+def model_parallel(role_cfg) -> tuple[int, int]:
     m = role_cfg.megatron
     return m.tensor_model_parallel_size, m.pipeline_model_parallel_size
 
 
-def _megatron_replicas(sec: str, role_cfg, world: int) -> tuple[int, str | None]:
+def megatron_replicas(sec: str, role_cfg, world: int) -> tuple[int, str | None]:
     """(data-parallel size of a role on ``world`` devices: ``world / (tp * pp)`` where the engine is model
     parallel (strategy=megatron), and None), or (0, the error) when the strategy names no training engine or
     the world is not a multiple of tp * pp."""
@@ -598,7 +618,7 @@ def _megatron_replicas(sec: str, role_cfg, world: int) -> tuple[int, str | None]
     mp = engine.model_parallel_size(role_cfg.megatron)  # ranks of one model replica
     if mp == 1 or world <= 0:
         return world, None
-    tp, pp = _model_parallel(role_cfg)
+    tp, pp = model_parallel(role_cfg)
     if world % mp:
         return 0, (
             f"{sec}.megatron.tensor_model_parallel_size * {sec}.megatron.pipeline_model_parallel_size = "
@@ -607,7 +627,7 @@ def _megatron_replicas(sec: str, role_cfg, world: int) -> tuple[int, str | None]
     return world // mp, None
 
 
-def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: int, dp: int) -> None:
+def check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: int, dp: int) -> None:
     mini = role_cfg.ppo_mini_batch_size
     if mini < 1:
         errors.append(f"{sec}.ppo_mini_batch_size must be >= 1, got {mini}")
@@ -637,48 +657,16 @@ def _check_ppo_batches(errors: list[str], sec: str, role_cfg, train_bs: int, n: 
         errors.append(f"{sec}.ppo_epochs must be >= 1, got {role_cfg.ppo_epochs}")
 
 
-def _check_rollout_tp(errors: list[str], cfg: RecipeConfig) -> None:
-    """``rollout.tensor_model_parallel_size``: TP rollout replicas resharded from a colocated Megatron actor."""
-    tp_g, a = cfg.rollout.tensor_model_parallel_size, cfg.actor
-    if not isinstance(tp_g, int) or tp_g < 1:
-        errors.append(f"rollout.tensor_model_parallel_size must be an int >= 1, got {tp_g!r}")
-        return
-    if tp_g == 1:
-        return
-    if not _train_engine_can(a.strategy, "reshards_for_generation"):
-        errors.append(
-            f"rollout.tensor_model_parallel_size={tp_g} needs actor.strategy=megatron: the 3D-HybridEngine "
-            f"reshards the trainer's Megatron TP shards into the rollout replicas, and an FSDP trainer "
-            f"(actor.strategy={a.strategy!r}) has no TP layout to reshard from; use 1"
-        )
-    elif a.megatron.tensor_model_parallel_size % tp_g:
-        errors.append(
-            f"rollout.tensor_model_parallel_size={tp_g} must divide actor.megatron.tensor_model_parallel_size="
-            f"{a.megatron.tensor_model_parallel_size} (a generation shard is a union of whole training shards)"
-        )
-    if cfg.trainer.placement == "disaggregated":
-        errors.append(
-            f"rollout.tensor_model_parallel_size={tp_g} is for the colocated actor-rollout worker; "
-            "trainer.placement=disaggregated runs full rollout replicas on their own pool: use 1"
-        )
-    if not _engine_can(cfg, "accepts_tp_group"):
-        errors.append(
-            f"rollout.tensor_model_parallel_size={tp_g} is for an engine that can be a tensor-parallel replica on "
-            f"the trainer's ranks (rollout.name=native), got {cfg.rollout.name!r} (SGLang: "
-            "rollout.tensor_parallel_size)"
-        )
-
-
-def _train_engine_can(strategy: str, capability: str) -> bool:
+def train_engine_can(strategy: str, capability: str) -> bool:
     """Whether the training engine ``strategy`` names declares ``capability`` (`workers.engine.base.TrainEngine`;
-    False for a name that does not resolve: `_megatron_replicas` reports that)."""
+    False for a name that does not resolve: `megatron_replicas` reports that)."""
     try:
         return bool(getattr(train_engine_class(strategy), capability))
     except (ValueError, TypeError):
         return False
 
 
-def _engine_can(cfg: RecipeConfig, capability: str) -> bool:
+def engine_can(cfg: RecipeConfig, capability: str) -> bool:
     """Whether ``rollout.name``'s engine declares ``capability`` (False for a name that does not resolve: that
     is reported by `_check_rollout_engine`)."""
     try:
@@ -687,139 +675,17 @@ def _engine_can(cfg: RecipeConfig, capability: str) -> bool:
         return False
 
 
-def _check_rollout_engine(errors: list[str], cfg: RecipeConfig) -> None:
-    """``rollout.name``: a registered engine or an importable ``RolloutEngine`` subclass, and what that engine
-    says about the config (SGLang: the package installed); checked before Ray starts."""
-    try:
-        engine = rollout_engine_class(cfg.rollout.name)
-    except (ValueError, TypeError) as e:
-        errors.append(str(e))
-        return
-    errors.extend(engine.config_errors(cfg.model, cfg.rollout))
-
-
 def _check_megatron_colocation(errors: list[str], cfg: RecipeConfig) -> None:
     """Megatron's parallel state is per process: a colocated actor and critic (one process per device) that
     both use Megatron must use the same TP/PP sizes."""
     a, c = cfg.actor, cfg.critic
     if cfg.trainer.placement == "split_critic" or not all(
-        _train_engine_can(r.strategy, "process_global_parallel_state") for r in (a, c)
+        train_engine_can(r.strategy, "process_global_parallel_state") for r in (a, c)
     ):
         return
-    if _model_parallel(a) != _model_parallel(c):
+    if model_parallel(a) != model_parallel(c):
         errors.append(
-            f"actor.megatron (tp, pp) = {_model_parallel(a)} and critic.megatron (tp, pp) = {_model_parallel(c)} "
+            f"actor.megatron (tp, pp) = {model_parallel(a)} and critic.megatron (tp, pp) = {model_parallel(c)} "
             f"differ, but trainer.placement={cfg.trainer.placement} runs both in one process per device, which "
             "holds one Megatron parallel state; use the same sizes or trainer.placement=split_critic"
         )
-
-
-def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
-    """``actor``: its strategy and Megatron sizes against its devices, its PPO batches, and LoRA."""
-    _, error = _megatron_replicas("actor", cfg.actor, _device_worlds(cfg)["train"])
-    if error:
-        errors.append(error)
-    _check_lora(errors, cfg)
-    _check_moe(errors, cfg)
-    for role in ("actor", "critic"):
-        strategy = getattr(cfg, role).strategy
-        if cfg.model.compile and not _train_engine_can(strategy, "supports_compile"):
-            errors.append(
-                f"model.compile=true compiles the FSDP engine's layers; {role}.strategy={strategy!r} does not "
-                f"compile (use {role}.strategy=fsdp or model.compile=false)"
-            )
-    if cfg.data.train_batch_size >= 1:
-        _check_ppo_batches(
-            errors,
-            "actor",
-            cfg.actor,
-            cfg.data.train_batch_size,
-            samples_per_prompt(cfg),
-            data_parallel_sizes(cfg).train,
-        )
-
-
-def model_is_moe(cfg: RecipeConfig) -> bool | None:
-    """Whether the policy is a mixture of experts: the tiny model's ``model.tiny_arch``, or its folder's config.json
-    naming experts; None when that cannot be told before the model is fetched (a Hub id not yet cached)."""
-    if cfg.model.path is None:
-        return cfg.model.tiny_arch == "moe"
-    config = Path(cfg.model.path) / "config.json"
-    if not config.is_file():
-        return None
-    import json
-
-    hf = json.loads(config.read_text())
-    return any(int(hf.get(key) or 0) > 0 for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-
-
-def _check_moe(errors: list[str], cfg: RecipeConfig) -> None:
-    """A mixture-of-experts policy: engines that train and generate it, and ``actor.moe.routing_replay``'s source of
-    routes (docs/moe.md)."""
-    moe, replay = model_is_moe(cfg), cfg.actor.moe.routing_replay
-    if moe is False and replay != "none":
-        errors.append(
-            f"actor.moe.routing_replay={replay} replays a mixture of experts' routes, but the model is dense "
-            f"({cfg.model.path or 'model.tiny_arch=' + cfg.model.tiny_arch}); set actor.moe.routing_replay=none"
-        )
-    if not moe:
-        return
-    roles = ["actor", "critic"] if uses_critic(cfg) else ["actor"]
-    for role in roles:
-        strategy = getattr(cfg, role).strategy
-        if not _train_engine_can(strategy, "supports_moe"):
-            errors.append(
-                f"the model is a mixture of experts, which {role}.strategy={strategy!r} does not train "
-                f"(supports_moe=False); use {role}.strategy=fsdp"
-            )
-    if replay == "rollout" and not _engine_can(cfg, "records_routes"):
-        errors.append(
-            f"actor.moe.routing_replay=rollout replays the experts the rollout engine chose, which "
-            f"rollout.name={cfg.rollout.name!r} does not record (records_routes=False); use rollout.name=native or "
-            "actor.moe.routing_replay=old_log_prob"
-        )
-
-
-def _check_lora(errors: list[str], cfg: RecipeConfig) -> None:
-    """``actor.lora``: on the FSDP engine, and target modules the model has (read from its config on the meta
-    device when the model directory exists already; a model a recipe builds later is checked when it loads)."""
-    lora = cfg.actor.lora
-    if not lora.enabled:
-        return
-    if not _train_engine_can(cfg.actor.strategy, "supports_lora"):
-        errors.append(
-            f"actor.lora.rank={lora.rank} needs actor.strategy=fsdp (LoRA on the Megatron engine is not "
-            f"supported), got actor.strategy={cfg.actor.strategy!r}"
-        )
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
-        from workers.engine.lora import target_module_errors
-
-        errors.extend(
-            target_module_errors(cfg.model.path, lora, trust_remote_code=cfg.model.trust_remote_code)
-        )
-
-
-def check_rollout(errors: list[str], cfg: RecipeConfig) -> None:
-    """``rollout``: samples per prompt, lengths that follow ``data.*``, the engine and its tensor parallelism."""
-    r, d = cfg.rollout, cfg.data
-    if r.n < 1:
-        errors.append(f"rollout.n must be >= 1, got {r.n}")
-    for data_key, roll_key in (
-        ("max_prompt_length", "prompt_length"),
-        ("max_response_length", "response_length"),
-    ):
-        dv, rv = getattr(d, data_key), getattr(r, roll_key)
-        if dv >= 1 and dv != rv:  # dv < 1: the data check reports it
-            errors.append(
-                f"rollout.{roll_key}={rv} differs from data.{data_key}={dv}; set data.{data_key} "
-                f"(the YAML makes rollout.{roll_key} follow it)"
-            )
-    _check_rollout_tp(errors, cfg)
-    _check_rollout_engine(errors, cfg)
-
-
-# The checks of the sections whose dataclasses are the workers' own (workers/config.py).
-WORKER_SECTION_CHECKS: dict[str, Callable[[list[str], RecipeConfig], None]] = {
-    "actor": check_actor,
-    "rollout": check_rollout,
-}

@@ -91,3 +91,92 @@ def test_a_wrong_import_is_found(tmp_path, monkeypatch):
         "controller/bad.py:4 imports workers/, a layer controller/ may not import",
         "controller/bad.py:5 imports transformers, which controller/ must not depend on",
     ]
+
+
+def module_imports(folders: tuple[str, ...]) -> dict[str, set[str]]:
+    """Project module -> the project modules its top-level statements import, ``if TYPE_CHECKING:`` blocks included
+    (what a reader and the type checker see); ``from package import submodule`` counts as the submodule."""
+    modules = {}
+    for folder in folders:
+        for path in (ROOT / folder).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        statements, found = list(ast.parse(path.read_text(encoding="utf-8")).body), set()
+        while statements:
+            node = statements.pop()
+            if isinstance(node, (ast.If, ast.Try)):
+                statements += node.body + getattr(node, "orelse", [])
+            elif isinstance(node, ast.Import):
+                found |= {owner(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(owner(sub) if sub in modules else owner(node.module))
+        graph[name] = {m for m in found if m and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_two_modules_import_each_other():
+    """Not even for type annotations: a cycle is two modules that must change together (split the shared part out,
+    or write what one needs of the other as a Protocol, as ``workers/sandbox/repl.py`` does)."""
+    cycles = import_cycles(module_imports(tuple(MAY_IMPORT)))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_an_import_cycle_is_found(tmp_path, monkeypatch):
+    """The check itself: a cycle through a TYPE_CHECKING import and a package's submodule is reported."""
+    (tmp_path / "recipes" / "pkg").mkdir(parents=True)
+    (tmp_path / "recipes" / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "recipes" / "a.py").write_text("from recipes.pkg import b\n")
+    (tmp_path / "recipes" / "pkg" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from recipes.a import X\n"
+    )
+    (tmp_path / "recipes" / "c.py").write_text("import recipes.a\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert import_cycles(module_imports(("recipes",))) == [["recipes.a", "recipes.pkg.b"]]

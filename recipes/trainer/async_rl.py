@@ -52,7 +52,7 @@ import ray
 
 from controller import DataProtoFuture
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer.data import prompt_batches
 from recipes.trainer.roles import Roles
 from recipes.trainer.steps import rollout_meta

@@ -13,7 +13,7 @@ from recipes.config import ConfigError
 from recipes.data import PromptDataLoader, PromptDataset, SFTDataset, to_dataproto
 from recipes.data.loader import ResumableLoader
 from recipes.data.prompts import UnknownDataSourceError, UnknownEnvNameError
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from workers.reward import SCORERS
 from workers.rollout.batch import RolloutRow, build_rollout_batch
 

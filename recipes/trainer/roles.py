@@ -39,8 +39,7 @@ from typing import Protocol, TypeVar
 
 from controller import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupError, create_colocated_worker_cls
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
-from recipes.sections import device_counts, needs_reference, reference_is_actor, syncs_adapters
+from recipes.sections import RecipeConfig, device_counts, needs_reference, reference_is_actor, syncs_adapters
 from recipes.trainer.run import Run, model_config
 from resource_pools import (
     InsufficientResourcesError,

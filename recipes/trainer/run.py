@@ -31,8 +31,7 @@ from pathlib import Path
 import ray
 
 from recipes.config import ConfigError, load_config, save_config, to_yaml
-from recipes.schemas import RecipeConfig
-from recipes.sections import device_counts
+from recipes.sections import RecipeConfig, device_counts
 from recipes.tasks import make_dataset
 from recipes.trainer.run_folder import prepare_run_folder
 from workers.config import ModelConfig

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from recipes.config import ConfigError, to_yaml
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer.checkpoint import CheckpointError, latest_step
 
 # What a run writes in its folder and a fresh start replaces (data/ and sft_model/ are rebuilt or reused on

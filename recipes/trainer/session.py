@@ -35,7 +35,7 @@ from pathlib import Path
 from algorithms import get_kl_controller
 from controller.errors import WorkerGroupError
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer import checkpoint as ckpt
 from recipes.trainer.checkpoint import hold_interrupts
 from recipes.trainer.data import prompt_batches, total_steps, train_loader, val_batches

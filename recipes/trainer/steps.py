@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from algorithms import apply_kl_penalty, get_rollout_correction_fn
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
-from recipes.sections import AlgorithmConfig
+from recipes.sections import AlgorithmConfig, RecipeConfig
 from recipes.trainer import checkpoint as ckpt
 from recipes.trainer.metrics import timer
 from recipes.trainer.roles import Roles, metrics_of

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from recipes.config import as_dict
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 
 logger = logging.getLogger("recipes")
 

@@ -23,7 +23,7 @@ from math import comb
 import numpy as np
 
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer.metrics import validation_metrics
 from recipes.trainer.roles import Roles, metrics_of
 

@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from dataproto import DataProto
-from recipes.schemas import RecipeConfig
+from recipes.sections import RecipeConfig
 from recipes.trainer.checkpoint import resolve_resume
 from recipes.trainer.data import sft_batches, sft_loader
 from recipes.trainer.metrics import timer

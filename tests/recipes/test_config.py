@@ -8,8 +8,9 @@ import pytest
 
 from recipes.config import ConfigError, load_config, parse_overrides, save_config
 from recipes.schemas import SCHEMAS, GRPOConfig, PPOConfig
-from recipes.sections import AlgorithmConfig, check_actor, data_parallel_sizes, device_counts
+from recipes.sections import AlgorithmConfig, data_parallel_sizes, device_counts
 from recipes.trainer.run import parse_args, start_run
+from recipes.worker_sections import check_actor
 from workers.config import ActorConfig, RolloutConfig
 from workers.engine.base import OptimConfig
 from workers.models.tiny import ensure_tiny_model

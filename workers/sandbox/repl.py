@@ -4,16 +4,19 @@ against the host's wall clock.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import socket
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 from workers.sandbox import _wire
-from workers.sandbox.config import ExecResult, SandboxError
+from workers.sandbox.config import ExecResult, SandboxConfig, SandboxError
+from workers.sandbox.memory_cgroup import MemoryCgroups
 from workers.sandbox.protocol import (
     _describe_exit,
     _Died,
@@ -24,11 +27,30 @@ from workers.sandbox.protocol import (
     _Timeout,
     _variables,
 )
-from workers.sandbox.subcalls import _answer_calls
+from workers.sandbox.subcalls import SubcallHandler, _answer_calls
 from workers.sandbox.zygote_client import _ZygoteClient
 
-if TYPE_CHECKING:
-    from workers.sandbox.sandbox import ReplSandbox
+_T = TypeVar("_T")
+
+
+class _Owner(Protocol):
+    """What a REPL uses of the sandbox that owns it (``workers/sandbox/sandbox.py:ReplSandbox``): its config,
+    zygote, memory cgroups, event loop and slot bookkeeping. Written here so this module need not import that one,
+    which imports this one."""
+
+    config: SandboxConfig
+    handler: SubcallHandler | None
+    stats: dict[str, int]
+    _memcg: MemoryCgroups | None
+    _closed: bool
+
+    async def _azygote(self) -> _ZygoteClient: ...
+    def _restart_zygote(self, bad: _ZygoteClient) -> None: ...
+    def _sync(self, coro: Coroutine[Any, Any, _T]) -> _T: ...
+    def _next_trajectory(self) -> int: ...
+    def _release(self, zygote: _ZygoteClient, slot: int, trajectory: int) -> concurrent.futures.Future: ...
+    def _release_slot(self, slot: int) -> None: ...
+
 
 STATE_LOST = "The REPL was restarted with the original context; variables from earlier steps are lost."
 
@@ -36,7 +58,7 @@ STATE_LOST = "The REPL was restarted with the original context; variables from e
 class Repl:
     """One persistent sandboxed Python REPL (a process of its own). Use it from one task at a time."""
 
-    def __init__(self, sandbox: "ReplSandbox", slot: int, spec: _ReplSpec, handler):
+    def __init__(self, sandbox: _Owner, slot: int, spec: _ReplSpec, handler):
         self._sb = sandbox
         self.slot = slot
         self._spec = spec

@@ -99,7 +99,7 @@ def test_a_users_engine_is_one_file_plus_a_config_value(tmp_path, user_engine, m
 
 def test_the_config_checks_and_the_roles_read_what_the_engine_declares(user_engine, monkeypatch):
     from recipes.config import ConfigError, load_config
-    from recipes.sections import check_actor
+    from recipes.worker_sections import check_actor
 
     # model.compile: refused for the engine that declares supports_compile=False, naming the role
     cfg = load_config("grpo", [f"actor.strategy={user_engine}"])
