@@ -27,7 +27,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from functools import partial
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,20 @@ from workers.engine.vocab_head import head_computes_log_probs
 from workers.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from workers.models.loading import build_on_meta, can_build_on_meta, is_value_model, load_model
 from workers.models.meta_init import materialize
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+
+class _BuildArgs(TypedDict):
+    """The keywords `FSDPEngine` passes to ``build_on_meta`` / ``load_model``."""
+
+    value_head: bool
+    dtype: str | torch.dtype
+    attn_implementation: str | None
+    trust_remote_code: bool
+    config_overrides: dict | None
 
 
 def moves_with_state(key: str, group: dict) -> bool:
@@ -138,7 +152,7 @@ class FSDPEngine(EngineSteps):
         # sliding windows (checked once the model is built)
         self.share_prompts = config.share_prompts and attn == VARLEN_ATTENTION
 
-        build = dict(
+        build = _BuildArgs(
             value_head=config.value_head,
             dtype=config.param_dtype,
             attn_implementation=attn,
@@ -167,17 +181,20 @@ class FSDPEngine(EngineSteps):
                     raise ValueError("LoRA is for the policy; a value model (critic) trains in full")
                 model = add_adapters(model, self.lora)
         self.is_value_model = is_value_model(model)
+        # torch types a Module's attributes as Tensor | Module: the model is an HF one, or peft's wrapper of one
+        # (which forwards the config and the checkpointing switches to the model it wraps)
+        hf_model = cast("PreTrainedModel", model)
         if hasattr(model, "config"):
-            model.config.use_cache = False
-            layer_types = getattr(model.config, "layer_types", None) or ()
-            if getattr(model.config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+            hf_model.config.use_cache = False
+            layer_types = getattr(hf_model.config, "layer_types", None) or ()
+            if getattr(hf_model.config, "use_sliding_window", False) or "sliding_attention" in layer_types:
                 self.share_prompts = False
         if config.activation_checkpointing:
             ac_kwargs = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=ac_kwargs)
+            if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=ac_kwargs)
             else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ac_kwargs)
+                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ac_kwargs)
 
         if config.compile:
             compile_layers(model)
@@ -191,7 +208,7 @@ class FSDPEngine(EngineSteps):
             model.to(self.device)
         self.model = model
         self.is_moe = is_moe(model)
-        self.hf_config = model.config
+        self.hf_config = hf_model.config
         self.hf_config.architectures = [architecture]
         self.generation_config = getattr(model, "generation_config", None)
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
@@ -314,6 +331,7 @@ class FSDPEngine(EngineSteps):
         micro = {k: v[:1] for k, v in template.items()}
         out, moe = self._forward_micro(micro, response_length, 1.0, False)
         zero = sum(v.sum() for v in out.values()) * 0.0
+        assert isinstance(zero, torch.Tensor)  # out is never empty (log-probs or values)
         return zero + sum(lg.sum() for lg in moe.logits) * 0.0 if moe is not None else zero
 
     def _forward(self, call: EngineCall, calculate_entropy: bool) -> dict[str, torch.Tensor]:
@@ -448,7 +466,7 @@ class FSDPEngine(EngineSteps):
             raise RuntimeError(
                 "base_model_mode: this engine trains the full model (no lora): no base is kept"
             )
-        return self.model.disable_adapter()
+        return cast("PeftModel", self.model).disable_adapter()  # add_adapters wrapped it (self.lora)
 
     # -- offload (time-sharing the device with rollout) -----------------------------------------------------
 
@@ -459,7 +477,7 @@ class FSDPEngine(EngineSteps):
             return
         self.model.to("cpu")
         if optimizer and self.optimizer is not None:
-            self._move_optimizer("cpu")
+            self._move_optimizer(self.optimizer, "cpu")
         torch.cuda.empty_cache()
 
     def reload(self, optimizer: bool = True) -> None:
@@ -469,12 +487,13 @@ class FSDPEngine(EngineSteps):
             return
         self.model.to(self.device)
         if optimizer and self.optimizer is not None:
-            self._move_optimizer(self.device)
+            self._move_optimizer(self.optimizer, self.device)
 
-    def _move_optimizer(self, device) -> None:
-        for group in self.optimizer.param_groups:
+    @staticmethod
+    def _move_optimizer(optimizer: torch.optim.Optimizer, device) -> None:
+        for group in optimizer.param_groups:
             for p in group["params"]:
-                state = self.optimizer.state.get(p, {})
+                state = optimizer.state.get(p, {})
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor) and moves_with_state(k, group):
                         state[k] = v.to(device, non_blocking=True)

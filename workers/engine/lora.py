@@ -18,12 +18,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from workers.engine.base import LoRAConfig
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 ADAPTER = "default"  # peft's name of the one adapter
 PEFT_PREFIX = "base_model.model."
@@ -39,7 +43,7 @@ def peft_config(lora: LoRAConfig):
     targets = lora.target_modules
     return LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int; it only divides it by r
         lora_dropout=lora.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
         bias="none",
@@ -116,7 +120,7 @@ def adapter_file_name(peft_name: str) -> str:
     return peft_name.replace(f".{ADAPTER}.", ".")
 
 
-def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+def lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
     """The wrapped modules (peft's LoRA layers), by their name in ``model``."""
     from peft.tuners.lora import LoraLayer
 

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from workers.models.memory import chunk_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):
@@ -84,14 +88,14 @@ class _ChunkedHead(torch.autograd.Function):
             del p, z
             if t != 1.0:
                 grad_z.div_(t)
-            if want_h:
+            if grad_hidden is not None:  # i.e. want_h
                 grad_hidden[s : s + chunk] = grad_z.to(weight.dtype) @ weight
-            if want_w:
+            if grad_weight is not None:  # want_w
                 grad_weight.addmm_(grad_z.t(), h.float())
-            if want_b:
+            if grad_bias is not None:  # want_b
                 grad_bias.add_(grad_z.sum(dim=0))
-        grad_weight = grad_weight.to(weight.dtype) if want_w else None
-        grad_bias = grad_bias.to(bias.dtype) if want_b else None
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
@@ -120,7 +124,8 @@ def response_log_probs(
 def output_head(model: nn.Module) -> nn.Linear:
     """The model's output embedding (``lm_head``, tied or not), checked to be what the chunked head computes: a
     plain linear layer and no logit transform after it."""
-    head = model.get_output_embeddings()
+    # torch types a Module's attributes as Tensor | Module; the model is an HF one (or peft's wrapper of one)
+    head = cast("PreTrainedModel", model).get_output_embeddings()
     config = getattr(model, "config", None)
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         value = getattr(config, key, None)
@@ -155,7 +160,8 @@ def head_computes_log_probs(
         out = torch.stack([logp, entropy if entropy is not None else torch.zeros_like(logp)], dim=-1)
         return out.reshape(*hidden.shape[:-1], 2)
 
-    head.forward = forward  # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    # an instance attribute: nn.Module.__call__ finds it before the class's forward
+    head.forward = forward  # type: ignore[method-assign, assignment]  # deliberately shadows the method
     try:
         yield
     finally:

@@ -109,6 +109,10 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
 def install(seed: int, tp_rank: int) -> None:
     """Install the stand-ins for this process (idempotent; a no-op on a machine with CUDA). ``seed`` and
     ``tp_rank`` seed the RNG tracker as ``model_parallel_cuda_manual_seed`` would."""
@@ -120,7 +124,8 @@ def install(seed: int, tp_rank: int) -> None:
     with _lock:
         if not _installed:
             _originals.update(current_device=torch.cuda.current_device, synchronize=torch.cuda.synchronize)
-            torch.cuda.current_device = lambda: torch.device("cpu")
+            # a device where torch types an ordinal: Megatron only passes the result on as ``device=``
+            torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]  # see above
             torch.cuda.synchronize = lambda device=None: None
             _installed = True
         tracker = CpuRNGStatesTracker()

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -59,6 +59,10 @@ from workers.engine.train_steps import EngineCall, EngineSteps, call_loss_fn, lo
 from workers.models.loading import load_model, resolve_dtype
 from workers.weight_sync.reshard import Resharder
 from workers.weight_sync.reshard_plan import GenLayout, ReshardPlan, TrainLayout
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PretrainedConfig
 
 
 def _ensure_process_group() -> None:
@@ -211,7 +215,8 @@ class MegatronEngine(EngineSteps):
                 device="cpu",
                 config_overrides=config.config_overrides,
             )
-        self.hf_config = hf_model.config
+        # torch types Module attributes as Tensor | Module; an HF model's ``config`` is a PretrainedConfig
+        self.hf_config = cast("PretrainedConfig", hf_model.config)
         self.hf_config.architectures = [type(hf_model).__name__]  # what an HF export loads it as
         self.generation_config = getattr(hf_model, "generation_config", None)
         self.shape = ModelShape.from_hf_config(hf_model.config, value_head=self.is_value_model)
@@ -496,7 +501,7 @@ class MegatronEngine(EngineSteps):
         """Tied embedding: first and last stage hold copies whose gradients add up (Megatron's
         ``_allreduce_embedding_grads``); then SUM every gradient over the data-parallel group."""
         if self.shape.tie_word_embeddings and self.pp > 1 and (self.is_first or self.is_last):
-            weight = self.model.shared_embedding_or_output_weight()
+            weight = cast("GPTModel", self.model).shared_embedding_or_output_weight()
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)
             dist.all_reduce(weight.grad, group=self.ps.get_embedding_group())

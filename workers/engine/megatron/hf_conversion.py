@@ -92,7 +92,7 @@ def param_specs(shape: ModelShape, pp: int, dtype: torch.dtype = torch.float32) 
     """HF parameter specs (names, full shapes, owner stage, TP split) in HF order; no tied ``lm_head``."""
     h, hd = shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
-    named = [("model.embed_tokens.weight", (shape.vocab_size, h))]
+    named: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab_size, h))]
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
         named += [
