@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -37,8 +38,15 @@ _INSTANCE_ATTRS = {
 }
 
 
-class GroupMethod:
-    """A worker method bound to a group; calling it runs the method on the group's ranks."""
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class GroupMethod(Generic[P, R]):
+    """A worker method bound to a group; calling it runs the method on the group's ranks. Its type parameters are
+    the group call's arguments and result (``workers/roles/handles.py`` declares them per role), which the dispatch
+    mode derives from the worker method's: ``ONE_TO_ALL`` returns a list of the ranks' results, a DataProto mode
+    the collected DataProto."""
 
     def __init__(self, group, name: str, remote_name: str, spec: MethodSpec, mode: DispatchMode, **options):
         self._group = group
@@ -46,11 +54,12 @@ class GroupMethod:
         self.blocking = options.get("blocking", spec.blocking)
         self.timeout_s = options.get("timeout_s", spec.timeout_s)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._group._call(self, args, kwargs)
 
-    def with_options(self, *, timeout_s=_UNSET, blocking=_UNSET) -> GroupMethod:
-        """The same method with another timeout and/or blocking behaviour for the calls made through it."""
+    def with_options(self, *, timeout_s=_UNSET, blocking=_UNSET) -> GroupMethod[P, Any]:
+        """The same method with another timeout and/or blocking behaviour for the calls made through it (the
+        result is a future when ``blocking=False``)."""
         return GroupMethod(
             self._group,
             self.name,

@@ -84,7 +84,7 @@ def hybrid_step(
     if hybrid:
         with timer("teacher", timings):
             add_teacher_hints(batch, cfg.hybrid.hint_template, cfg.hybrid.teacher_reads_hint)
-            batch = batch.union(roles.ref.compute_teacher_log_prob(batch))
+            batch = batch.union(roles.reference().compute_teacher_log_prob(batch))
     # 5. advantages on the controller
     with timer("adv", timings):
         if hybrid:

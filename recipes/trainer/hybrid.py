@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from workers.agents.trajectory import Trajectory
 from workers.engine.vocab_head import head_computes_log_probs
 from workers.prm.hindsight import bridge_thought
 from workers.prm.worker import PRMWorker
+from workers.roles.handles import PRMGroup, role_group
 
 __all__ = [
     "PRMRole",
@@ -76,18 +78,19 @@ class PRMRole:
         self.manager = None
         self.own = not prm_colocated(cfg)
         if not self.own:
-            self.wg = roles.extra["prm"]
+            self.wg = role_group(roles.extra["prm"], PRMGroup)
             return
         self.manager = ResourcePoolManager({"prm_pool": [1]}, {"prm": "prm_pool"}, use_gpu=run.use_gpu)
         self.manager.create_resource_pools()
         try:
-            self.wg = RayWorkerGroup(
+            group = RayWorkerGroup(
                 self.manager.get_pool("prm"),
                 RayClassWithInitArgs(PRMWorker, config=cfg.prm, reference_path=run.model_path),
                 name_prefix="prm",
                 call_timeout_s=cfg.trainer.call_timeout_s,
                 call_timeout_per_row_s=cfg.trainer.call_timeout_per_row_s,
             )
+            self.wg = role_group(group, PRMGroup)
             self.wg.init_model()
         except BaseException:
             self.manager.remove()
@@ -101,6 +104,7 @@ class PRMRole:
             try:
                 self.wg.shutdown()
             finally:
+                assert self.manager is not None  # own: __init__ made the pool
                 self.manager.remove()
 
 
@@ -127,7 +131,7 @@ def hybrid_advantage(batch: DataProto, cfg: HybridConfig) -> dict[str, float]:
     b, nt, h = batch.batch, batch.non_tensor_batch, cfg.hybrid
     b["token_level_rewards"] = b["token_level_scores"]
     hint_mask = torch.tensor([bool(x) for x in nt["hint"]], dtype=torch.float32)
-    inputs = {
+    inputs: dict[str, Any] = {  # the keyword arguments of the estimator and of hybrid_advantage_terms
         "token_level_rewards": b["token_level_rewards"],
         "response_mask": b["response_mask"],
         "index": nt["uid"],

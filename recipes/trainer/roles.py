@@ -22,7 +22,7 @@ different devices.
 
     roles = build_roles(cfg, run, critic=False)
     out = roles.generate(prompts, meta)        # rows repeated rollout.n times, interleaved
-    roles.actor.compute_log_prob(out)          # the groups are plain RayWorkerGroups
+    roles.actor.compute_log_prob(out)          # each group typed as its role's handle (workers/roles/handles.py)
     roles.sync_weights()                       # -> {"timing_s/update_weights": ..., "perf/weight_sync_bytes": ...}
 
 ``Roles.weight_sync`` (a `workers.weight_sync.WeightSync`, made by ``build_roles``) is the one object that
@@ -50,6 +50,16 @@ from resource_pools import (
 )
 from workers.agents.env_worker import env_role
 from workers.roles import ActorWorker, CriticWorker, RefWorker, RewardWorker, RolloutWorker, hybrid_roles
+from workers.roles.handles import (
+    ActorGroup,
+    CriticGroup,
+    GeneratorGroup,
+    RefGroup,
+    RewardGroup,
+    RoleGroup,
+    RolloutGroup,
+    role_group,
+)
 from workers.weight_sync import WeightSync
 
 logger = logging.getLogger("recipes")
@@ -81,13 +91,13 @@ class Roles:
     weights; ``generator`` makes the batches (the rollout role, or e.g. the env role that runs agents on it)."""
 
     placement: str
-    actor: RayWorkerGroup
-    rollout: RayWorkerGroup
-    generator: RayWorkerGroup
-    reward: RayWorkerGroup
+    actor: ActorGroup
+    rollout: RolloutGroup
+    generator: GeneratorGroup
+    reward: RewardGroup
     weight_sync: WeightSync
-    ref: RayWorkerGroup | None = None
-    critic: RayWorkerGroup | None = None
+    ref: RefGroup | None = None
+    critic: CriticGroup | None = None
     extra: dict[str, RayWorkerGroup] = field(default_factory=dict)
     n_devices: int = 1
     manager: ResourcePoolManager | None = None
@@ -141,13 +151,19 @@ class Roles:
                 wg.shutdown()
         group, spawned = self.rebuild_rollout_pool()
         self.groups = [group if g.shares_processes_with(old) else g for g in self.groups]
-        self.rollout = spawned["rollout"]
-        self.generator = spawned.get(self.generator.name, self.generator)
+        self.rollout = role_group(spawned["rollout"], RolloutGroup)
+        self.generator = role_group(spawned.get(self.generator.name, self.generator), GeneratorGroup)
         self.extra = {name: spawned.get(name, wg) for name, wg in self.extra.items()}
         self.weight_sync.replace_rollout(self.rollout)
         self.weight_sync.sync(version=self.weight_sync.version)
 
-    def checkpointed(self) -> dict[str, RayWorkerGroup]:
+    def reference(self) -> RefGroup:
+        """The reference role's group, which exists exactly when ``needs_reference(cfg)`` (the actor's, with LoRA)."""
+        if self.ref is None:
+            raise RuntimeError("this run has no reference role: no KL term or teacher asks for one (needs_reference)")
+        return self.ref
+
+    def checkpointed(self) -> dict[str, ActorGroup | CriticGroup]:
         """The roles whose state a checkpoint holds (the reference is frozen, the rollout is synced)."""
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
@@ -309,7 +325,7 @@ def build_roles(
         RayWorkerGroup.wait_ready(groups)
         for roles in pools.values():
             for name in roles:  # actor first: it joins the process group the others then reuse
-                wgs[name].init_model()
+                role_group(wgs[name], RoleGroup).init_model()
     except BaseException:
         for wg in groups:
             wg.shutdown()
@@ -325,26 +341,28 @@ def build_roles(
             RayWorkerGroup.wait_ready([group])
             spawned = group.spawn(list(pools[rollout_pool]))
             for name in pools[rollout_pool]:
-                spawned[name].init_model()
+                role_group(spawned[name], RoleGroup).init_model()
         except BaseException:
             group.shutdown()
             raise
         return group, spawned
 
+    actor = role_group(wgs["actor"], ActorGroup)
+    ref = wgs["actor"] if reference_is_actor(cfg) else wgs.get("ref")
     return Roles(
         placement=t.placement,
-        actor=wgs["actor"],
-        rollout=wgs["rollout"],
-        generator=wgs[generator],
-        reward=wgs["reward"],
+        actor=actor,
+        rollout=role_group(wgs["rollout"], RolloutGroup),
+        generator=role_group(wgs[generator], GeneratorGroup),
+        reward=role_group(wgs["reward"], RewardGroup),
         weight_sync=WeightSync.for_groups(
             wgs["actor"],
             wgs["rollout"],
             rollout_tp=cfg.rollout.tensor_model_parallel_size,
             adapter_only=syncs_adapters(cfg),
         ),
-        ref=wgs["actor"] if reference_is_actor(cfg) else wgs.get("ref"),
-        critic=wgs.get("critic"),
+        ref=role_group(ref, RefGroup) if ref is not None else None,
+        critic=role_group(wgs["critic"], CriticGroup) if "critic" in wgs else None,
         extra={name: wgs[name] for name in extra_roles or {}},
         n_devices=counts["total"],
         manager=manager,
@@ -360,7 +378,7 @@ def env_generator(cfg: RecipeConfig, run: Run, env) -> dict:
     return {"extra_roles": {"env": PooledRole(spec)}, "generator": "env"}
 
 
-def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[RayWorkerGroup, ResourcePoolManager]:
+def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[ActorGroup, ResourcePoolManager]:
     """A plain ActorWorker group on its own pool (the quickstart's supervised warm start)."""
     t = cfg.trainer
     check_nodes(cfg)
@@ -377,5 +395,6 @@ def build_actor_group(cfg, run: Run, actor_cfg) -> tuple[RayWorkerGroup, Resourc
         call_timeout_s=t.call_timeout_s,
         call_timeout_per_row_s=t.call_timeout_per_row_s,
     )
-    wg.init_model()
-    return wg, manager
+    actor = role_group(wg, ActorGroup)
+    actor.init_model()
+    return actor, manager

@@ -65,7 +65,7 @@ def log_probs(
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         with timer("ref", timings):
-            batch = batch.union(roles.ref.compute_ref_log_prob(batch))
+            batch = batch.union(roles.reference().compute_ref_log_prob(batch))
     return batch
 
 
@@ -166,11 +166,11 @@ def check_env_errors(batch: DataProto, step: int) -> None:
     nt = batch.non_tensor_batch
     if "status" not in nt or not len(batch) or any(s != "error" for s in nt["status"]):
         return
-    ranks = nt.get("env_rank", [])
+    ranks = nt.get("env_rank")
     first: dict[str, str] = {}
     for i, tid in enumerate(nt["traj_id"]):
         if tid not in first and len(first) < 3:
-            where = f"env rank {ranks[i]} " if len(ranks) else ""
+            where = f"env rank {ranks[i]} " if ranks is not None and len(ranks) else ""
             first[tid] = f"{where}trajectory {tid}: {nt['error'][i] if 'error' in nt else '?'}"
     raise RunAborted(
         f"step {step}: every one of the {len(set(nt['traj_id']))} trajectories of the env role failed "
