@@ -14,6 +14,12 @@ the transformer itself:
   alone keeps real tokens from seeing the padding that follows them) and writes their keys/values into
   consecutive slots; ``decode`` runs one token per running request at its own position, with a per-row
   mask over the cache positions.
+* Sliding-window attention (Mistral's ``sliding_window``; Qwen2/Qwen3's ``use_sliding_window`` /
+  ``max_window_layers`` / ``layer_types``, local and global layers mixed) follows the installed transformers'
+  masks: a query at position q sees keys q - window < k <= q on a sliding layer (``ModelSpec.layer_windows``).
+  The cache still holds every position; prefill gives a sliding layer a banded causal mask, decode masks the
+  positions that left a row's window and reads a group's keys from the first position one of its rows still
+  sees. Layers with full attention (every layer of most models) run exactly as before, with no extra mask.
 
 Parameter names (for ``update_weights``) are the Hugging Face state-dict names; tied embeddings map
 ``lm_head.weight`` and ``model.embed_tokens.weight`` to the same storage.
@@ -70,6 +76,11 @@ class ModelSpec(DecoderShape):
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # sliding-window attention: each layer's window (a query at position q sees the keys at positions k with
+    # q - window < k <= q), None for full attention; empty: every layer full. spec_from_hf writes None for a
+    # window that no position below max_model_len can exceed, so a model whose windows never bind runs the
+    # full-attention path.
+    layer_windows: tuple[int | None, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -87,15 +98,7 @@ def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
         raise NotImplementedError(
             f"native engine supports model types {SUPPORTED_MODEL_TYPES}, got {cfg.model_type!r}"
         )
-    layer_types = getattr(cfg, "layer_types", None) or []
-    window = getattr(cfg, "sliding_window", None)
-    sliding = any(t != "full_attention" for t in layer_types) or (
-        cfg.model_type == "mistral" and window is not None
-    )
-    if sliding and (window is None or window < max_model_len):
-        raise NotImplementedError(
-            f"sliding-window attention (window {window}) shorter than max_model_len {max_model_len}"
-        )
+    layer_windows = _layer_windows(cfg, max_model_len)
     # get_submodule: the HF decoder's submodules typed as modules (attribute access types them Tensor | Module)
     rope_type = getattr(model.get_submodule("model.rotary_emb"), "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
@@ -123,7 +126,48 @@ def spec_from_hf(model: torch.nn.Module, max_model_len: int) -> ModelSpec:
         experts_per_token=getattr(cfg, "num_experts_per_tok", 0) if moe_layers else 0,
         moe_intermediate_size=getattr(cfg, "moe_intermediate_size", 0) if moe_layers else 0,
         norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)),
+        layer_windows=layer_windows if any(w is not None for w in layer_windows) else (),
     )
+
+
+def _layer_windows(cfg: PretrainedConfig, max_model_len: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the installed transformers' modeling code applies it (None: full attention).
+
+    * qwen2, qwen3: per layer, ``config.layer_types[i] == "sliding_attention"`` slides by ``config.sliding_window``
+      (the configs derive ``layer_types`` from ``use_sliding_window`` and ``max_window_layers`` when it is not
+      given, and set ``sliding_window`` to None unless ``use_sliding_window``); the decoder builds one sliding
+      mask for those layers (``create_sliding_window_causal_mask``).
+    * mistral, qwen3_moe: every layer slides by ``config.sliding_window`` when it is set (qwen3_moe: with
+      ``use_sliding_window``); ``layer_types`` is not read.
+    * llama: full attention.
+
+    The window, as ``transformers/masking_utils.py``'s ``sliding_window_overlay`` has it: a query at position q
+    sees key position k when ``k > q - window`` (and k <= q), i.e. itself and the ``window - 1`` before it."""
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    if cfg.model_type in ("qwen2", "qwen3"):
+        layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * n)
+        odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if odd or len(layer_types) != n:
+            raise NotImplementedError(
+                f"layer_types {layer_types}: the native engine runs 'full_attention' and 'sliding_attention' "
+                f"layers, one type per layer ({n} layers)"
+            )
+        if "sliding_attention" in layer_types and window is None:
+            raise ValueError(
+                "config.layer_types has 'sliding_attention' layers but config.sliding_window is None "
+                "(use_sliding_window=False); Hugging Face cannot build their mask either"
+            )
+        windows = [window if t == "sliding_attention" else None for t in layer_types]
+    elif cfg.model_type in ("mistral", "qwen3_moe"):
+        windows = [window] * n
+    else:
+        windows = [None] * n
+    for w in windows:
+        if w is not None and w < 1:
+            raise ValueError(f"sliding_window {w}: a window must hold at least the query's own position")
+    # a query at position q < max_model_len sees every key k <= q when q - window < 0, i.e. window >= max_model_len
+    return tuple(w if w is not None and w < max_model_len else None for w in windows)
 
 
 VOCAB_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
@@ -393,6 +437,9 @@ class NativeCausalLM:
         self.tp_group = tp_group if self.tp_size > 1 else None
         self.full_spec = spec_from_hf(hf_model, max_model_len)
         self.spec = tp_local_spec(self.full_spec, self.tp_size)
+        # each layer's sliding window (None: full attention); the mask depends on positions only, not on heads,
+        # so it is the same on every tensor-parallel rank
+        self.windows: list[int | None] = list(self.spec.layer_windows) or [None] * self.spec.num_layers
         self.hf_config = hf_model.config
         if self.spec.hidden_act == "silu":
             self._act = F.silu
@@ -660,6 +707,16 @@ class NativeCausalLM:
             + pos[:, None]
         ).reshape(-1)
         gqa = s.num_kv_heads != s.num_heads
+        # Sliding-window layers: every prompt starts at position 0, so query row i of a group is position i and
+        # one banded causal mask [t, t] per (window, group length) serves every row (padding rows see their own
+        # position at least: no empty softmax row).
+        bands: dict[tuple[int, int], torch.Tensor] = {}
+        for w in {w for w in self.windows if w is not None}:
+            for _, _, t, _, _, _ in spans:
+                if w < t and (w, t) not in bands:
+                    i = torch.arange(t, device=dev)
+                    diff = i[:, None] - i[None, :]
+                    bands[w, t] = (diff >= 0) & (diff < w)
         k_cache, v_cache = self._kv_cache()
         assert self.embed is not None, "weights released"
         self._start_routes()
@@ -668,14 +725,22 @@ class NativeCausalLM:
             q, k, v = self.qkv_block(h, layer, cos, sin_signed)
             k_cache[li].view(-1, hd).index_copy_(0, cache_rows, k.reshape(-1, hd))
             v_cache[li].view(-1, hd).index_copy_(0, cache_rows, v.reshape(-1, hd))
+            window = self.windows[li]
             parts = []
             for a, e, t, ta, tb, padded in spans:
                 q_pad = q.new_zeros((e - a) * t, s.num_heads, hd).index_copy_(0, padded, q[ta:tb])
                 q_pad = q_pad.view(e - a, t, s.num_heads, hd).transpose(1, 2)
                 keys = k_cache[li, slot_start + a : slot_start + e, :, :t]
                 values = v_cache[li, slot_start + a : slot_start + e, :, :t]
+                band = None if window is None or window >= t else bands[window, t]
                 attn = F.scaled_dot_product_attention(
-                    q_pad, keys, values, is_causal=True, scale=hd**-0.5, enable_gqa=gqa
+                    q_pad,
+                    keys,
+                    values,
+                    attn_mask=band,
+                    is_causal=band is None,
+                    scale=hd**-0.5,
+                    enable_gqa=gqa,
                 )
                 parts.append(attn.transpose(1, 2).reshape((e - a) * t, s.q_size).index_select(0, padded))
             h = self.out_block(h, parts[0] if len(parts) == 1 else torch.cat(parts), layer)
@@ -734,12 +799,20 @@ class NativeCausalLM:
         cos = self.cos[pos][:, None, :]
         sin_signed = self.sin_signed[pos][:, None, :]
         # Row b sees cache positions <= positions[b]; later ones are stale or belong to nobody.
+        steps = torch.arange(T, device=dev)[None, :]
         mask = torch.zeros(B, T, dtype=self.dtype, device=dev)
-        mask.masked_fill_(torch.arange(T, device=dev)[None, :] > pos[:, None], float("-inf"))
-        masks = [
-            mask[a:e, None, None, :t].expand(e - a, nkv, 1, t).reshape((e - a) * nkv, 1, t)
-            for a, e, t in groups
-        ]
+        mask.masked_fill_(steps > pos[:, None], float("-inf"))
+        # Per window (None: full attention), per group: (first cache position read, mask [rows*nkv, 1, keys]).
+        # A sliding layer's row b also drops positions <= positions[b] - window, and its group reads the cache
+        # only from the first position any of its rows still sees.
+        masks: dict[int | None, list[tuple[int, torch.Tensor]]] = {}
+        for w in {*self.windows}:
+            m = mask if w is None else mask.masked_fill(steps <= pos[:, None] - w, float("-inf"))
+            masks[w] = []
+            for a, e, t in groups:
+                lo = 0 if w is None else max(0, min(positions[a:e]) - w + 1)
+                rows = m[a:e, None, None, lo:t].expand(e - a, nkv, 1, t - lo)
+                masks[w].append((lo, rows.reshape((e - a) * nkv, 1, t - lo)))
         # Flat row index of (slot b, kv head j, position p) in a layer's cache viewed as [-1, head_dim].
         cache_rows = (
             (torch.arange(B, device=dev)[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * T_max
@@ -757,9 +830,9 @@ class NativeCausalLM:
             vc.view(-1, hd).index_copy_(0, cache_rows, v.reshape(B * nkv, hd))
             q = q.reshape(B * nkv, g, hd)
             attn = torch.empty(B * nkv, g, hd, dtype=self.dtype, device=dev)
-            for (a, e, t), m in zip(groups, masks):
-                keys = kc[a:e, :, :t].flatten(0, 1)  # [rows*nkv, t, hd], a view
-                values = vc[a:e, :, :t].flatten(0, 1)
+            for (a, e, t), (lo, m) in zip(groups, masks[self.windows[li]]):
+                keys = kc[a:e, :, lo:t].flatten(0, 1)  # [rows*nkv, t - lo, hd], a view
+                values = vc[a:e, :, lo:t].flatten(0, 1)
                 scores = torch.baddbmm(m, q[a * nkv : e * nkv], keys.transpose(1, 2), alpha=scale)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
                 torch.bmm(probs, values, out=attn[a * nkv : e * nkv])
