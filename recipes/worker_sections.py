@@ -122,6 +122,12 @@ def _check_moe(errors: list[str], cfg: RecipeConfig) -> None:
                 f"the model is a mixture of experts, which {role}.strategy={strategy!r} does not train "
                 f"(supports_moe=False); use {role}.strategy=fsdp"
             )
+    tp_g = cfg.rollout.tensor_model_parallel_size
+    if isinstance(tp_g, int) and tp_g > 1:
+        errors.append(
+            f"the model is a mixture of experts, which rollout.tensor_model_parallel_size={tp_g} does not split "
+            "(the native engine's tensor parallelism cuts dense MLPs only); use rollout.tensor_model_parallel_size=1"
+        )
     if replay == "rollout" and not engine_can(cfg, "records_routes"):
         errors.append(
             f"actor.moe.routing_replay=rollout replays the experts the rollout engine chose, which "

@@ -38,6 +38,7 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
     assert len(steps) == 2
     for row in steps:
         assert row["actor/moe/route_mismatch"] == 0.0
+        assert row["actor/moe/unreplayed_share"] == 0.0  # every trained position had a route to replay
         assert row["actor/moe/route_mismatch/layer_0"] == 0.0 and "actor/moe/route_mismatch/layer_1" in row
         assert 1.0 <= row["actor/moe/expert_load_max_over_mean"] <= 2.0  # 4 experts, top-2: at most 2
         assert row["training/rollout_logprob_diff_max"] < 1e-3
@@ -63,6 +64,11 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
             "rollout.name='sglang' does not record",
         ),
         ("grpo", ["model.tiny_arch=moe", "actor.moe.routing_replay=r3"], "routing_replay must be one of"),
+        (
+            "grpo",
+            ["model.tiny_arch=moe", "rollout.tensor_model_parallel_size=2"],
+            "rollout.tensor_model_parallel_size=2 does not split",
+        ),
         ("grpo", ["model.tiny_arch=experts"], "model.tiny_arch='experts'; choose one of"),
     ],
 )
@@ -111,6 +117,7 @@ def test_an_agent_environments_multi_turn_rows_carry_their_routes(ray_session, t
         have = routes[i, :, 0, 0] >= 0
         assert have[:P][real[i, :P]].all() and not have[~real[i]].any()
     assert result["final"]["actor/moe/route_mismatch"] == 0.0
+    assert result["final"]["actor/moe/unreplayed_share"] == 0.0
     mask = batch["response_mask"].bool()
     diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
     assert diff.numel() > 0 and float(diff.max()) < 1e-3
@@ -137,6 +144,7 @@ def test_the_rlm_repl_environments_rows_carry_their_routes(ray_session, tmp_path
         have = routes[i, :, 0, 0] >= 0
         assert have[:P][real[i, :P]].all() and not have[~real[i]].any()
     assert result["final"]["actor/moe/route_mismatch"] == 0.0
+    assert result["final"]["actor/moe/unreplayed_share"] == 0.0
     mask = batch["response_mask"].bool()
     diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
     assert diff.numel() > 0 and float(diff.max()) < 1e-3

@@ -400,6 +400,9 @@ class FSDPEngine(EngineSteps):
         metrics = {**metrics, "moe/aux_loss": float(balance.detach()), "moe/z_loss": float(z.detach())}
         load = expert_load(moe.own_routes(), moe.num_experts)
         metrics["moe/expert_load_max_over_mean"] = load["moe/expert_load_max_over_mean"]
+        unreplayed = moe.unreplayed_share()
+        if unreplayed is not None:
+            metrics["moe/unreplayed_share"] = unreplayed
         diff = moe.mismatch_by_layer()
         if diff is not None:
             metrics["moe/route_mismatch"] = float(diff.mean())

@@ -66,6 +66,17 @@ class MoEForward:
         choice (-1 on padding): what the old log-prob pass hands the update with ``routing_replay=old_log_prob``."""
         return {"routes": self.packed.unpack_column(self.own_routes().to(torch.int16), -1)}
 
+    def unreplayed_share(self) -> float | None:
+        """With replay on, the share of the positions whose logits give the trained log-probs (``keep_index``) that
+        had no route to replay (-1: their routers chose, e.g. an agent row whose call's routes were not found);
+        None without replay. Replay is partial, not silent: docs/moe.md's ``actor/moe/unreplayed_share``."""
+        if self.replayed is None:
+            return None
+        keep = self.packed.keep_index.to(self.replayed.device)
+        if keep.numel() == 0:
+            return None
+        return float((self.replayed.index_select(0, keep)[:, 0, 0] < 0).float().mean())
+
     def mismatch_by_layer(self) -> torch.Tensor | None:
         """[routers]: the share of the packed tokens with rollout routes whose expert set differs from the routers'
         own top-k; None when the batch has no rollout routes (or none to compare)."""

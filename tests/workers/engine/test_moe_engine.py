@@ -172,6 +172,18 @@ def test_replaying_the_rollouts_own_routes_changes_nothing_and_the_router_still_
     for name, g in free["grads"].items():
         torch.testing.assert_close(replayed["grads"][name], g, atol=1e-6, rtol=1e-5)
     assert m_free["moe/route_mismatch"] == 0.0 and m_replay["moe/route_mismatch"] == 0.0
+    assert m_replay["moe/unreplayed_share"] == 0.0 and "moe/unreplayed_share" not in m_free
+
+
+def test_a_row_without_routes_is_reported_as_unreplayed(model, model_dir):
+    """A replayed batch one of whose rows has no routes (-1, as an agent row whose call was not found): its
+    routers choose, and ``moe/unreplayed_share`` is that row's share of the trained tokens, not a silent 0."""
+    outs, batch = rollout_batch(model, prompts_of([6, 9]), max_new_tokens=6)
+    batch["routed_experts"][0] = -1
+    batch["advantages"] = torch.ones_like(batch["response_mask"])
+    _, metrics = _one_update(model_dir, batch, "routed_experts")
+    share = float(batch["response_mask"][0].sum() / batch["response_mask"].sum())
+    assert 0 < share < 1 and metrics["moe/unreplayed_share"] == pytest.approx(share)
 
 
 def test_replay_uses_the_rollouts_experts_where_the_trainer_would_route_otherwise(model, model_dir):
