@@ -150,6 +150,8 @@ class AgentConfig:
             )
         if self.max_errors is not None and self.max_errors < 1:
             raise ValueError(f"AgentConfig.max_errors must be >= 1 or None, got {self.max_errors}")
+        if self.prices is not None:  # (prompt, completion) pairs as lists, as a YAML config gives them
+            self.prices = {m: list(p) for m, p in self.prices.items()}
         self.budget_limits()  # checks the budget's own rules (max_cost_usd needs prices)
         self.languages = tuple(self.languages)
         if self.tool_format is not None:

@@ -1,8 +1,8 @@
 """Events an RLM run reports while it goes: ``on_iteration``, ``on_subcall``, ``on_final``.
 
-``RLM(on_iteration=f, on_subcall=g, on_final=h)`` (or ``RLMAgent(..., callbacks=Callbacks(...))``): each is a
-plain callable taking one event, called for the root *and* every child trajectory, in the order things
-happen:
+``RLM(callbacks=Callbacks(on_iteration=[f], on_subcall=[g], on_final=[h]))`` (or ``RLMAgent(...,
+callbacks=...)``): each is a plain callable taking one event, called for the root *and* every child trajectory,
+in the order things happen:
 
 * `IterationEvent` -- after each model turn has been acted on (its code run): the trajectory's id and depth,
   the turn index, the response text, the code results, the final answer if the turn gave one, the turn's

@@ -17,7 +17,9 @@ The same agent loop as training (`workers.rlm.agent`), over
     res.answer, res.status, res.trajectory_tree     # nested dict: root, its turns' children, ...
     rlm.close()
 
-``other_backends`` / ``other_backend_kwargs`` (lists, as in rlms) are more models that REPL code picks with
+The keywords are rlms' (same names, same call forms) plus hyflow's settings grouped in ``agent_config``
+(`AgentConfig`), ``sandbox`` (a ``SandboxConfig`` or a backend) and ``callbacks`` (`Callbacks`); `RLM`'s docstring
+lists them. ``other_backends`` / ``other_backend_kwargs`` (lists, as in rlms) are more models that REPL code picks with
 ``llm_query(prompt, model=<model_name>)`` (the root backend's model is reachable by its name too); the first of
 them answers ``llm_query`` without ``model=``, unless ``sub_engine`` (an engine or generate function) is given;
 default: the main model. ``raise_on_error=True``: a root trajectory that fails (e.g. an unreachable endpoint)
@@ -31,7 +33,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -47,7 +48,8 @@ from workers.rlm.console import VerbosePrinter
 from workers.rlm.prompts import Contexts
 from workers.rlm.session import Session
 from workers.rlm.usage import Usage
-from workers.sandbox import ReplSandbox
+from workers.sandbox import ReplSandbox, SandboxConfig
+from workers.sandbox.backend import SandboxBackend
 from workers.sandbox.tools import Tool, as_tools
 
 __all__ = ["RLM", "RLMError", "RLMResult", "trajectory_tree"]
@@ -125,6 +127,47 @@ def _given(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
+def _agent_config(
+    agent_config: AgentConfig | None,
+    *,
+    max_depth: int | None,
+    max_iterations: int | None,
+    max_errors: int | None,
+    custom_system_prompt: str | None,
+) -> AgentConfig:
+    """The agent of an `RLM`: ``agent_config`` (default ``AgentConfig(final_answer_on_exhaustion=True)``, rlms'
+    behaviour) with rlms' keywords, those given, over its fields of the same name."""
+    cfg = agent_config if agent_config is not None else AgentConfig(final_answer_on_exhaustion=True)
+    return replace(
+        cfg,
+        max_depth=_given(max_depth, cfg.max_depth),
+        max_iterations=_given(max_iterations, cfg.max_iterations),
+        max_errors=_given(max_errors, cfg.max_errors),
+        prompt=replace(
+            cfg.prompt, custom_system_prompt=_given(custom_system_prompt, cfg.prompt.custom_system_prompt)
+        ),
+    )
+
+
+def _own_callbacks(callbacks) -> Callbacks:
+    """The RLM's own `Callbacks` (``verbose`` adds its printer here, never to the caller's object): the listeners
+    of a `Callbacks`, or an object's ``on_iteration`` / ``on_subcall`` / ``on_final`` methods."""
+    own = Callbacks()
+    if callbacks is None:
+        return own
+    if isinstance(callbacks, Callbacks):
+        for event, listeners in callbacks.listeners.items():
+            own.listeners[event].extend(listeners)
+        return own
+    if not any(callable(getattr(callbacks, event, None)) for event in own.listeners):
+        raise TypeError(
+            "RLM(callbacks=...): expected a Callbacks or an object with on_iteration / on_subcall / on_final "
+            f"methods, got {type(callbacks).__name__}"
+        )
+    own.add(callbacks)
+    return own
+
+
 def _engine_llm(engine, tokenizer, name: str):
     """An LLM given as an object: an `EngineLLM`/`ChatLLM`, or a token engine / generate function."""
     if isinstance(engine, (EngineLLM, ChatLLM)):
@@ -145,50 +188,57 @@ def _engine_llm(engine, tokenizer, name: str):
 class RLM:
     """A Recursive Language Model for inference. See the module docstring.
 
-    Models: ``engine`` (an engine object or generate function; ``tokenizer`` if it carries none) or
-    ``backend`` + ``backend_kwargs`` (``workers.agents.clients``: "openai", "gemini", "vercel", "azure_openai", "anthropic", "native", "sglang";
-    "openai" when neither is given); ``other_backends`` + ``other_backend_kwargs``: sub-LMs by ``model_name``
-    (the first answers plain ``llm_query``); ``sub_engine``: the engine answering plain ``llm_query`` instead.
+    The keywords are rlms' (``backend``, ``backend_kwargs``, ``other_backends``, ``other_backend_kwargs``,
+    ``max_depth``, ``max_iterations``, ``max_errors``, ``custom_system_prompt``, ``custom_tools``,
+    ``custom_sub_tools``, ``persistent``, ``verbose``: the rlms library's names and call forms) and hyflow's, whose
+    settings come grouped in the objects that training and the agent use too:
+
+    * ``agent_config`` (`AgentConfig`): sampling (``temperature``, ``max_new_tokens``, ...), budgets
+      (``max_total_tokens`` -- rlms' ``max_tokens``; ``max_cost_usd`` -- rlms' ``max_budget``, with ``prices``;
+      ``max_concurrent_subcalls``, ...), ``final_answer_on_exhaustion``, ``tool_format`` and ``prompt``
+      (`PromptConfig`: ``style``, ``system_prompts``, ...). rlms' ``max_depth``, ``max_iterations``,
+      ``max_errors`` and ``custom_system_prompt``, when given, override its fields of the same name. Without an
+      ``agent_config`` the agent is ``AgentConfig(final_answer_on_exhaustion=True)``: when the turns run out
+      without an answer, one more model turn asks for it, as rlms does (status stays ``"max_iterations"``, with
+      that answer); an ``agent_config`` you pass is used as it is (``AgentConfig``'s own default, training's,
+      leaves that turn off).
+    * ``sandbox``: a ``SandboxConfig`` (the limits of the RLM's own ``ReplSandbox``, closed by ``close()``) or
+      an isolation backend to use and share (``workers.sandbox.backend.SandboxBackend``, e.g. a
+      ``ReplSandbox``; never closed here). Default: a ``ReplSandbox()`` of its own.
+    * ``callbacks``: a `Callbacks` (``Callbacks(on_iteration=[f], on_subcall=[g], on_final=[h])``), or an object
+      with any of the methods ``on_iteration`` / ``on_subcall`` / ``on_final``; they are called with an event for
+      every turn, sub-call and trajectory end, children included (``workers.rlm.callbacks``). ``verbose=True``
+      adds a printer of the run (`rich`; ``workers.rlm.console``).
+
+    Models: ``engine`` (an engine object or generate function; ``tokenizer`` if it carries none) or ``backend``
+    + ``backend_kwargs`` (``workers.agents.clients``: "openai", "gemini", "vercel", "azure_openai", "anthropic",
+    "native", "sglang"; "openai" when neither is given); ``other_backends`` + ``other_backend_kwargs``: sub-LMs
+    by ``model_name`` (the first answers plain ``llm_query``); ``sub_engine``: the engine answering plain
+    ``llm_query`` instead (``EngineLLM(engine, its_tokenizer)`` when its tokenizer is not ``tokenizer``).
     Unknown backends or kwargs raise ``ValueError`` here; a failed model call names backend, model and URL in
-    the trajectory's error, and ``raise_on_error=True`` raises it as `RLMError`. ``close()`` closes the clients
-    and engines built from backends (never ones passed in).
+    the trajectory's error, and ``raise_on_error=True`` raises it as `RLMError`. ``close()`` closes the
+    clients and engines built from backends (never ones passed in).
 
-    Keyword arguments left as None keep ``agent_config``'s values (``AgentConfig`` defaults otherwise), but
-    ``final_answer_on_exhaustion`` is True without an ``agent_config``: when the turns run out without an
-    answer, one more model turn asks for it (status stays ``"max_iterations"``, with that answer).
-
-    Accounting (per root, shared by the whole tree; reaching a limit ends the run with status ``"budget"``):
-    ``max_total_tokens`` -- prompt + completion tokens of every model call (rlms' ``max_tokens``; not
-    ``AgentConfig.max_tokens``, which counts generated tokens only); ``max_cost_usd`` -- US dollars (rlms'
-    ``max_budget``), which needs ``prices={model: (usd_per_million_prompt, usd_per_million_completion)}``
-    (``"*"``: any other model; prices also give ``RLMResult.usage`` its ``cost_usd``); ``max_errors`` -- turns in
-    a row whose code raised, per trajectory (status ``"error"``). System prompt: ``prompt_style`` ("full",
-    "compact"), ``custom_system_prompt`` (every depth) and ``system_prompts={depth: prompt}``
-    (``workers.rlm.prompts`` lists their placeholders, e.g. ``{context_info}``).
-
-    Watching a run: ``verbose=True`` prints turns, code, outputs, sub-calls and the answer live (`rich`;
-    ``workers.rlm.console``); ``on_iteration`` / ``on_subcall`` / ``on_final`` are called with an event for every
-    turn, sub-call and trajectory end, children included (``workers.rlm.callbacks`` documents the payloads).
     ``persistent=True``: one session across ``completion`` calls -- the root's REPL (its variables) and its
-    conversation carry over, a later call's context is bound to ``context_1``, ``context_2``, ...; the conversation
-    is compacted (summarised by the model) when it would pass ``compaction_threshold`` of the root's token window
-    (``workers.rlm.session``); ``close()`` ends the session.
+    conversation carry over, a later call's context is bound to ``context_1``, ``context_2``, ...; the
+    conversation is compacted (summarised by the model) when it would pass ``compaction_threshold`` of the
+    root's token window (``workers.rlm.session``); ``close()`` ends the session.
 
     REPL extras: ``custom_tools={name: callable | Tool}`` -- host functions the model's code calls by name, run
     here (never in the sandbox) with JSON arguments and results and a per-tool timeout (``Tool(fn,
     description=None, timeout_s=60)``; a failure raises ``ToolError`` in the code), listed in the system prompt
     (``workers.sandbox.tools``); as in rlms an entry may also be ``{"tool": fn_or_value, "description": ...}``
-    or a JSON value (a constant, restored after every block); ``custom_sub_tools`` -- those of child agents (None: the same as
-    ``custom_tools``; ``{}``: none, as in rlms); ``setup_code`` -- Python run in every REPL before its first turn
-    (its variables are listed in the system prompt; if it raises, the result has status ``"error"`` naming it).
-    ``sandbox``: any isolation backend (``workers.sandbox.backend.SandboxBackend``); default a ``ReplSandbox``.
+    or a JSON value (a constant, restored after every block); ``custom_sub_tools`` -- those of child agents
+    (None: the same as ``custom_tools``; ``{}``: none, as in rlms); ``setup_code`` -- Python run in every REPL
+    before its first turn (its variables are listed in the system prompt; if it raises, the result has status
+    ``"error"`` naming it). With ``AgentConfig.tool_format`` (``"hermes"``, ``"llama3_json"`` or
+    ``"package.module:Parser"``, ``workers.agents.tool_calls``) the custom tools are also declared to the model
+    through its chat template as OpenAI function schemas and the calls it writes in that format run on the
+    host, answered as ``tool`` messages (the REPL functions stay); ``tools=[schema, ...]`` gives a tool's
+    schema (description, ``parameters``) instead of the one read from its signature.
 
-    Tool calls in the model's own format: ``tool_format="hermes"`` (Qwen/Hermes ``<tool_call>``), ``"llama3_json"``
-    or ``"package.module:Parser"`` (``workers.agents.tool_calls``) declares the custom tools to the model through
-    its chat template as OpenAI function schemas and runs the calls it writes in that format on the host, answered
-    as ``tool`` messages (the REPL functions stay); ``tools=[schema, ...]`` gives a tool's schema (description,
-    ``parameters``) instead of the one read from its signature -- the same schemas and the same ``tool_format`` as
-    training's ``env.agent.tool_format`` with ``env.tools``.
+    Logs: every completion appends its trajectories (root first, then children) to ``log_path`` as JSONL,
+    with token ids and log-probs when ``log_tokens=True``.
     """
 
     def __init__(
@@ -197,79 +247,44 @@ class RLM:
         sub_engine=None,
         tokenizer=None,
         *,
+        # rlms' keywords, as the rlms library names them
         backend: str | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         other_backends: list[str] | None = None,
         other_backend_kwargs: list[dict[str, Any]] | None = None,
-        raise_on_error: bool = False,
-        sub_tokenizer=None,
         max_depth: int | None = None,
         max_iterations: int | None = None,
-        temperature: float | None = None,
-        max_new_tokens: int | None = None,
-        max_total_tokens: int | None = None,
-        max_cost_usd: float | None = None,
-        prices: dict[str, tuple[float, float]] | None = None,
         max_errors: int | None = None,
-        max_concurrent_subcalls: int | None = None,
-        final_answer_on_exhaustion: bool | None = None,
         custom_system_prompt: str | None = None,
-        system_prompts: dict[int, str] | None = None,
-        prompt_style: str | None = None,
-        agent_config: AgentConfig | None = None,
-        sandbox_config=None,
-        sandbox=None,
-        log_path: str | os.PathLike | None = None,
-        log_tokens: bool = False,
-        verbose: bool = False,
-        on_iteration: Callable[[Any], Any] | None = None,
-        on_subcall: Callable[[Any], Any] | None = None,
-        on_final: Callable[[Any], Any] | None = None,
-        persistent: bool = False,
-        compaction_threshold: float | None = 0.85,
         custom_tools: dict[str, Any] | None = None,
         custom_sub_tools: dict[str, Any] | None = None,
-        setup_code: str | None = None,
+        persistent: bool = False,
+        verbose: bool = False,
+        # hyflow's: the agent, the sandbox, the listeners (grouped), and what has no group
+        agent_config: AgentConfig | None = None,
+        sandbox: SandboxBackend | SandboxConfig | None = None,
+        callbacks: Callbacks | object | None = None,
         tools: list[dict] | None = None,
-        tool_format: str | None = None,
+        setup_code: str | None = None,
+        compaction_threshold: float | None = 0.85,
+        log_path: str | os.PathLike | None = None,
+        log_tokens: bool = False,
+        raise_on_error: bool = False,
     ):
-        cfg = agent_config or AgentConfig()
-        self.config = replace(
-            cfg,
-            max_depth=_given(max_depth, cfg.max_depth),
-            max_iterations=_given(max_iterations, cfg.max_iterations),
-            temperature=_given(temperature, cfg.temperature),
-            max_new_tokens=_given(max_new_tokens, cfg.max_new_tokens),
-            max_total_tokens=_given(max_total_tokens, cfg.max_total_tokens),
-            max_cost_usd=_given(max_cost_usd, cfg.max_cost_usd),
-            prices=_given(
-                {m: list(p) for m, p in prices.items()} if prices is not None else None, cfg.prices
-            ),
-            max_errors=_given(max_errors, cfg.max_errors),
-            max_concurrent_subcalls=_given(max_concurrent_subcalls, cfg.max_concurrent_subcalls),
-            tool_format=_given(tool_format, cfg.tool_format),
-            # inference asks for a last answer when the turns run out unless told otherwise (training: off)
-            final_answer_on_exhaustion=_given(
-                final_answer_on_exhaustion,
-                cfg.final_answer_on_exhaustion if agent_config is not None else True,
-            ),
-            prompt=replace(
-                cfg.prompt,
-                custom_system_prompt=_given(custom_system_prompt, cfg.prompt.custom_system_prompt),
-                system_prompts=_given(system_prompts, cfg.prompt.system_prompts),
-                style=_given(prompt_style, cfg.prompt.style),
-            ),
+        self.config = _agent_config(
+            agent_config,
+            max_depth=max_depth,
+            max_iterations=max_iterations,
+            max_errors=max_errors,
+            custom_system_prompt=custom_system_prompt,
         )
-        self._sandbox = sandbox
-        self._own_sandbox = sandbox is None
-        self._sandbox_config = sandbox_config
+        if sandbox is None or isinstance(sandbox, SandboxConfig):
+            self._sandbox, self._sandbox_config, self._own_sandbox = None, sandbox, True
+        else:
+            self._sandbox, self._sandbox_config, self._own_sandbox = sandbox, None, False
         self.log_path = os.fspath(log_path) if log_path is not None else None
         self.log_tokens = log_tokens
-        self.callbacks = Callbacks(
-            [on_iteration] if on_iteration else [],
-            [on_subcall] if on_subcall else [],
-            [on_final] if on_final else [],
-        )
+        self.callbacks = _own_callbacks(callbacks)
         if verbose:
             self.callbacks.add(VerbosePrinter())
         self.session = Session(compaction_threshold) if persistent else None
@@ -278,7 +293,10 @@ class RLM:
             None if custom_sub_tools is None else declared(as_tools(custom_sub_tools), tools)
         )
         if tools and self.config.tool_format is None:
-            raise ValueError("RLM(tools=...): say how the model calls them, e.g. tool_format='hermes'")
+            raise ValueError(
+                "RLM(tools=...): say how the model calls them, e.g. "
+                "agent_config=AgentConfig(tool_format='hermes')"
+            )
         self.setup_code = setup_code
         self._loop: LoopThread | CallerLoop | None = None
         self._log_lock = threading.Lock()
@@ -289,11 +307,12 @@ class RLM:
         if self.config.tool_format is not None and not getattr(self.policy, "token_exact", False):
             self.close()
             raise ValueError(
-                f"RLM(tool_format={self.config.tool_format!r}) needs a token-level model (engine= and tokenizer=), "
-                "whose chat template renders the tools; a message-level backend does not render them"
+                f"RLM: AgentConfig.tool_format={self.config.tool_format!r} needs a token-level model (engine= "
+                "and tokenizer=), whose chat template renders the tools; a message-level backend does not "
+                "render them"
             )
         if sub_engine is not None:
-            self.sub_llm = _engine_llm(sub_engine, sub_tokenizer or tokenizer, "sub_engine")
+            self.sub_llm = _engine_llm(sub_engine, tokenizer, "sub_engine")
 
     def _build_llms(self, engine, tokenizer, backend, backend_kwargs, other_backends, other_backend_kwargs):
         """``policy``, ``sub_llm`` (answers llm_query) and ``sub_llms`` (by name, for llm_query(model=...))."""

@@ -399,9 +399,8 @@ def test_inference_api_over_native_engine(tok):
         ensure_tiny_model("nano"), tokenizer=tok, config=EngineConfig(seed=0)
     )
     # two turns at most: no extra turn asking for a final answer
-    with RLM(
-        engine=engine, max_iterations=2, max_new_tokens=8, temperature=0.0, final_answer_on_exhaustion=False
-    ) as rlm:
+    agent = AgentConfig(max_new_tokens=8, temperature=0.0, final_answer_on_exhaustion=False)
+    with RLM(engine=engine, max_iterations=2, agent_config=agent) as rlm:
         first = rlm.completion("What is in the context?", context="some text")
         second = rlm.completion("What is in the context?", context="some text")
     engine.shutdown()

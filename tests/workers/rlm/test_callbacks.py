@@ -1,5 +1,5 @@
-"""RLM callbacks (on_iteration / on_subcall / on_final) and verbose console output, through ``RLM()`` with a
-scripted policy (the tiny model's tokenizer, fixed turns) and a real sandbox."""
+"""RLM callbacks (``RLM(callbacks=Callbacks(on_iteration=..., on_subcall=..., on_final=...))``, or an object with
+those methods) and verbose console output, through ``RLM()`` with a scripted policy (the tiny model's tokenizer, fixed turns) and a real sandbox."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from rlm_testlib import block
 
 from workers.agents.scripted import ReplayScript, scripted_generate
-from workers.rlm.callbacks import FinalEvent, IterationEvent, SubcallEvent
+from workers.rlm.callbacks import Callbacks, FinalEvent, IterationEvent, SubcallEvent
 from workers.rlm.console import VerbosePrinter
 from workers.rlm.inference import RLM
 from workers.sandbox import ReplSandbox, SandboxConfig
@@ -47,9 +47,8 @@ def make_rlm(tok, sandbox, **kwargs) -> RLM:
 
 def test_callbacks_fire_in_order_with_payloads_for_root_and_child(tok, sandbox):
     events: list = []
-    with make_rlm(
-        tok, sandbox, on_iteration=events.append, on_subcall=events.append, on_final=events.append
-    ) as rlm:
+    listeners = Callbacks([events.append], [events.append], [events.append])
+    with make_rlm(tok, sandbox, callbacks=listeners) as rlm:
         res = rlm.completion("Q-root", context="abcdefg")
     assert (res.status, res.answer) == ("finished", "DEFG")
     root, child = res.trajectories
@@ -103,7 +102,8 @@ def test_a_raising_callback_is_reported_once_and_the_run_goes_on(tok, sandbox):
     def broken(event):
         raise ValueError("listener bug")
 
-    with make_rlm(tok, sandbox, on_iteration=broken, on_subcall=broken, on_final=finals.append) as rlm:
+    listeners = Callbacks(on_iteration=[broken], on_subcall=[broken], on_final=[finals.append])
+    with make_rlm(tok, sandbox, callbacks=listeners) as rlm:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             res = rlm.completion("Q-root", context="abcdefg")
@@ -148,13 +148,7 @@ def test_verbose_printer_writes_to_a_given_console(tok, sandbox):
     """The printer is ordinary callbacks: any rich Console (here one writing to a string) receives the run."""
     buf = io.StringIO()
     printer = VerbosePrinter(Console(file=buf, width=120), max_chars=100)
-    with make_rlm(
-        tok,
-        sandbox,
-        on_iteration=printer.on_iteration,
-        on_subcall=printer.on_subcall,
-        on_final=printer.on_final,
-    ) as rlm:
+    with make_rlm(tok, sandbox, callbacks=printer) as rlm:  # its on_iteration / on_subcall / on_final
         res = rlm.completion("Q-root", context="abcdefg")
     text = buf.getvalue()
     assert res.answer == "DEFG"
@@ -179,7 +173,7 @@ def test_custom_tool_calls_reach_on_subcall_and_the_console(tok, sandbox):
         sandbox=sandbox,
         max_iterations=3,
         custom_tools={"lookup": lambda key: f"value-of-{key}"},
-        on_subcall=lambda ev: (events.append(ev), printer.on_subcall(ev)),
+        callbacks=Callbacks(on_subcall=[events.append, printer.on_subcall]),
     ) as rlm:
         res = rlm.completion("Q-tool")
     assert res.answer == "value-of-k1"

@@ -88,9 +88,8 @@ def test_off_for_training_and_on_request(tok, sandbox):
     res = asyncio.run(agent.run("Q", "c"))
     assert (res.root.status, res.root.final_answer, len(res.root.turns)) == ("max_iterations", None, 1)
     gen = scripted_generate(tok, script)
-    with RLM(
-        engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=1, final_answer_on_exhaustion=False
-    ) as rlm:
+    # an agent_config is used as given: AgentConfig's own default leaves the extra turn off
+    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=1, agent_config=AgentConfig()) as rlm:
         res = rlm.completion("Q", context="c")
     assert (res.status, res.answer, len(res.root.turns)) == ("max_iterations", None, 1)
 
@@ -98,7 +97,8 @@ def test_off_for_training_and_on_request(tok, sandbox):
 def test_a_spent_budget_skips_the_extra_turn(tok, sandbox):
     script = ReplayScript({"Q": [block("print('working')"), "FINAL(late)"]})
     gen = scripted_generate(tok, script)
-    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=1, max_total_tokens=10) as rlm:
+    agent = AgentConfig(max_total_tokens=10, final_answer_on_exhaustion=True)
+    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=1, agent_config=agent) as rlm:
         res = rlm.completion("Q", context="c")
     assert (res.status, res.answer, len(res.root.turns)) == ("max_iterations", None, 1)
     assert res.root.error.startswith("no extra turn for a final answer: total-token budget of 10")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from rlm_testlib import block
 
+from workers.rlm.agent import AgentConfig
 from workers.rlm.inference import RLM, RLMError
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,7 +119,8 @@ def test_anthropic_backend_end_to_end(chat_server, monkeypatch):
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-env-must-not-leave")
     server = chat_server(rlm_script(ASK_AND_FINISH, sub_prefix="CLAUDE:"), kind="anthropic")
     kw = {"model_name": "claude-x", "base_url": server.url, "api_key": "sk-ant-explicit"}
-    with RLM(backend="anthropic", backend_kwargs=kw, max_iterations=3, max_new_tokens=64) as rlm:
+    agent = AgentConfig(max_new_tokens=64, final_answer_on_exhaustion=True)
+    with RLM(backend="anthropic", backend_kwargs=kw, max_iterations=3, agent_config=agent) as rlm:
         res = rlm.completion("What does the sub-LM say?", context="xyz")
     assert (res.answer, res.status) == ("CLAUDE:hi", "finished")
     assert server.paths() == {"/v1/messages"}
@@ -207,7 +209,8 @@ def test_native_backend_gives_token_exact_turns():
 
     path = ensure_tiny_model("nano")
     kw = {"model_name": path, "seed": 0, "max_num_seqs": 4}
-    rlm = RLM(backend="native", backend_kwargs=kw, max_iterations=2, max_new_tokens=8, temperature=0.0)
+    agent = AgentConfig(max_new_tokens=8, temperature=0.0, final_answer_on_exhaustion=True)
+    rlm = RLM(backend="native", backend_kwargs=kw, max_iterations=2, agent_config=agent)
     try:
         res = rlm.completion("What is in the context?", context="some text")
         engine = rlm.policy.engine
@@ -234,7 +237,8 @@ def test_sglang_backend_gives_token_exact_turns(sglang_module):
         "mem_fraction_static": 0.3,
         "engine_kwargs": {"max_total_tokens": 4096, "chunked_prefill_size": 1024, "context_length": 2048},
     }
-    rlm = RLM(backend="sglang", backend_kwargs=kw, max_iterations=2, max_new_tokens=8, temperature=0.0)
+    agent = AgentConfig(max_new_tokens=8, temperature=0.0, final_answer_on_exhaustion=True)
+    rlm = RLM(backend="sglang", backend_kwargs=kw, max_iterations=2, agent_config=agent)
     try:
         first = rlm.completion("What is in the context?", context="some text")
         again = rlm.completion("What is in the context?", context="some text")

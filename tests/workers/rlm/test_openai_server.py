@@ -74,12 +74,16 @@ def sglang_server(tmp_path_factory):
 
 def test_rlm_on_a_real_server_keeps_within_its_window_and_ends_with_the_context_full(sglang_server):
     url, model = sglang_server
-    agent = AgentConfig(max_iterations=8, max_new_tokens=160, prompt=PromptConfig(style="compact"))
+    agent = AgentConfig(
+        max_iterations=8,
+        max_new_tokens=160,
+        temperature=0.0,  # greedy: the same turns each run
+        prompt=PromptConfig(style="compact"),
+    )
     with RLM(
         backend="openai",
         backend_kwargs={"model_name": model, "base_url": url, "max_retries": 0},
         agent_config=agent,
-        temperature=0.0,  # greedy: the same turns each run
     ) as rlm:
         res = rlm.completion("What is 2+3?", context="two and three")
     root = res.root
@@ -111,8 +115,7 @@ def test_llm_query_from_the_repl_is_answered_by_the_real_server(sglang_server):
         tokenizer=tokenizer,
         other_backends=["openai"],
         other_backend_kwargs=[{"model_name": model, "base_url": url}],
-        agent_config=AgentConfig(max_iterations=3, sub_max_new_tokens=24),
-        temperature=0.0,
+        agent_config=AgentConfig(max_iterations=3, sub_max_new_tokens=24, temperature=0.0),
     ) as rlm:
         res = rlm.completion("Ask the sub-LM to say hello.", context="")
     assert res.status == "finished", (res.status, res.root.error)

@@ -1,5 +1,5 @@
-"""RLM tools called in the model's own format: ``RLM(custom_tools=..., tools=[schemas], tool_format="hermes")``
-declares the tools through the chat template (Qwen3-style here) and runs the calls the model writes in that format
+"""RLM tools called in the model's own format: ``RLM(custom_tools=..., tools=[schemas],
+agent_config=AgentConfig(tool_format="hermes"))`` declares the tools through the chat template (Qwen3-style here) and runs the calls the model writes in that format
 on the host, answered as ``tool`` messages, beside the REPL's functions; the same ``AgentConfig.tool_format`` serves
 training (``env.agent.tool_format`` with ``env.tools``). A scripted policy fixes the model's turns; the sandbox is
 real."""
@@ -21,6 +21,7 @@ from workers.sandbox import Tool
 pytestmark = pytest.mark.timeout(120)
 
 PRICES = {"apple": 3, "plum": 5}
+HERMES = AgentConfig(tool_format="hermes")  # calls in the Qwen/Hermes <tool_call> format
 
 
 def price(item: str) -> int:
@@ -57,7 +58,7 @@ def test_calls_in_the_models_format_run_the_custom_tools_on_the_host(qwen3_tok, 
         "FINAL(8)",
     ]
     seen: list[str] = []
-    res = run(qwen3_tok, sandbox, turns, seen, custom_tools={"price": price}, tool_format="hermes")
+    res = run(qwen3_tok, sandbox, turns, seen, custom_tools={"price": price}, agent_config=HERMES)
     assert (res.status, res.answer) == ("finished", "8")
     # the schema read from the signature, rendered by the template into the system turn
     schema = {"type": "function", "function": {"name": "price", "description": "The price of an item in the "
@@ -93,7 +94,7 @@ def test_schemas_given_to_rlm_describe_the_tools(qwen3_tok, sandbox):
     seen: list[str] = []
     turns = [call("price", {"item": "pear"}), "FINAL(none)"]
     res = run(
-        qwen3_tok, sandbox, turns, seen, custom_tools={"price": price}, tools=[schema], tool_format="hermes"
+        qwen3_tok, sandbox, turns, seen, custom_tools={"price": price}, tools=[schema], agent_config=HERMES
     )
     assert res.answer == "none" and '"description": "Look up a price."' in seen[0]
     assert 'Error: argument \'item\' must be one of "apple", "plum", got "pear"' in seen[1]
@@ -107,7 +108,7 @@ def test_tool_format_errors_are_clear(qwen3_tok):
             engine=scripted_generate(qwen3_tok, str),
             tokenizer=qwen3_tok,
             tools=[{"name": "x"}],
-            tool_format="hermes",
+            agent_config=HERMES,
         )
     with pytest.raises(ValueError, match="tool_format='hermes'"):
         RLM(engine=scripted_generate(qwen3_tok, str), tokenizer=qwen3_tok, custom_tools={"price": Tool(price)},

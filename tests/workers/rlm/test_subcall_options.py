@@ -1,5 +1,5 @@
 """rlm_query(..., literal=True) (SkyRL parses a child's answer into a Python value) and
-RLM(max_concurrent_subcalls=n) (rlms caps sub-calls in flight), through the public RLM() API with a scripted
+RLM(agent_config=AgentConfig(max_concurrent_subcalls=n)) (rlms caps sub-calls in flight), through the public RLM() API with a scripted
 policy, a real sandbox and a slow sub-LM that counts its calls in flight."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from rlm_testlib import block
 
 from workers.agents.llm import ChatLLM, Completion
 from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.rlm.agent import AgentConfig
 from workers.rlm.inference import RLM
 
 
@@ -59,7 +60,7 @@ def test_max_concurrent_subcalls_caps_calls_in_flight(tok, sandbox, cap, expecte
         sub_engine=sub,
         tokenizer=tok,
         sandbox=sandbox,
-        max_concurrent_subcalls=cap,
+        agent_config=AgentConfig(max_concurrent_subcalls=cap, final_answer_on_exhaustion=True),
     )
     with rlm:
         res = rlm.completion("Q", context="c")
@@ -68,5 +69,9 @@ def test_max_concurrent_subcalls_caps_calls_in_flight(tok, sandbox, cap, expecte
 
 
 def test_max_concurrent_subcalls_must_be_positive(tok):
-    with pytest.raises(ValueError, match="max_concurrent_subcalls"):
-        RLM(scripted_generate(tok, ReplayScript({})), tokenizer=tok, max_concurrent_subcalls=0)
+    with pytest.raises(ValueError, match="max_concurrent_subcalls must be >= 1"):
+        RLM(
+            scripted_generate(tok, ReplayScript({})),
+            tokenizer=tok,
+            agent_config=AgentConfig(max_concurrent_subcalls=0),
+        )

@@ -1,5 +1,6 @@
-"""Your own system prompt through ``RLM()``: ``custom_system_prompt`` for every depth, ``system_prompts`` per depth
-(SkyRL's parent/child prompts), their placeholders, and ``prompt_style`` -- checked in what the model saw (turn 0's
+"""Your own system prompt through ``RLM()``: ``custom_system_prompt`` (rlms' keyword) for every depth,
+``PromptConfig.system_prompts`` per depth (SkyRL's parent/child prompts), their placeholders, and
+``PromptConfig.style`` (``RLM(agent_config=AgentConfig(prompt=PromptConfig(...)))``) -- checked in what the model saw (turn 0's
 prompt text, the chat-templated tokens the scripted policy was given). Training configs take the same fields."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from omegaconf import OmegaConf
 from rlm_testlib import block
 
 from workers.agents.scripted import ReplayScript, scripted_generate
+from workers.rlm.agent import AgentConfig
 from workers.rlm.env_loop import RLMEnvConfig
 from workers.rlm.inference import RLM
 from workers.rlm.prompts import PromptConfig
@@ -59,18 +61,19 @@ def test_custom_system_prompt_with_placeholders(tok, sandbox):
 
 def test_per_depth_system_prompts(tok, sandbox):
     prompts = {0: "ROOT PROMPT. {context_info}", 1: "CHILD PROMPT, depth {depth}."}
-    root, child, _ = run_rlm(tok, sandbox, system_prompts=prompts)
+    root, child, _ = run_rlm(
+        tok, sandbox, agent_config=AgentConfig(prompt=PromptConfig(system_prompts=prompts))
+    )
     assert "ROOT PROMPT. `context` is a str of 10 characters." in root and "CHILD PROMPT" not in root
     assert "CHILD PROMPT, depth 1." in child and "ROOT PROMPT" not in child and DEFAULT_ROLE not in child
     # a per-depth entry wins over custom_system_prompt; depths without one use it
-    root, child, _ = run_rlm(
-        tok, sandbox, custom_system_prompt="EVERYONE.", system_prompts={1: "CHILD ONLY."}
-    )
+    per_depth = AgentConfig(prompt=PromptConfig(system_prompts={1: "CHILD ONLY."}))
+    root, child, _ = run_rlm(tok, sandbox, custom_system_prompt="EVERYONE.", agent_config=per_depth)
     assert "EVERYONE." in root and "CHILD ONLY." in child and "EVERYONE." not in child
 
 
 def test_prompt_style_and_extra_instructions(tok, sandbox):
-    root, _, _ = run_rlm(tok, sandbox, prompt_style="compact")
+    root, _, _ = run_rlm(tok, sandbox, agent_config=AgentConfig(prompt=PromptConfig(style="compact")))
     assert "Answer the request using a persistent Python REPL." in root and DEFAULT_ROLE not in root
     root, _, _ = run_rlm(tok, sandbox)
     assert DEFAULT_ROLE in root

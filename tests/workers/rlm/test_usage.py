@@ -11,6 +11,7 @@ from rlm_testlib import block
 from workers.agents.llm import EngineLLM
 from workers.agents.scripted import ReplayScript, scripted_generate
 from workers.agents.trajectory import Trajectory, TrajectoryTurn, load_jsonl
+from workers.rlm.agent import AgentConfig
 from workers.rlm.inference import RLM
 from workers.rlm.usage import Usage, tree_usage
 
@@ -50,7 +51,7 @@ def test_usage_per_call_depth_and_model_with_cost(tok, sandbox, tmp_path):
         sub_engine=EngineLLM(helper, tok, name="helper"),
         sandbox=sandbox,
         max_depth=1,
-        prices=PRICES,
+        agent_config=AgentConfig(prices=PRICES, final_answer_on_exhaustion=True),
         log_path=tmp_path / "u.jsonl",
     ) as rlm:
         res = rlm.completion("Q-root", context="abcdefgh")
@@ -100,7 +101,8 @@ def test_usage_matches_the_real_tiny_engine(tok, sandbox):
     )
     try:
         gen, calls = recording(engine.generate)
-        with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=2, max_new_tokens=8) as rlm:
+        agent = AgentConfig(max_new_tokens=8, final_answer_on_exhaustion=True)
+        with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=2, agent_config=agent) as rlm:
             res = rlm.completion("What is in the context?", context="some text")
     finally:
         engine.shutdown()
@@ -116,7 +118,8 @@ LOOP = {"Q": [block("print(llm_query('more'))")]}  # never answers
 
 def test_total_token_budget_stops_the_run(tok, sandbox):
     gen = scripted_generate(tok, ReplayScript(LOOP, sub=lambda p: "s"))
-    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=50, max_total_tokens=1500) as rlm:
+    agent = AgentConfig(max_total_tokens=1500)
+    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=50, agent_config=agent) as rlm:
         res = rlm.completion("Q", context="c")
     assert res.status == "budget" and "total-token budget of 1500 prompt+completion tokens" in res.root.error
     assert res.usage.total_tokens >= 1500 and 1 < len(res.root.turns) < 50
@@ -146,29 +149,28 @@ def _last_turn(res):
 def test_cost_budget_stops_the_run_and_needs_prices(tok, sandbox):
     gen = scripted_generate(tok, ReplayScript(LOOP, sub=lambda p: "s"))
     prices = {"engine": (1000.0, 1000.0)}  # $0.001 per token: a few turns spend a cent
-    with RLM(
-        engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=50, prices=prices, max_cost_usd=2.0
-    ) as rlm:
+    agent = AgentConfig(prices=prices, max_cost_usd=2.0)
+    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, max_iterations=50, agent_config=agent) as rlm:
         res = rlm.completion("Q", context="c")
     assert res.status == "budget" and "cost budget of $2 per root is spent" in res.root.error
     assert res.usage.cost_usd >= 2.0 and res.usage.cost_usd == pytest.approx(res.usage.total_tokens / 1000)
     assert 1 < len(res.root.turns) < 50
     with pytest.raises(ValueError, match="max_cost_usd needs prices"):
-        RLM(engine=gen, tokenizer=tok, max_cost_usd=1.0)
+        AgentConfig(max_cost_usd=1.0)
 
 
 def test_a_model_missing_from_the_price_table_is_named(tok, sandbox):
     gen = scripted_generate(tok, ReplayScript({"Q": [block("print(llm_query('x'))"), "FINAL(ok)"]}))
     sub = EngineLLM(scripted_generate(tok, lambda p: "s"), tok, name="cheap-sub")
-    with RLM(
-        engine=gen, sub_engine=sub, tokenizer=tok, sandbox=sandbox, prices={"engine": (1.0, 1.0)}
-    ) as rlm:
+    agent = AgentConfig(prices={"engine": (1.0, 1.0)})
+    with RLM(engine=gen, sub_engine=sub, tokenizer=tok, sandbox=sandbox, agent_config=agent) as rlm:
         res = rlm.completion("Q", context="c")
     out = res.root.turns[0].code_results[0].stdout
     assert "prices has no entry for model 'cheap-sub'" in out  # the sub-call failed, the run went on
     assert res.status == "finished" and res.usage.by_model["cheap-sub"].cost_usd is None
     assert res.usage.cost_usd is None  # one unpriced call: the total cost is unknown
-    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, prices={"*": (1.0, 1.0)}) as rlm:
+    agent = AgentConfig(prices={"*": (1.0, 1.0)})
+    with RLM(engine=gen, tokenizer=tok, sandbox=sandbox, agent_config=agent) as rlm:
         priced = rlm.completion("Q", context="c")
     assert priced.usage.cost_usd == pytest.approx(priced.usage.total_tokens / 1e6)
 

@@ -94,9 +94,8 @@ def budget_jsonl(tmp_path_factory):
         engine=gen,
         tokenizer=tok,
         max_iterations=4,
-        max_new_tokens=120,
-        agent_config=AgentConfig(max_observation_chars=300, max_tokens=150),
-        sandbox_config=SandboxConfig(timeout_s=5, max_output_chars=1000),
+        agent_config=AgentConfig(max_new_tokens=120, max_observation_chars=300, max_tokens=150),
+        sandbox=SandboxConfig(timeout_s=5, max_output_chars=1000),  # the limits of the RLM's own sandbox
         log_path=log,
     ) as rlm:
         res = rlm.completion("Summarise the log", context="log line; ")
