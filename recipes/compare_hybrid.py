@@ -37,6 +37,7 @@ import pandas as pd
 
 from recipes import hybrid_rl
 from recipes.config import load_config
+from recipes.schemas import HybridConfig
 from recipes.trainer import cli, start_run, warm_start
 from recipes.trainer.hybrid import hint_gap
 
@@ -64,6 +65,7 @@ def warm_model(
     comparison's own from an earlier run with the same overrides, else trained now), and ``hint_gap`` of it on
     the held-out split."""
     cfg = load_config(hybrid_rl.RECIPE, [*overrides, f"trainer.default_local_dir={out / name}"])
+    assert isinstance(cfg, HybridConfig)  # SCHEMAS[hybrid_rl.RECIPE]
     run = start_run(cfg, hybrid_rl.RECIPE)
     stamp = out / name / "compare_warm.json"  # a comparison run again reuses its warm start (minutes of SFT)
     if model is None and stamp.is_file() and json.loads(stamp.read_text())["overrides"] == overrides:
@@ -89,7 +91,7 @@ def uses_teacher(arm: str, overrides: list[str]) -> bool:
 
 def summarize(runs: dict[str, dict[int, list[tuple[int, dict]]]], ks: list[int]) -> dict:
     """Per method and validation step: mean, std, min and max over seeds of each pass@k."""
-    out: dict[str, dict] = {}
+    out: dict[str, list[dict]] = {}
     for name, by_seed in runs.items():
         steps = sorted({s for hist in by_seed.values() for s, _ in hist})
         rows = []
@@ -328,7 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
                 out, arm, seed, model, args.overrides, teacher["model"] if teacher else None
             )
     runs = {arm: {seed: r["val_history"] for seed, r in by_seed.items()} for arm, by_seed in records.items()}
-    ks = sorted(set(load_config(hybrid_rl.RECIPE, args.overrides).eval.pass_k))
+    cfg = load_config(hybrid_rl.RECIPE, args.overrides)
+    assert isinstance(cfg, HybridConfig)  # SCHEMAS[hybrid_rl.RECIPE]
+    ks = sorted(set(cfg.eval.pass_k))
     summary = summarize(runs, ks)
     final = final_comparison(records, ks)
     png = plot_pass_at_k(summary, ks, out / "pass_at_k.png")

@@ -75,7 +75,7 @@ def _known_keys_hint(schema: DictConfig, parent: str, leaf: str) -> str:
             return "no such section"
     if not isinstance(node, DictConfig):
         return f"{parent!r} is not a section"
-    keys = sorted(node.keys())
+    keys = sorted(str(k) for k in node.keys())  # a schema section's keys are field names (str)
     close = sorted(
         {*difflib.get_close_matches(leaf, keys), *(k for k in keys if leaf and (leaf in k or k in leaf))}
     )
@@ -133,31 +133,38 @@ def load_config(
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     file_cfg = OmegaConf.load(path)
+    if not isinstance(file_cfg, DictConfig):
+        raise ConfigError(f"config file {path} must map section names to sections, not hold a list")
     cli = parse_overrides(list(overrides or []))
     merged = schema_config(schema_cls)
     if "env" in merged:
         _env_section(merged, recipe, schema_cls, file_cfg, cli, str(path))
     _one_item_lists(file_cfg, merged)
-    try:
-        merged = OmegaConf.merge(merged, file_cfg)
-    except OmegaConfBaseException as err:
-        raise _explain(err, str(path), merged) from None
+    merged = _merge(merged, file_cfg, str(path))
     if _switches_task(merged, cli):  # the file's knobs belong to the file's task
         merged.task.knobs = {}
     _one_item_lists(cli, merged)
-    try:
-        merged = OmegaConf.merge(merged, cli)
-    except OmegaConfBaseException as err:
-        raise _explain(err, "command-line override", merged) from None
+    merged = _merge(merged, cli, "command-line override")
     _absolute_file_references(merged)
     return to_dataclass(merged, check=check)
+
+
+def _merge(schema: DictConfig, source: DictConfig, where: str) -> DictConfig:
+    """``source`` (read from ``where``) merged into ``schema``, an error as a ConfigError naming the key."""
+    try:
+        merged = OmegaConf.merge(schema, source)
+    except OmegaConfBaseException as err:
+        raise _explain(err, where, schema) from None
+    assert isinstance(merged, DictConfig)  # a merge into a DictConfig gives one
+    return merged
 
 
 def _absolute_file_references(node: DictConfig | ListConfig) -> None:
     """Every value naming an existing Python file by a relative path (``"my_env.py:Class"``, ``"reward.py"``)
     made absolute (``workers.plugins.absolute_reference``): the driver resolves it, so a Ray worker finds the file
     whatever its current directory. Interpolations are left as they are."""
-    keys = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
+    # a DictConfig's keys (str in a schema; any DictKeyType in a bare ``dict`` field) or a ListConfig's indices
+    keys: list[Any] = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
     for key in keys:
         if OmegaConf.is_interpolation(node, key):
             continue
@@ -254,6 +261,7 @@ def _nested_env_sections(
             if file_sub is not None and sub_cls is not file_sub:
                 dropped = OmegaConf.select(file_cfg, key).pop(name, None)
                 _warn_dropped(dropped, f"{key}.{name}", str(cli_loop), file_sub, sub_cls, cli, path)
+        assert sub_cls is not None  # file_loop or cli_loop is set (checked above)
         if _env_sections_fields(sub_cls):
             raise ConfigError(
                 f"config key '{key}.{name}.loop': {sub_cls.__name__} holds environments itself; an environment of "
@@ -299,11 +307,11 @@ def _leaves(node: DictConfig, prefix: str = "") -> list[tuple[str, Any]]:
     """``(dotted key, value)`` of every leaf of ``node`` (lists are leaves)."""
     out: list[tuple[str, Any]] = []
     for k in node.keys():
-        value = node._get_node(k)
-        if isinstance(value, DictConfig) and not OmegaConf.is_interpolation(node, str(k)):
-            out.extend(_leaves(value, f"{prefix}{k}."))
+        value, name = node._get_node(k), str(k)
+        if isinstance(value, DictConfig) and not OmegaConf.is_interpolation(node, name):
+            out.extend(_leaves(value, f"{prefix}{name}."))
         else:
-            out.append((f"{prefix}{k}", _plain(value)))
+            out.append((f"{prefix}{name}", _plain(value)))
     return out
 
 
@@ -355,6 +363,7 @@ def to_dataclass(cfg: DictConfig, check: bool = True) -> RecipeConfig:
         if OmegaConf.select(cfg, f"{section}.{field_name}", default=_MISSING) is not _MISSING:
             raise ConfigError(f"invalid config: {section}.{msg}") from None  # the message starts with the key
         raise ConfigError(f"invalid config at {section!r}: {msg}") from None
+    assert isinstance(obj, RecipeConfig)  # cfg is a recipe schema's (load_config)
     if check:
         validate(obj)
     return obj
@@ -371,7 +380,7 @@ def _failing_section(cfg: DictConfig, prefix: str = "") -> str:
             try:
                 OmegaConf.to_object(node)
             except (ValueError, TypeError):
-                return _failing_section(node, f"{prefix}{key}.")
+                return _failing_section(node, f"{prefix}{key!s}.")
     return prefix.rstrip(".") or "the top level"
 
 

@@ -23,7 +23,7 @@ import sys
 import tokenize
 from functools import cache
 from pathlib import Path
-from typing import get_args
+from typing import Any, TypeGuard, get_args
 
 from recipes.schemas import SCHEMAS
 
@@ -50,8 +50,10 @@ def field_comments(cls: type) -> dict[str, str]:
     source = "".join(lines)
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+        text = tok.string.lstrip("#").strip()
+        # a "type: ignore[code]  # reason" pragma beside a field is not its documentation
+        if tok.type == tokenize.COMMENT and not text.startswith("type: ignore"):
+            comments[tok.start[0]] = text
     code_lines = source.splitlines()
     out = {}
     body = ast.parse(source).body[0]
@@ -61,7 +63,8 @@ def field_comments(cls: type) -> dict[str, str]:
             continue
         end = node.end_lineno or node.lineno
         trailing = [comments[n] for n in range(node.lineno, end + 1) if n in comments]
-        above, n = [], node.lineno - 1
+        above: list[str] = []
+        n = node.lineno - 1
         while n in comments and code_lines[n - 1].lstrip().startswith("#"):
             above.insert(0, comments[n])
             n -= 1
@@ -106,7 +109,7 @@ def _type_name(t: object) -> str:
     return t.__name__ if isinstance(t, type) and not get_args(t) else str(t)
 
 
-def _is_sections(value: object) -> bool:
+def _is_sections(value: object) -> TypeGuard[dict[str, Any]]:
     """A dict of config sections (``env.envs`` of ``env.loop: mixed``): name -> dataclass."""
     return (
         isinstance(value, dict)
@@ -159,8 +162,10 @@ def yaml_env_sections() -> dict[type, tuple[str, object]]:
     out: dict[type, tuple[str, object]] = {}
     for recipe, path in recipe_yamls():
         env = getattr(load_config(recipe, config_path=path, check=False), "env", None)
+        if env is None:
+            continue
         cls = type(env)
-        if env is None or cls in defaults or cls in out:
+        if cls in defaults or cls in out:
             continue
         sections = {
             f.name: getattr(env, f.name)

@@ -66,6 +66,7 @@ def hybrid_step(
 ) -> DataProto:
     """One step on a batch of prompts; returns the batch with every column the step computed."""
     cfg, roles = s.cfg, s.roles
+    assert isinstance(cfg, HybridConfig)  # train's session
     hybrid = cfg.algorithm.adv_estimator == "hybrid"  # else the GRPO baseline
     # 1. rollout: rollout.n tool trajectories per prompt, code run in the sandbox; their outcome reward (the
     #    \boxed{} answer)
@@ -127,6 +128,7 @@ def train(cfg: HybridConfig, run: Run, recipe: str = RECIPE) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     cfg = parse_args(RECIPE, argv)
+    assert isinstance(cfg, HybridConfig)  # SCHEMAS[RECIPE]
     run = start_run(cfg, RECIPE)
     print(f"[{RECIPE}] run dir {run.dir}; model {run.model_path}; advantage {cfg.algorithm.adv_estimator}")
     run.model_path = warm_start(cfg, run, warm_start_data(cfg))

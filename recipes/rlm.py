@@ -68,6 +68,7 @@ def success_label(env: AgentEnvConfig) -> str:
 def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     cfg = parse_args("rlm", argv)
+    assert isinstance(cfg, RLMConfig)  # SCHEMAS["rlm"]
     run = start_run(cfg, "rlm")
     print(f"[rlm] run dir {run.dir}; model {run.model_path}; data {run.train_files[0]}")
     run.model_path = warm_start(cfg, run, replayed(reference_batch, "reference trajectories"))

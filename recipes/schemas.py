@@ -66,7 +66,7 @@ class PPOConfig(RecipeConfig):
             )
 
 
-def check_data_env_names(errors: list[str], cfg: RecipeConfig) -> None:
+def check_data_env_names(errors: list[str], cfg: RLMConfig) -> None:
     """A row of ``data.train_files`` / ``data.val_files`` whose ``env_name`` is none of ``env.env_names()`` (a
     mixed env's ``env.envs``; ``""`` or ``env.loop`` for one environment): an error naming the file, the row and
     the known names, before the run starts (the prompt loader checks the rows it reads again)."""
@@ -129,6 +129,7 @@ class HybridWeightsConfig:
             self._check_teacher(errors, cfg)
 
     def _check_teacher(self, errors: list[str], cfg: RecipeConfig) -> None:
+        assert self.teacher_path is not None  # check calls this only when it is set
         path = os.path.expanduser(self.teacher_path)
         if not os.path.isfile(os.path.join(path, "config.json")):
             errors.append(f"hybrid.teacher_path={self.teacher_path!r} is not a Hugging Face model directory "

@@ -146,7 +146,8 @@ class TaskConfig:
 
 @dataclass
 class RecipeModelConfig(ModelConfig):
-    path: str | None = None  # None: build (once, cached) the tiny Qwen2 model of workers/models/tiny.py
+    # None: build (once, cached) the tiny Qwen2 model of workers/models/tiny.py
+    path: str | None = None  # type: ignore[assignment]  # workers get run.model_config's ModelConfig, path a str
     tiny_size: str = "tiny"  # nano | tiny | small, when path is None
     tiny_seed: int = 0
     # the tiny model's chat template family (workers/models/chat_templates.py: chatml, qwen3, deepseek_r1,

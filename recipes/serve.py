@@ -23,6 +23,7 @@ from dataclasses import fields
 
 from workers.agents.clients import make_llm
 from workers.agents.gateway import Gateway, GatewayConfig
+from workers.agents.llm import EngineLLM
 
 __all__ = ["main", "model_directory"]
 
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> None:
             model_name=name,
         )
         llm = make_llm(args.engine, {"model_name": path, **dict(args.option)})
+        if not isinstance(llm, EngineLLM):  # a chat API client (openai, anthropic, ...): no engine to serve
+            raise ValueError(
+                f"--engine {args.engine}: a remote chat API, not a rollout engine; serve with native, sglang or "
+                "'package.module:Class'"
+            )
     except ValueError as e:
         sys.exit(f"error: {e}")
     llm.name = name

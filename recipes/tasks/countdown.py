@@ -66,6 +66,7 @@ def sample_problem(rng: random.Random, cfg: CountdownConfig) -> dict | None:
     toks = _random_expr(rng, nums, cfg)
     steps = solve_steps(toks)
     target = steps[-1][0]
+    assert isinstance(target, int)  # the last step is the expression's value
     if not cfg.min_target <= target <= cfg.max_target:
         return None
     if any(isinstance(t, int) and t < 0 for s in steps for t in s):

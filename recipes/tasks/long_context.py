@@ -746,8 +746,9 @@ class OolongPairsConfig(_Common):
 
 def _condition(
     kind: str, rng: random.Random, per_user: dict[int, Counter]
-) -> tuple[str, Callable, Callable, str] | None:
-    """(text, P, Q, code) where a pair {a, b} qualifies when P(a) and Q(b), or P(b) and Q(a)."""
+) -> tuple[str, Callable, Callable, str | tuple[str, str]] | None:
+    """(text, P, Q, code) where a pair {a, b} qualifies when P(a) and Q(b), or P(b) and Q(a); code: P's and Q's
+    source, one text when Q is P."""
     x, y = rng.sample(LABELS, 2)
     if kind == "both_has":
         p = lambda c: c[x] >= 1  # noqa: E731

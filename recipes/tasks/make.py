@@ -23,7 +23,9 @@ def _parse_knobs(task: str, items: list[str]) -> dict:
             raise SystemExit(f"--knob expects key=value, got {item!r}")
         if key not in fields:
             raise SystemExit(f"unknown knob {key!r} for task {task!r}; known: {sorted(fields)}")
-        kind = type(fields[key].default)
+        default = fields[key].default
+        assert default is not dataclasses.MISSING  # every task knob has a plain default (int, str, ...)
+        kind = type(default)
         if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0"):
                 raise SystemExit(f"knob {key} expects true/false, got {raw!r}")

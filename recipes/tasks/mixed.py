@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from typing import Any
 
 from recipes.tasks import generate_splits, write_parquet
 
@@ -27,7 +28,7 @@ __all__ = ["ENV_NAMES", "mixed_splits", "write_dataset"]
 # env_name -> the task that makes its rows (the names are the keys of env.envs in recipes/rlm_mixed.yaml)
 ENV_NAMES = ("rlm", "tool_math", "word_count")
 # the S-NIAH knobs of recipes/rlm.yaml: a needle and one decoy, the careful search program as the reference
-SNIAH_KNOBS = {"search": "pattern", "n_decoys": 1}
+SNIAH_KNOBS: dict[str, Any] = {"search": "pattern", "n_decoys": 1}  # generate_splits' **knobs
 
 
 def _word_count_splits(n_train: int, n_val: int, seed: int) -> dict[str, list[dict]]:

@@ -319,7 +319,8 @@ class RolloutStream:
 
     def _drop_stale(self, version: int) -> None:
         """Requeue the finished groups more than ``max_staleness`` versions behind ``version`` (lock held)."""
-        kept, dropped = deque(), []
+        kept: deque[_Group] = deque()
+        dropped: list[_Group] = []
         for g in self._ready:
             if version - g.oldest > self.max_staleness:
                 g.samples = None

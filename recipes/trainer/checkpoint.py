@@ -151,8 +151,9 @@ def resolve_resume(resume_mode: str, ckpt_dir: str | os.PathLike, roles: list[st
         path = Path(resume_mode).expanduser().resolve()
         if (path / LATEST).is_file():
             root, step = path, latest_step(path)
-        elif _STEP_DIR.match(path.name):
-            root, step = path.parent.parent, int(_STEP_DIR.match(path.name).group(1))
+            assert step is not None  # the file is there
+        elif m := _STEP_DIR.match(path.name):
+            root, step = path.parent.parent, int(m.group(1))
         else:
             raise FileNotFoundError(
                 f"trainer.resume_mode={resume_mode!r}: neither a checkpoints directory with {LATEST} nor a "
@@ -164,7 +165,9 @@ def resolve_resume(resume_mode: str, ckpt_dir: str | os.PathLike, roles: list[st
 def intact_before(paths: dict[str, str]) -> dict[str, str] | None:
     """The newest checkpoint older than ``paths`` (one step_N per role) whose every role verifies, or None.
     Reads and hashes those checkpoints here, on the driver."""
-    root, step = Path(paths["actor"]).parent.parent, int(_STEP_DIR.match(Path(paths["actor"]).name).group(1))
+    m = _STEP_DIR.match(Path(paths["actor"]).name)
+    assert m is not None  # paths are resolve_resume's: <checkpoints>/<role>/step_N
+    root, step = Path(paths["actor"]).parent.parent, int(m.group(1))
     for older in reversed([s for s in step_dirs(root / "actor") if s < step]):
         try:
             candidate = _paths(root, older, list(paths))

@@ -74,6 +74,8 @@ class FaultLog:
         return {
             "fault/restarts": float(len(restarts)),
             "fault/replacements": float(len(replaced)),
-            "fault/steps_lost": float(sum(f.step - f.restored_step for f in restarts)),
+            "fault/steps_lost": float(
+                sum(f.step - f.restored_step for f in restarts if f.restored_step is not None)
+            ),
             "fault/seconds_lost": float(sum(f.seconds_lost for f in restarts + replaced)),
         }

@@ -132,6 +132,7 @@ def resolve_data(cfg: RecipeConfig, run_dir: Path) -> tuple[list[str], list[str]
         val = list(cfg.data.val_files)
         return list(cfg.data.train_files), val
     t = cfg.task
+    assert t.name is not None  # validate: no data.train_files needs a task.name (DataConfig.check)
     out = run_dir / "data"
     want = {"name": t.name, "n_train": t.n_train, "n_val": t.n_val, "seed": t.seed, "knobs": dict(t.knobs)}
     marker = out / "task.json"

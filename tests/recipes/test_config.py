@@ -77,6 +77,15 @@ def test_unknown_key_names_the_key_and_the_close_match():
         load_config("grpo", ["async_rl.mode=one_step"])
 
 
+@pytest.mark.parametrize("recipe", ["grpo", "rlm"])
+def test_a_yaml_file_holding_a_list_is_a_config_error(tmp_path, recipe):
+    """Not omegaconf's ConfigAttributeError / ConfigTypeError from deep inside the merge."""
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n")
+    with pytest.raises(ConfigError, match="must map section names to sections, not hold a list"):
+        load_config(recipe, config_path=str(path))
+
+
 def test_unknown_key_in_a_yaml_file_names_the_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("trainer:\n  total_training_step: 3\n")

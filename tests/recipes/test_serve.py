@@ -106,6 +106,11 @@ def test_what_cannot_be_served_is_named(tmp_path, capsys):
         model_directory(str(tmp_path))
     with pytest.raises(SystemExit, match="neither a Hugging Face model directory"):
         main(["--model", str(tmp_path / "nothing")])
+    model = tmp_path / "model"  # a chat API client is no engine to serve (it raised AttributeError: .engine)
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="--engine openai: a remote chat API, not a rollout engine"):
+        main(["--model", str(model), "--engine", "openai", "--option", "base_url=http://127.0.0.1:9/v1"])
 
 
 def test_engine_options_are_read_as_json_where_they_are():
