@@ -14,6 +14,7 @@ The same script run on an older checkout (a git worktree) gives the "before" num
 import argparse
 import contextlib
 import itertools
+import pickle
 import tempfile
 
 import ray
@@ -28,7 +29,7 @@ METHODS = ("compute_rm_score", "compute_log_prob", "compute_ref_log_prob", "upda
 
 def serialized_bytes(value) -> int:
     """Bytes of ``value`` serialized the way Ray serializes an object (pickle 5, out-of-band buffers)."""
-    buffers = []
+    buffers: list[pickle.PickleBuffer] = []
     inband = ray.cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     return len(inband) + sum(memoryview(b.raw()).nbytes for b in buffers)
 
@@ -37,7 +38,9 @@ def serialized_bytes(value) -> int:
 def recording_puts():
     """Record every DataProto shipped while a group call dispatches, by ``ray.put`` or inside the call: (call
     number, method, bytes, rows, columns)."""
-    records, current, call_ids = [], [], itertools.count()
+    records: list[tuple[int, str, int, int, list[str]]] = []
+    current: list[tuple[int, str]] = []  # the group calls under way: (call number, method)
+    call_ids = itertools.count()
     real_put, real_ship, real_call = ray.put, dispatch.ship_chunk, RayWorkerGroup._call
 
     def record(value) -> None:
@@ -61,11 +64,12 @@ def recording_puts():
         finally:
             current.pop()
 
-    ray.put, dispatch.ship_chunk, RayWorkerGroup._call = put, ship, call
+    # patched while recording, restored below
+    ray.put, dispatch.ship_chunk, RayWorkerGroup._call = put, ship, call  # type: ignore[method-assign]
     try:
         yield records
     finally:
-        ray.put, dispatch.ship_chunk, RayWorkerGroup._call = real_put, real_ship, real_call
+        ray.put, dispatch.ship_chunk, RayWorkerGroup._call = real_put, real_ship, real_call  # type: ignore[method-assign]
 
 
 def run_recipe(context_chars: int, out_dir: str) -> list:

@@ -88,6 +88,7 @@ class ChaosMonkey:
             victims = self.victims()
             if trained_s < self.every_s or not victims:
                 continue
+            assert self.session is not None  # victims() found its groups
             target, rank, pid = self.rng.choice(victims)
             step = self.session.state.step
             try:
@@ -127,7 +128,8 @@ def run_arm(cfg, run, monkey: ChaosMonkey | None) -> dict:
         if monkey is not None:
             monkey.session = self
 
-    grpo.rl_step, Session._start_workers = step, start_workers
+    # patched for this run, restored below
+    grpo.rl_step, Session._start_workers = step, start_workers  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
         if monkey is None:
@@ -136,7 +138,7 @@ def run_arm(cfg, run, monkey: ChaosMonkey | None) -> dict:
             with monkey:
                 result = grpo.train(cfg, run, recipe="chaos")
     finally:
-        grpo.rl_step, Session._start_workers = original_step, original_start
+        grpo.rl_step, Session._start_workers = original_step, original_start  # type: ignore[method-assign]
     wall = time.perf_counter() - t0
     val = [m.get("val/accuracy") for _, m in result["val_history"]]
     final = result["final"]
@@ -165,7 +167,9 @@ def same_metrics(a: dict[int, dict], b: dict[int, dict], rel: float = 1e-4) -> b
     for step in a:
         for key in keys:
             x, y = a[step].get(key), b[step].get(key)
-            if (x is None) != (y is None) or (x is not None and abs(x - y) > rel * max(abs(x), abs(y), 1e-6)):
+            if (x is None) != (y is None):
+                return False
+            if x is not None and y is not None and abs(x - y) > rel * max(abs(x), abs(y), 1e-6):
                 return False
     return True
 

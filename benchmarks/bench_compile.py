@@ -94,7 +94,9 @@ def generate_call(model_dir: str, compile: bool, prompts, new: int, out: list):
 
     from workers.distributed import default_device
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(default_device()).eval()
+    # an nn.Module to mypy: transformers' @wraps-ed `to` does not type-check as a method
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(default_device()).eval()
     engine = NativeEngine(
         model,
         config=NativeConfig(

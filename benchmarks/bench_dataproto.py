@@ -46,7 +46,8 @@ def main() -> None:
         "log_probs": torch.randn(ROWS, COLS, dtype=torch.float32),
     }
     data = DataProto.from_dict(tensors)
-    workers = [Echo.remote() for _ in range(WORKERS)]
+    # ray.remote made Echo an actor class; mypy keeps a decorated class's own type
+    workers = [Echo.remote() for _ in range(WORKERS)]  # type: ignore[attr-defined]
     ray.get([w.proto.remote(data.slice(0, 1)) for w in workers])
 
     def proto_put_get():

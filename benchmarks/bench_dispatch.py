@@ -19,13 +19,14 @@ Run: python -m benchmarks.bench_dispatch [--shapes 64x8,64x128] [--workers 1,2,4
 
 import argparse
 import sys
+from typing import cast
 
 import numpy as np
 import ray
 import torch
 
 from benchmarks.common import print_table, time_paired, write_json
-from controller import Dispatch, RayClassWithInitArgs, RayWorkerGroup, Worker, register
+from controller import Dispatch, GroupMethod, RayClassWithInitArgs, RayWorkerGroup, Worker, register
 from dataproto import DataProto
 from resource_pools import ResourcePool
 
@@ -44,6 +45,13 @@ class NoopWorker(Worker):
         return value
 
 
+class NoopGroup(RayWorkerGroup):
+    """A group of `NoopWorker` as mypy sees it: the group binds ``noop`` at run time (the way
+    ``workers/roles/handles.py`` types the roles' groups)."""
+
+    noop: GroupMethod[[DataProto], DataProto]
+
+
 def make_batch(rows: int, cols: int) -> DataProto:
     return DataProto.from_dict(
         {
@@ -58,7 +66,7 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(rows), int(cols)
 
 
-def bench_batch(wg: RayWorkerGroup, data: DataProto, calls: int, warmup: int) -> dict:
+def bench_batch(wg: NoopGroup, data: DataProto, calls: int, warmup: int) -> dict:
     """Medians (ms) of the four contenders on ``wg``'s actors, alternated call by call."""
     n = wg.world_size
 
@@ -97,7 +105,7 @@ def bench_batch(wg: RayWorkerGroup, data: DataProto, calls: int, warmup: int) ->
 
 def bench_workers(n: int, shapes: list[tuple[int, int]], calls: int, warmup: int) -> list[dict]:
     pool = ResourcePool([n], name=f"bench_dispatch_{n}")
-    wg = RayWorkerGroup(pool, RayClassWithInitArgs(NoopWorker), name_prefix=f"noop{n}")
+    wg = cast(NoopGroup, RayWorkerGroup(pool, RayClassWithInitArgs(NoopWorker), name_prefix=f"noop{n}"))
     try:
         return [
             {"batch": f"{rows}x{cols}", **bench_batch(wg, make_batch(rows, cols), calls, warmup)}

@@ -73,6 +73,7 @@ def measure(model_dir: str, vocab: int, lora_rank: int | None, args) -> dict:
         eng.train_step(batch, _loss)
     step_s = (time.perf_counter() - t0) / args.steps
     peak_train = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    assert eng.optimizer is not None  # built from the OptimConfig above
     optim_bytes = sum(
         t.numel() * t.element_size() for s in eng.optimizer.state.values() for t in s.values() if t.dim()
     )

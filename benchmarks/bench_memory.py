@@ -36,11 +36,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import QWEN2_0_5B_SHAPE, print_table, write_json
 from workers.models.memory import activation_bytes, num_params
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {  # Qwen2Config keyword arguments
     # Qwen2-0.5B's configuration (config.json of Qwen/Qwen2-0.5B).
     "qwen2-0.5b": dict(
         **QWEN2_0_5B_SHAPE,
@@ -109,7 +110,8 @@ class PeakPoller(threading.Thread):
     def _descendants(self) -> list[int]:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
         parent = {p: _parent(p) for p in pids}
-        out, frontier = [], {self.root}
+        out: list[int] = []
+        frontier = {self.root}
         while frontier:
             children = {p for p, pp in parent.items() if pp in frontier}
             out += children

@@ -78,9 +78,7 @@ def run_arch(arch: str, args) -> list[dict]:
     arms = [("own routers", None)] + ([("replay rollout (R3)", "routed_experts")] if arch == "moe" else [])
     results = []
     for name, replay in arms:
-        out = trainer.compute_log_prob(
-            batch, max_token_len=8192, **({"replay_routes": replay} if replay else {})
-        )
+        out = trainer.compute_log_prob(batch, max_token_len=8192, replay_routes=replay)  # None: the default
         row = {"model": given or f"tiny-{args.size} {arch} (random init)", "trainer routes": name}
         row.update(mismatch(batch, out["log_probs"], out.get("routes")))
         row["tokens"] = int(batch["response_mask"].sum())

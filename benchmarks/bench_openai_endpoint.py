@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from benchmarks.common import print_table, write_json
 from workers.agents.examples.word_count import sample_texts
@@ -57,12 +58,15 @@ def jobs(n: int) -> list[AgentJob]:
 
 def scripted_policy(tok, delay_s: float) -> EngineLLM:
     call = tool_parser("hermes").format_call
+    function = COUNT_TOOL["function"]
+    assert isinstance(function, dict)  # the OpenAI tool schema's function: {"name": ..., ...}
+    tool_name = function["name"]
 
     def respond(prompt: str) -> str:
         if "<tool_response>" in prompt:
             return "ANSWER: 3"
         text = prompt.rsplit("How many words: ", 1)[1].split("<|im_end|>")[0]
-        return call(COUNT_TOOL["function"]["name"], {"text": text})
+        return call(tool_name, {"text": text})
 
     return EngineLLM(scripted_generate(tok, respond, delay_s=delay_s), tok)
 
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     thread = LoopThread(name="bench-openai-endpoint")
     engine = NativeEngine.from_pretrained(model, tok, EngineConfig(max_num_seqs=64, max_model_len=768))
     policies = {"scripted": scripted_policy(tok, args.delay_ms / 1000), "tiny engine": EngineLLM(engine, tok)}
-    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}
+    greedy: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": -1}  # both configs' sampling fields
     in_process = (WordCountToolEnvConfig(), WordCountToolConfig(max_new_tokens=96, **greedy))
     endpoint_env = OpenAIAgentEnvConfig(agent=OpenAIAgentConfig(program=PROGRAM, max_new_tokens=96, **greedy))
     endpoint = (endpoint_env, endpoint_env.agent)
@@ -105,11 +109,17 @@ def main(argv: list[str] | None = None) -> None:
         for scenario, policy in policies.items():
             loops = {
                 "in-process AgentLoop": (
-                    WordCountToolLoop(in_process[0], LoopContext(policy, None, tok)),
+                    WordCountToolLoop(
+                        in_process[0],
+                        LoopContext(policy, None, tok),  # type: ignore[arg-type]  # the loop uses no sandbox
+                    ),
                     in_process[1],
                 ),
                 "OpenAI endpoint": (
-                    OpenAIAgentLoop(endpoint[0], LoopContext(policy, None, tok)),
+                    OpenAIAgentLoop(
+                        endpoint[0],
+                        LoopContext(policy, None, tok),  # type: ignore[arg-type]  # the loop uses no sandbox
+                    ),
                     endpoint[1],
                 ),
             }

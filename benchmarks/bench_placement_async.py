@@ -49,6 +49,7 @@ from benchmarks.bench_placement import plan_overrides, pyplot
 from benchmarks.common import print_table
 from recipes import grpo_async
 from recipes.config import ConfigError, load_config
+from recipes.schemas import GRPOAsyncConfig
 from recipes.trainer import demonstrations, start_run, warm_start
 from recipes.trainer.data import prompt_batches, train_loader
 from recipes.trainer.run import resolve_device
@@ -245,7 +246,7 @@ def predictions(
         obs.append(cm.Observation(runs[n]["plan"], workload_of(m, runs[n]["rows"], lengths), stages))
     rates = cm.fit_rates(obs, parallel_limit)
     work = obs[-1].workload  # a sync run's step (response lengths of the trained policy move a little)
-    out = {}
+    out: dict[str, dict | None] = {}
     for n, r in runs.items():
         call = r["call_sequences"] if r["mode"] == "full" else None
         out[n] = cm.predict(rates, r["plan"], work, r["mode"], call).as_dict()
@@ -356,7 +357,9 @@ def main(argv: list[str] | None = None) -> dict:
         if own_ray:
             ray.shutdown()
         base = [*WORKLOAD, *args.overrides, f"model.path={model}"]
-        call_prompts = load_config(RECIPE, base).async_rl.groups_per_call
+        base_cfg = load_config(RECIPE, base)
+        assert isinstance(base_cfg, GRPOAsyncConfig)  # SCHEMAS[RECIPE]
+        call_prompts = base_cfg.async_rl.groups_per_call
         lengths, calls = measure_workload(base, out, call_prompts)
         print(f"[bench] workload response lengths on the warm start: {json.dumps(length_stats(lengths))}")
         for n, plan in plans.items():
@@ -369,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
             ]
             print(f"[bench] {n}: python -m recipes.{RECIPE} {' '.join(argv_run)}", flush=True)
             cfg = load_config(RECIPE, argv_run)
+            assert isinstance(cfg, GRPOAsyncConfig)  # SCHEMAS[RECIPE]
             start = time.perf_counter()
             result = grpo_async.main(argv_run)
             rows = cfg.data.train_batch_size * cfg.rollout.n
@@ -430,7 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _json_default(v):
-    if dataclasses.is_dataclass(v):
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):  # an instance (asdict refuses a class)
         return dataclasses.asdict(v)
     return str(v)
 

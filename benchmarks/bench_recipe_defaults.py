@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import print_table, write_json
@@ -29,7 +30,7 @@ RECIPES = ("grpo", "ppo", "grpo_async")
 NO_SIGNAL = "the reward tells no sample from another"  # recipes/trainer/steps.py's learning-signal warning
 
 
-def run_recipe(recipe: str, out: Path, overrides: list[str] = ()) -> dict:
+def run_recipe(recipe: str, out: Path, overrides: Sequence[str] = ()) -> dict:
     """The command as README shows it (plus ``overrides``, which then count as part of it), in a subprocess."""
     run_dir = out / recipe
     cmd = [sys.executable, "-m", f"recipes.{recipe}", f"trainer.default_local_dir={run_dir}"]

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.common import print_table, write_json
 from workers.distributed import free_port
-from workers.weight_sync.reshard import Resharder, paper_volume_bytes
+from workers.weight_sync.reshard import Resharder, ReshardStats, paper_volume_bytes
 from workers.weight_sync.reshard_plan import GenLayout, ReshardPlan, TrainLayout, hf_param_specs
 
 MIB = 1 << 20
@@ -61,9 +61,11 @@ LAYOUTS = {
 }
 
 
-def qwen2_shapes(hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, inter: int):
+def qwen2_shapes(
+    hidden: int, layers: int, vocab: int, heads: int, kv_heads: int, inter: int
+) -> list[tuple[str, tuple[int, ...]]]:
     head_dim = hidden // heads
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes += [
@@ -125,8 +127,9 @@ def _rank_main(rank: int, world: int, args: dict, out_path: str) -> None:
         contenders = [("regrouped", "regrouped", bucket), ("naive-full", "naive", None)]
         contenders.append(("naive-bucketed", "naive", bucket))
         resharders = {label: Resharder(plan, mode, device=device) for label, mode, _ in contenders}
-        times = {label: [] for label, _, _ in contenders}
-        stats, measured = {}, {}
+        times: dict[str, list[float]] = {label: [] for label, _, _ in contenders}
+        stats: dict[str, ReshardStats] = {}
+        measured: dict[str, int] = {}
         # contenders alternate run by run so that machine noise hits all of them alike; run 0 of each is
         # the warm-up and the correctness check
         for rep in range(args["repeats"] + 1):
@@ -138,20 +141,20 @@ def _rank_main(rank: int, world: int, args: dict, out_path: str) -> None:
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
-                got = {}
+                got: dict[str, torch.Tensor] = {}
                 for bucket_out in resharder.stream(local, bucket_bytes):
                     got.update(bucket_out)  # the generation shard is kept, as the rollout engine would
+                run_stats = resharder.stats
+                assert run_stats is not None  # stream() sets it
                 if cuda:
                     torch.cuda.synchronize()
-                    measured[label] = (
-                        torch.cuda.max_memory_allocated() - base - resharder.stats.gen_shard_bytes
-                    )
+                    measured[label] = torch.cuda.max_memory_allocated() - base - run_stats.gen_shard_bytes
                 elapsed = time.perf_counter() - t0
                 if rep == 0:
                     _check(got, specs, plan, rank, dtype, f"{label} {train}->{gen}")
                 else:
                     times[label].append(elapsed)
-                stats[label] = resharder.stats
+                stats[label] = run_stats
                 del got
         for label, mode, _ in contenders:
             resharders[label].destroy()

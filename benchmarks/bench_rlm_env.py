@@ -88,7 +88,7 @@ def measure(name: str, agent: RLMAgent, n: int, concurrency: int, context: str, 
         trajs, max_prompt_length=2048, max_response_length=2048, pad_token_id=pad, train_children=True
     )
     pack = time.perf_counter() - t1
-    statuses = {}
+    statuses: dict[str, int] = {}
     for r in results:
         statuses[r.root.status] = statuses.get(r.root.status, 0) + 1
     return {

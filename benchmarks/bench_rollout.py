@@ -37,6 +37,7 @@ import os
 import platform
 import random
 import time
+from typing import Any
 
 import torch
 import transformers
@@ -45,7 +46,7 @@ from benchmarks.common import QWEN2_0_5B_SHAPE
 from workers.rollout.native import EngineConfig, NativeEngine
 from workers.rollout.sampling import SamplingParams
 
-MODELS = {
+MODELS: dict[str, dict[str, Any]] = {  # Qwen2Config keyword arguments
     # ~1.3M parameters, the size of the project's own tiny model.
     "small": dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2),
@@ -71,7 +72,10 @@ def build_model(name: str, device: str, dtype: torch.dtype) -> transformers.Qwen
         initializer_range=0.1,
     )
     with torch.device(device):  # a 0.5B init takes seconds on a GPU, a minute on the CPU
-        model = transformers.Qwen2ForCausalLM(cfg).to(dtype=dtype).eval()
+        model = transformers.Qwen2ForCausalLM(cfg)
+        # in place (returns the model); seen as an nn.Module: transformers' @wraps-ed `to` is no method to mypy
+        module: torch.nn.Module = model
+        module.to(dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -89,7 +93,7 @@ def sync(device: str) -> None:
 
 def hf_generate(
     model, prompts: list[list[int]], new_tokens: int, device: str
-) -> tuple[float, list[list[int]]]:
+) -> tuple[float, float, list[list[int]]]:
     P = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), P, dtype=torch.long)
     mask = torch.zeros(len(prompts), P, dtype=torch.long)
@@ -112,7 +116,7 @@ def hf_generate(
     return time.perf_counter() - t0, time.process_time() - c0, out[:, P:].tolist()
 
 
-def native_generate(engine, prompts, budgets, device) -> tuple[float, list[list[int]]]:
+def native_generate(engine, prompts, budgets, device) -> tuple[float, float, list[list[int]]]:
     params = [SamplingParams(max_new_tokens=b, temperature=0.0, logprobs=True) for b in budgets]
     sync(device)
     t0, c0 = time.perf_counter(), time.process_time()

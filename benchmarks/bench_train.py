@@ -30,9 +30,11 @@ Writes outputs/bench_train.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -68,7 +70,7 @@ def layer_matmul_params(cfg) -> int:
     return cfg.num_hidden_layers * (q + kv + o + mlp)
 
 
-def train_flops(cfg, seq_lens: list[int], resp_tokens: int) -> float:
+def train_flops(cfg, seq_lens: Sequence[float], resp_tokens: int) -> float:
     tokens = sum(seq_lens)
     d = cfg.hidden_size
     dense = 6 * layer_matmul_params(cfg) * tokens
@@ -151,7 +153,9 @@ def padded_step_fn(model_path: str, batch: dict, device: torch.device, lr: float
     """Baseline: HF forward/backward on the padded batch, logits at every position, AdamW step."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa").to(device).train()
+    # an nn.Module to mypy: transformers' @wraps-ed `to` does not type-check as a method
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa")
+    model = model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     dev = {k: v.to(device) for k, v in batch.items()}
     r = dev["responses"].shape[1]
@@ -205,8 +209,8 @@ def run(args) -> dict:
             ),
         }
         n_params = engines["engine/varlen"].num_params
-        contenders = {
-            name: (lambda e=e: e.train_step(batch, pg_loss, max_token_len=args.max_token_len))
+        contenders: dict[str, Callable[[], object]] = {
+            name: functools.partial(e.train_step, batch, pg_loss, max_token_len=args.max_token_len)
             for name, e in engines.items()
         }
         contenders["padded-hf"] = padded_step_fn(model_path, batch, device, 1e-5)

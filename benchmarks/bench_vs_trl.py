@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 from unittest.mock import patch
 
 import pandas as pd
@@ -63,7 +63,21 @@ _ADDITION = re.compile(r"Compute (\d+)\+(\d+)\.")
 N_VAL = 200  # held-out prompts
 RACE_MAX_STEPS = 100_000  # a race ends on time, long before this
 
-WORK = {  # the GRPO settings both sides run
+
+class Work(TypedDict):
+    """``WORK``'s keys and types."""
+
+    n_prompts: int
+    n_samples: int
+    max_new_tokens: int
+    lr: float
+    temperature: float
+    clip_ratio: float
+    grad_clip: float
+    seed: int
+
+
+WORK: Work = {  # the GRPO settings both sides run
     "n_prompts": 4,
     "n_samples": 8,
     "max_new_tokens": 16,

@@ -123,6 +123,7 @@ def engine_run(model_dir: str, batch: dict, kind: str, mixed_precision: bool) ->
     t_step = time.perf_counter() - t0
     update = {n: t.detach().float().cpu() - before[n] for n, t in engine.full_state_dict_iter()}
     if kind == "megatron":
+        assert isinstance(engine, MegatronEngine)
         engine.destroy()  # megatron's parallel state is global: the next engine starts from none
     del engine
     return {"lp": lp, "grad_norm": float(m["grad_norm"]), "update": update, "fwd_s": t_fwd, "step_s": t_step}

@@ -117,6 +117,8 @@ def steps() -> list[Step]:
 def junit_counts(path: Path) -> dict:
     root = ET.parse(path).getroot()
     suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:  # was an AttributeError on None: same failure, clearer message
+        raise ValueError(f"{path}: no <testsuite> element")
     failed = [
         f"{case.get('classname')}::{case.get('name')}"
         for case in suite.iter("testcase")

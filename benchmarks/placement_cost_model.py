@@ -330,7 +330,13 @@ def fit_rates(observations: Sequence[Observation], parallel_limit: float = math.
     """Rates that reproduce the observations' stage times (``parallel_limit``: see the module doc)."""
     if not observations:
         raise ValueError("fit_rates needs at least one observation")
-    decode, fwd, train, local, bw, reward, controller = [], [], [], [], [], [], []
+    decode: list[tuple[float, float]] = []
+    fwd: list[float] = []
+    train: list[float] = []
+    local: list[float] = []
+    bw: list[float] = []
+    reward: list[float] = []
+    controller: list[float] = []
     for ob in observations:
         t, w, plan = ob.timings, ob.workload, ob.plan
         if "gen" in t:  # a sync step: one call per device, waiting for the longest response
@@ -357,15 +363,19 @@ def fit_rates(observations: Sequence[Observation], parallel_limit: float = math.
     sync_bw = _median(bw, "the weight broadcast") if bw else None
     sync_local = _median(local, "the in-process weight sync") if local else None
     w_bytes = statistics.median(o.workload.weight_bytes for o in observations)
-    if sync_bw is None and sync_local is None:
-        raise ValueError("cannot fit the weight sync: no observation measured update_weights")
+    if sync_local is None:
+        if sync_bw is None:
+            raise ValueError("cannot fit the weight sync: no observation measured update_weights")
+        sync_local = w_bytes / sync_bw
+    elif sync_bw is None:
+        sync_bw = w_bytes / max(sync_local, 1e-12)
     return StageRates(
         decode_t0=t0,
         decode_t1=t1,
         forward_tokens_per_s=_median(fwd, "the forward rate"),
         train_tokens_per_s=_median(train, "the training rate"),
-        sync_local_s=sync_local if sync_local is not None else w_bytes / sync_bw,
-        sync_bytes_per_s=sync_bw if sync_bw is not None else w_bytes / max(sync_local, 1e-12),
+        sync_local_s=sync_local,
+        sync_bytes_per_s=sync_bw,
         reward_s=statistics.median(reward) if reward else 0.0,
         controller_s=statistics.median(controller) if controller else 0.0,
         parallel_limit=parallel_limit,

@@ -43,6 +43,7 @@ from recipes.trainer.run import model_config
 from resource_pools import ResourcePool
 from workers.models.loading import load_tokenizer
 from workers.roles import ActorWorker
+from workers.roles.handles import ActorGroup, role_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +73,7 @@ def hyflow_update(model_dir: str, files: dict[str, str], batch: dict, out_dir: P
         actor = RayClassWithInitArgs(
             ActorWorker, model=model_config(cfg, model_dir), actor=cfg.actor, rollout=cfg.rollout
         )
-        group = RayWorkerGroup(pool, actor, name_prefix="trl_one_update")
+        group = role_group(RayWorkerGroup(pool, actor, name_prefix="trl_one_update"), ActorGroup)
         try:
             group.init_model()
             metrics = group.update_actor(data).meta_info["metrics"]
