@@ -180,3 +180,11 @@ def test_an_import_cycle_is_found(tmp_path, monkeypatch):
     (tmp_path / "recipes" / "c.py").write_text("import recipes.a\n")
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
     assert import_cycles(module_imports(("recipes",))) == [["recipes.a", "recipes.pkg.b"]]
+
+
+def test_mypy_checks_every_package():
+    """`make typecheck` reads `[tool.mypy] packages`: a package left out of it is not type checked at all."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"]
+    assert sorted(config["packages"]) == sorted(MAY_IMPORT)
