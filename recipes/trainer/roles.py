@@ -160,7 +160,9 @@ class Roles:
     def reference(self) -> RefGroup:
         """The reference role's group, which exists exactly when ``needs_reference(cfg)`` (the actor's, with LoRA)."""
         if self.ref is None:
-            raise RuntimeError("this run has no reference role: no KL term or teacher asks for one (needs_reference)")
+            raise RuntimeError(
+                "this run has no reference role: no KL term or teacher asks for one (needs_reference)"
+            )
         return self.ref
 
     def checkpointed(self) -> dict[str, ActorGroup | CriticGroup]:
