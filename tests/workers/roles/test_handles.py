@@ -35,6 +35,9 @@ SERVED_BY = {
         (ActorWorker, CriticWorker, RefWorker, RolloutWorker, EnvWorker, RewardWorker, PRMWorker),
     ),
 }
+# once a class has been made a Ray actor class in this process, Ray's tracing has given its methods this
+# keyword-only parameter, which the group call never takes
+RAY_TRACE_CONTEXT = "_ray_trace_ctx"
 PER_RANK_LISTS = {"one_to_all", "all_to_all"}  # the group call returns the ranks' results as a list
 RANK_ZERO = {"one_to_all_rank_zero", "rank_zero"}  # the group call returns rank 0's result
 
@@ -47,6 +50,8 @@ def group_signature(worker_cls: type, name: str) -> tuple[list[tuple], object]:
     hints = typing.get_type_hints(method)
     params = []
     for p in list(inspect.signature(method).parameters.values())[1:]:
+        if p.name == RAY_TRACE_CONTEXT:
+            continue
         kind, default = p.kind, p.default
         hint = hints[p.name]
         if mode == "all_to_all":  # one entry per rank; an omitted argument is the worker's default
@@ -98,6 +103,16 @@ def test_role_group_types_a_group_that_serves_the_role_and_names_what_is_missing
     assert handles.role_group(actor, handles.RefGroup) is actor
     with pytest.raises(TypeError, match=r"'g' \(RewardWorker\) cannot serve as ActorGroup: .*update_actor"):
         handles.role_group(unstarted_group(RewardWorker), handles.ActorGroup)
+
+
+def test_the_check_reads_the_methods_as_written_after_ray_wrapped_them():
+    """Ray wraps a worker class's methods in place when it becomes an actor class (earlier tests in the same
+    process do that): the group signatures stay the worker's own."""
+    import ray
+
+    ray.remote(RewardWorker)
+    assert "_ray_trace_ctx" in inspect.signature(RewardWorker.compute_rm_score).parameters
+    test_a_handles_method_is_the_workers_group_call(handles.RewardGroup, RewardWorker, "compute_rm_score")
 
 
 def test_a_renamed_worker_method_is_found(monkeypatch):
