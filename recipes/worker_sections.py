@@ -16,6 +16,7 @@ from recipes.sections import (
     device_worlds,
     engine_can,
     megatron_replicas,
+    needs_reference,
     samples_per_prompt,
     train_engine_can,
     uses_critic,
@@ -112,6 +113,22 @@ def _check_moe(errors: list[str], cfg: RecipeConfig) -> None:
             f"actor.moe.routing_replay={replay} replays a mixture of experts' routes, but the model is dense "
             f"({cfg.model.path or 'model.tiny_arch=' + cfg.model.tiny_arch}); set actor.moe.routing_replay=none"
         )
+    if cfg.actor.moe.reference_replay:
+        if moe is False:
+            errors.append(
+                "actor.moe.reference_replay=true replays a mixture of experts' routes in the reference, but the "
+                "model is dense; set it to false"
+            )
+        if not needs_reference(cfg):
+            errors.append(
+                "actor.moe.reference_replay=true, but no reference loads (actor.use_kl_loss and "
+                "algorithm.use_kl_in_reward are false); set it to false"
+            )
+        if not engine_can(cfg, "records_routes"):
+            errors.append(
+                f"actor.moe.reference_replay=true replays the experts the rollout engine chose, which "
+                f"rollout.name={cfg.rollout.name!r} does not record (records_routes=False)"
+            )
     if not moe:
         return
     roles = ["actor", "critic"] if uses_critic(cfg) else ["actor"]

@@ -247,7 +247,9 @@ def pool_roles(
         ref_mc = model_config(cfg, reference_path) if reference_path else mc
         roles["ref"] = (
             plan.pool_of("ref"),
-            RayClassWithInitArgs(RefWorker, model=ref_mc, rollout=cfg.rollout),
+            RayClassWithInitArgs(
+                RefWorker, model=ref_mc, rollout=cfg.rollout, reference_replay=cfg.actor.moe.reference_replay
+            ),
         )
     if critic:
         critic_mc = model_config(cfg, cfg.critic.model_path or run.model_path)

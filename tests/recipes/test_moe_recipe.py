@@ -24,6 +24,7 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
         *BRIEF_GRPO,
         "model.tiny_arch=moe",
         f"actor.moe.routing_replay={replay}",
+        f"actor.moe.reference_replay={str(replay == 'rollout').lower()}",  # the KL's reference on the same experts
         "algorithm.old_log_prob=recompute",  # the old log-prob pass runs (and replays, or gives its routes)
         "actor.moe.aux_loss_coef=0.01",
         "sft.total_steps=20",
@@ -64,6 +65,12 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
             "rollout.name='sglang' does not record",
         ),
         ("grpo", ["model.tiny_arch=moe", "actor.moe.routing_replay=r3"], "routing_replay must be one of"),
+        ("grpo", ["actor.moe.reference_replay=true"], "routes in the reference, but the model is dense"),
+        (
+            "grpo",
+            ["model.tiny_arch=moe", "actor.moe.reference_replay=true", "actor.use_kl_loss=false"],
+            "but no reference loads",
+        ),
         (
             "grpo",
             ["model.tiny_arch=moe", "rollout.tensor_model_parallel_size=2"],
@@ -109,36 +116,35 @@ def test_an_agent_environments_multi_turn_rows_carry_their_routes(ray_session, t
             f"trainer.default_local_dir={tmp_path / 'run'}",
         ]
     )
-    batch = result["last_batch"].batch
-    routes, real = batch["routed_experts"], batch["attention_mask"].bool()
-    assert routes.shape[:2] == real.shape and routes.shape[2:] == (2, 2)
-    P = batch["prompts"].shape[1]
-    for i in range(len(routes)):  # every row brought routes: its prompt's from its last call's prefill
-        have = routes[i, :, 0, 0] >= 0
-        assert have[:P][real[i, :P]].all() and not have[~real[i]].any()
-    assert result["final"]["actor/moe/route_mismatch"] == 0.0
-    assert result["final"]["actor/moe/unreplayed_share"] == 0.0
-    mask = batch["response_mask"].bool()
-    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
-    assert diff.numel() > 0 and float(diff.max()) < 1e-3
+    assert_rows_carry_their_routes(result)
 
 
-def test_the_rlm_repl_environments_rows_carry_their_routes(ray_session, tmp_path):
+@pytest.mark.parametrize("step_wise", [False, True])
+def test_the_rlm_repl_environments_rows_carry_their_routes(ray_session, tmp_path, step_wise):
     """The RLM recipe (the REPL environment: code, its output, more code; its own agent loop) on the tiny MoE
-    with rollout replay: its rows carry their last call's routes too, the trainer's routers agree with them
-    (fp32), and its log-probs are the engine's."""
+    with rollout replay: its rows (whole trajectories, or one row per call with ``env.step_wise``) carry their
+    call's routes too, the trainer's routers agree with them (fp32), and its log-probs are the engine's."""
     result = rlm.main(
         [
             *BRIEF_RLM,
             "model.tiny_arch=moe",
             "actor.moe.routing_replay=rollout",
+            f"env.step_wise={str(step_wise).lower()}",
             "trainer.val_before_train=false",
             "trainer.export_hf=false",
             f"trainer.default_local_dir={tmp_path / 'run'}",
         ]
     )
+    assert_rows_carry_their_routes(result)
+
+
+def assert_rows_carry_their_routes(result: dict) -> None:
+    """Every row of an agent recipe's last batch brought routes (its prompt's, from its call's prefill; none on
+    padding), the trainer's routers agreed with them (fp32) and replayed them all, and its log-probs are the
+    engine's."""
     batch = result["last_batch"].batch
     routes, real = batch["routed_experts"], batch["attention_mask"].bool()
+    assert routes.shape[:2] == real.shape and routes.shape[2:] == (2, 2)  # 2 routed layers, top-2
     P = batch["prompts"].shape[1]
     for i in range(len(routes)):
         have = routes[i, :, 0, 0] >= 0

@@ -69,6 +69,9 @@ class MoEConfig:
         0.0  # Switch-style load-balancing loss (moe.load_balancing_loss), added to the loss
     )
     z_loss_coef: float = 0.0  # router z-loss (moe.router_z_loss): mean logsumexp(router logits)^2
+    # the reference's forward (the KL term's log-probs) uses the experts the rollout engine chose too, so the KL
+    # compares the two policies on the same experts; its routers choose otherwise
+    reference_replay: bool = False
 
     def __post_init__(self):
         if self.routing_replay not in ROUTING_REPLAY:

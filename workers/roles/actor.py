@@ -84,6 +84,7 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
         self.model_config = model
         self.actor_config = actor
         self.rollout_config = rollout
+        self.reference_replay = actor.moe.reference_replay  # with LoRA, its base model is the reference
         self._check_config()
 
     def _check_config(self) -> None:
@@ -113,7 +114,12 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
     # -- the reference, with LoRA: the frozen base ---------------------------------------------------------------
 
     def _reference_log_probs(
-        self, method: str, inputs: Mapping[str, torch.Tensor], temperature: float, micro: MicroBatchKwargs
+        self,
+        method: str,
+        inputs: Mapping[str, torch.Tensor],
+        temperature: float,
+        micro: MicroBatchKwargs,
+        replay_routes: str | None = None,
     ) -> torch.Tensor:
         engine = self._require_engine(method)
         if not self.actor_config.lora.enabled:
@@ -122,7 +128,10 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
                 "model); without LoRA the reference is a RefWorker of its own"
             )
         with as_lora_engine(engine, f"{self.tag}: {method}").base_model_mode():
-            return engine.compute_log_prob(inputs, temperature=temperature, **micro)["log_probs"]
+            out = engine.compute_log_prob(
+                inputs, temperature=temperature, replay_routes=replay_routes, **micro
+            )
+            return out["log_probs"]
 
     # -- forward ----------------------------------------------------------------------------------------------
 

@@ -216,6 +216,8 @@ class EngineRoleWorker(Worker):
     model_config: ModelConfig  # set by the subclass's __init__
     rollout_config: RolloutConfig
     _engine_offloaded = False
+    # the reference forward replays the rollout's expert routes (actor.moe.reference_replay; docs/moe.md)
+    reference_replay = False
 
     # -- messages and checks ---------------------------------------------------------------------------------
 
@@ -258,12 +260,20 @@ class EngineRoleWorker(Worker):
         )
 
     def _reference_log_probs(
-        self, method: str, inputs: Mapping[str, torch.Tensor], temperature: float, micro: MicroBatchKwargs
+        self,
+        method: str,
+        inputs: Mapping[str, torch.Tensor],
+        temperature: float,
+        micro: MicroBatchKwargs,
+        replay_routes: str | None = None,
     ) -> torch.Tensor:
         """The reference's log-probs of ``inputs`` (`workers.roles.reference.compute_ref_log_prob`): this
-        role's engine as it is (a LoRA actor overrides it with its base model)."""
+        role's engine as it is (a LoRA actor overrides it with its base model); ``replay_routes``: the column of
+        expert routes its routers use (None: they choose)."""
         engine = self._require_engine(method)
-        return engine.compute_log_prob(inputs, temperature=temperature, **micro)["log_probs"]
+        return engine.compute_log_prob(inputs, temperature=temperature, replay_routes=replay_routes, **micro)[
+            "log_probs"
+        ]
 
     def _require_engine(self, method: str) -> TrainEngine:
         """The engine, brought back first if a colocated role offloaded it (`offload_engine`)."""

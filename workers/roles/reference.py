@@ -18,6 +18,7 @@ import torch
 from controller import Dispatch, Inputs, register
 from dataproto import DataProto
 from workers.config import ModelConfig, RolloutConfig
+from workers.engine.moe_forward import ROLLOUT_ROUTES
 from workers.roles.common import (
     FORWARD_KEYS,
     EngineRoleWorker,
@@ -69,12 +70,14 @@ def build_teacher_inputs(
 # the model is loaded). Each role binds them as its own methods; its ``_reference_log_probs`` runs the forward.
 
 
-@register(Dispatch.DP_COMPUTE_PROTO, inputs=Inputs(batch=FORWARD_KEYS))
+@register(Dispatch.DP_COMPUTE_PROTO, inputs=Inputs(batch=FORWARD_KEYS, optional=(ROLLOUT_ROUTES,)))
 def compute_ref_log_prob(self: EngineRoleWorker, data: DataProto) -> DataProto:
     """``ref_log_prob`` [B, R] of the responses at ``meta_info["temperature"]`` (default rollout.temperature, the
-    same temperature the actor's log-probs use); micro-batching from rollout.log_prob_*."""
+    same temperature the actor's log-probs use); micro-batching from rollout.log_prob_*. A mixture of experts
+    replays the rollout's routes with ``actor.moe.reference_replay`` (the role's ``reference_replay``)."""
     temperature, micro = log_prob_settings(self.tag, self.rollout_config, data.meta_info)
-    lp = self._reference_log_probs("compute_ref_log_prob", data.batch, temperature, micro)
+    replay = ROLLOUT_ROUTES if self.reference_replay else None
+    lp = self._reference_log_probs("compute_ref_log_prob", data.batch, temperature, micro, replay)
     return DataProto.from_dict({"ref_log_prob": lp}, meta_info={"temperature": temperature})
 
 
@@ -115,9 +118,10 @@ class RefWorker(EngineRoleWorker):
     compute_ref_log_prob = compute_ref_log_prob
     compute_teacher_log_prob = compute_teacher_log_prob
 
-    def __init__(self, model: ModelConfig, rollout: RolloutConfig):
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig, reference_replay: bool = False):
         self.model_config = model
         self.rollout_config = rollout
+        self.reference_replay = reference_replay
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
