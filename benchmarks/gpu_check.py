@@ -23,7 +23,10 @@ Order (what a GPU can tell us that nothing here can, most valuable first):
                       passed, 12 failed mixing cuda:0 and cpu tensors or comparing fp32 Megatron with bf16 FSDP.)
   (after grpo_step) vocab_head  the chunked vocabulary head against the unfused log-probs + entropy at 16,384
                       tokens x 151,936, bf16: peak memory and time of forward + backward (benchmarks.bench_vocab_head)
-  (after vocab_head) lora  LoRA against full fine-tuning at the 0.5B shape: the training engine's peak memory,
+  (after vocab_head) moe_replay  a 0.5B-active Qwen3-MoE (32 experts, top-4) and its dense twin, bf16 rollout on the
+                      native engine (grouped expert matmuls on CUDA) against the FSDP trainer, with and without
+                      rollout routing replay: route mismatch, log-prob difference, k3 KL (benchmarks.bench_moe_replay)
+  (after moe_replay) lora  LoRA against full fine-tuning at the 0.5B shape: the training engine's peak memory,
                       adapter vs full sync bytes and time into the native engine on CUDA (benchmarks.bench_lora)
   9. compile          model.compile / rollout.compile against eager: the train step and the native engine's
                       generation, the compile time apart (benchmarks.bench_compile)
@@ -98,6 +101,11 @@ def steps() -> list[Step]:
              ["-m", "benchmarks.bench_vocab_head", "--tokens", "256", "--vocab", "32000", "--hidden", "256",
               "--out", "{work}/vocab_head.json"],
              90, 30, "{work}/vocab_head.json"),
+        Step("moe_replay",
+             ["-m", "benchmarks.bench_moe_replay", "--shape", "0.5b-active", "--device", "cuda",
+              "--max-new-tokens", "128"],
+             ["-m", "benchmarks.bench_moe_replay", "--prompts", "4", "--n", "2", "--max-new-tokens", "16"],
+             150, 60, "outputs/bench_moe_replay.json"),
         Step("lora", ["-m", "benchmarks.bench_lora", "--shapes", "qwen2-0.5b"],
              ["-m", "benchmarks.bench_lora", "--shapes", "tiny"], 120, 40, "outputs/bench_lora.json"),
         Step("train_mfu", ["-m", "benchmarks.bench_train", "--steps", "3"],

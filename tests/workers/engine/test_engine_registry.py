@@ -10,7 +10,6 @@ from pathlib import Path
 
 import engine_testlib as T
 import pytest
-import torch
 
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
 from workers.engine import FSDPEngine, LoRAConfig, MegatronConfig
@@ -58,12 +57,7 @@ class CountingEngine(FSDPEngine):
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/workers/conftest.py
 
 
 @pytest.fixture(scope="module")

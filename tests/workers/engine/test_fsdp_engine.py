@@ -38,13 +38,7 @@ from workers.engine.packing import group_rows_by_prompt, restore_order
 R = 10  # response length of T.make_batch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box two threads thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/workers/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -46,12 +46,7 @@ def model_dir(tmp_path_factory):
     return T.make_model_dir(tmp_path_factory.mktemp("megatron_model"), seed=3)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/workers/conftest.py
 
 
 # ------------------------------------------------------------------------------------ conversion only

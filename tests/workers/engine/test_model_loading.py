@@ -16,14 +16,7 @@ from workers.models import (
     resolve_dtype,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core box two threads thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/workers/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,7 @@ from workers.rollout.sampling import SamplingParams
 LOGPROB_TOL = 1e-4  # fp32, as the dense engine's parity tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/workers/conftest.py
 
 
 def moe_model(seed: int = 0) -> Qwen3MoeForCausalLM:
