@@ -91,6 +91,36 @@ def test_native_moe_greedy_equals_hf_generate_and_records_hf_routes(model, max_n
         assert engine.stats["prefill_tokens"] == engine.stats["prompt_tokens"] - 9
 
 
+def test_a_request_that_spans_a_weight_update_keeps_each_segments_routes(model):
+    """A partial rollout (async, ``on_weight_update=partial``): the positions the old weights ran keep the old
+    routers' choices, and those after the update are the new routers' over the cache the old weights wrote --
+    what HF computes when the new model continues the old model's cache."""
+    new_model = moe_model(seed=1)
+    engine = NativeEngine(model, config=EngineConfig(max_num_seqs=2, max_model_len=64))
+    prompt = prompts_of([7])[0]
+    [request] = engine.add_request(
+        prompt, SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[])
+    )
+    engine.step()
+    engine.step()
+    boundary = sum(len(r) for r in request.routes)  # positions fed to the old weights
+    engine.update_weights(list(new_model.state_dict().items()), version=1)
+    while engine.has_unfinished():
+        engine.step()
+    out = request.output()
+    seq = prompt + out.token_ids
+    assert out.routes is not None and out.routes.shape[0] == len(seq) - 1  # every fed position
+    assert len(prompt) < boundary < len(seq) - 1 and 0 in out.versions and 1 in out.versions
+    old = hf_routes(model, seq[:-1])
+    with torch.inference_mode():
+        cache = model(torch.tensor([seq[:boundary]]), use_cache=True).past_key_values
+        with record_routes(new_model) as record:
+            new_model(torch.tensor([seq[boundary:-1]]), cache=cache, use_cache=True)
+    assert same_sets(out.routes[:boundary], old[:boundary])
+    assert same_sets(out.routes[boundary:], record.routes())
+    assert not same_sets(out.routes[boundary:], old[boundary:])  # the new routers did choose
+
+
 def test_rollout_batch_carries_routes_aligned_with_input_ids(model):
     prompts = prompts_of([4, 11])
     outs, batch = rollout_batch(model, prompts, max_new_tokens=6)
