@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from recipe_testlib import BRIEF_GRPO, BRIEF_RLM
 
-from recipes import grpo, rlm
+from recipes import grpo, ppo, rlm
 from recipes.config import ConfigError, load_config
 from recipes.trainer.run import start_run
 from workers.agents.examples.word_count import write_dataset
@@ -48,6 +48,27 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
         # one mini-batch: the update's first forward replays the routes the old log-probs were computed with,
         # so its ratio is exactly 1 (a wrong or shifted route column would move it)
         assert abs(row["actor/ppo_kl"]) < 1e-6
+
+
+def test_ppo_trains_the_tiny_moe_with_an_moe_critic(ray_session, tmp_path):
+    """PPO on the tiny MoE: the critic is the same mixture of experts with a value head, and the actor replays
+    the rollout's routes."""
+    overrides = [
+        *BRIEF_GRPO,
+        "model.tiny_arch=moe",
+        "actor.moe.routing_replay=rollout",
+        "critic.ppo_mini_batch_size=2",
+        "sft.total_steps=2",
+        "trainer.total_training_steps=2",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    ]
+    cfg = load_config("ppo", overrides)
+    history = ppo.train(cfg, start_run(cfg, "ppo", start_ray=False))["history"]
+    steps = [row for row in history if row["step"] >= 1]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["actor/moe/route_mismatch"] == 0.0 and row["actor/moe/unreplayed_share"] == 0.0
+        assert row["critic/vf_loss"] > 0 and row["critic/grad_norm"] > 0
 
 
 @pytest.mark.parametrize(
