@@ -148,8 +148,8 @@ def _check_moe(errors: list[str], cfg: RecipeConfig) -> None:
     if replay == "rollout" and not engine_can(cfg, "records_routes"):
         errors.append(
             f"actor.moe.routing_replay=rollout replays the experts the rollout engine chose, which "
-            f"rollout.name={cfg.rollout.name!r} does not record (records_routes=False); use rollout.name=native or "
-            "actor.moe.routing_replay=old_log_prob"
+            f"rollout.name={cfg.rollout.name!r} does not record (records_routes=False); use rollout.name=native "
+            "or sglang, or actor.moe.routing_replay=old_log_prob"
         )
 
 

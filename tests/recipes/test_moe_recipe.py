@@ -80,10 +80,14 @@ def test_ppo_trains_the_tiny_moe_with_an_moe_critic(ray_session, tmp_path):
             "actor.strategy='megatron' does not train",
         ),
         ("grpo", ["actor.moe.routing_replay=rollout"], "but the model is dense"),
-        (
+        (  # an engine class that records no routes (SGLang records them: tests/workers/rollout/test_sglang_routes.py)
             "grpo",
-            ["model.tiny_arch=moe", "actor.moe.routing_replay=rollout", "rollout.name=sglang"],
-            "rollout.name='sglang' does not record",
+            [
+                "model.tiny_arch=moe",
+                "actor.moe.routing_replay=rollout",
+                "rollout.name=workers.rollout.base:RolloutEngine",
+            ],
+            "rollout.name='workers.rollout.base:RolloutEngine' does not record",
         ),
         ("grpo", ["model.tiny_arch=moe", "actor.moe.routing_replay=r3"], "routing_replay must be one of"),
         ("grpo", ["actor.moe.reference_replay=true"], "routes in the reference, but the model is dense"),

@@ -43,12 +43,16 @@ single commit hash covers every file -- the per-file commits are listed below wh
   into a ``uint8`` buffer; ``FlattenedTensorBucket.supports_multi_dtypes``.
 * ``python/sglang/srt/constants.py``: memory tags ``"kv_cache"``, ``"weights"``, ``"cuda_graph"``;
   the scheduler treats ``tags=None`` as all of them and asserts the server is idle.
+* routed experts (R3), read from the installed 0.5.20 wheel: see the notes in ``convert.py``
+  (``enable_return_routed_experts``, ``return_routed_experts``, ``meta_info["routed_experts"]``).
 * ``python/sglang/srt/server_args.py``: ``model_path``, ``dtype``, ``mem_fraction_static``,
   ``tp_size``, ``random_seed``, ``base_gpu_id``, ``log_level``, ``attention_backend``,
   ``enable_memory_saver``, ``enable_deterministic_inference``, ``trust_remote_code``.
 """
 
 from workers.rollout.sglang.convert import (
+    RouteLayout,
+    decode_routed_experts,
     expand_requests,
     output_to_generation,
     parse_finish_reason,
@@ -65,10 +69,12 @@ from workers.rollout.sglang.rollout import (
 
 __all__ = [
     "INSTALL_HINT",
+    "RouteLayout",
     "SGLangEngineDied",
     "SGLangRollout",
     "SGLangRolloutConfig",
     "config_from_dict",
+    "decode_routed_experts",
     "expand_requests",
     "import_sglang",
     "output_to_generation",

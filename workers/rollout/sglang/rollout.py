@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -62,9 +63,14 @@ from workers.rollout.base import RolloutEngine, rollout_dtype, rollout_seed
 from workers.rollout.batch import prompt_rows, rollout_dataproto
 from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta, token_id_list
 from workers.rollout.sglang.convert import (
+    ROUTE_RECORDING_ARCHITECTURES,
+    RouteLayout,
+    architecture,
     expand_requests,
+    is_moe_config,
     output_to_generation,
 )
+from workers.rollout.sglang.convert import route_layout as layout_of_config
 from workers.rollout.sglang.lifecycle import EngineLifecycle
 from workers.weight_sync.buckets import bucket_mb_to_bytes, flatten_bucket, iter_buckets
 
@@ -174,6 +180,11 @@ class SGLangRolloutConfig:
     pad_token_id: int | None = None  # None: meta_info["pad_token_id"], else the tokenizer's
     eos_token_ids: list[int] | None = None  # reported in meta_info; None: generation config + tokenizer
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # mixture of experts: record each position's experts (GenerationOutput.routes; the engine starts with
+    # enable_return_routed_experts and every request asks for them). None: for an MoE model whose config.json is
+    # in model_path and whose SGLang class records them (convert.ROUTE_RECORDING_ARCHITECTURES); True: required
+    # (an error where that does not hold); False: never
+    record_routes: bool | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -197,6 +208,28 @@ class SGLangRolloutConfig:
         if isinstance(self.sampling, Mapping):
             self.sampling = SamplingParams(**self.sampling)
 
+    def route_layout(self) -> RouteLayout | None:
+        """The layout of the routes this engine records (see ``record_routes``), or None where it records none."""
+        if self.record_routes is False:
+            return None
+        hf = _hf_config(self.model_path)
+        reason = None
+        if hf is None:
+            reason = f"no config.json in {self.model_path}"
+        elif not is_moe_config(hf):
+            reason = "the model is dense"
+        elif architecture(hf) not in ROUTE_RECORDING_ARCHITECTURES:
+            reason = (
+                f"SGLang's {architecture(hf)} records no per-layer routes (its TopK has no layer_id; recorded for "
+                f"{', '.join(ROUTE_RECORDING_ARCHITECTURES)})"
+            )
+        if reason is None:
+            assert hf is not None
+            return layout_of_config(hf)
+        if self.record_routes:
+            raise ValueError(f"record_routes=True, but {reason}")
+        return None
+
     def server_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``sglang.Engine(**kwargs)`` (= ``ServerArgs`` fields)."""
         kwargs: dict[str, Any] = dict(
@@ -217,6 +250,8 @@ class SGLangRolloutConfig:
             kwargs["attention_backend"] = self.attention_backend
         elif self.device == "cpu":
             kwargs["attention_backend"] = "torch_native"  # SGLang's CPU kernels are not on the registries
+        if self.route_layout() is not None:
+            kwargs["enable_return_routed_experts"] = True  # creates SGLang's RoutedExpertsCapturer
         clash = sorted(set(kwargs) & set(self.engine_kwargs))
         if clash:
             raise ValueError(f"engine_kwargs repeats field(s) {clash} that have their own config entries")
@@ -238,6 +273,15 @@ class SGLangRollout(RolloutEngine):
     # which raises "pin_memory=True requires a CUDA or other accelerator backend" without one. On CUDA it would
     # start; that path is untested here, so it stays off rather than shipping unverified.
 
+    # Routes (R3): for a Qwen3-MoE / Qwen2-MoE model (the MoE classes the trainer replays that SGLang records for)
+    # the engine starts with enable_return_routed_experts and every request asks for them; decoded into
+    # GenerationOutput.routes with the native engine's alignment (convert.decode_routed_experts). For Mixtral and
+    # OLMoE, SGLang 0.5.20 records no per-layer routes (convert.ROUTE_RECORDING_ARCHITECTURES): the adapter warns
+    # at start and brings none, and a trainer told to replay them stops at its first step, naming the missing
+    # column (workers/engine/moe_forward.py). Verified at the unit level only: SGLang's CPU engine does not run
+    # an MoE model (docs/moe.md).
+    records_routes = True
+
     def __init__(self, config: SGLangRolloutConfig, engine: Any | None = None):
         """Start an engine from ``config``; or wrap ``engine``, already built (its processes then unknown)."""
         self.config = config
@@ -254,6 +298,16 @@ class SGLangRollout(RolloutEngine):
         self._eos_token_ids = None if config.eos_token_ids is None else token_id_list(config.eos_token_ids)
         self._tokenizer: Any = None  # a Hugging Face tokenizer, looked up on first use
         self._warned_seed = False
+        self._routes = config.route_layout()
+        if self._routes is None and config.record_routes is None:
+            hf = _hf_config(config.model_path)
+            if hf is not None and is_moe_config(hf):
+                logger.warning(
+                    "SGLang engine %s: a mixture of experts (%s) for which SGLang records no per-layer routes; "
+                    "its outputs bring none (actor.moe.routing_replay=rollout cannot replay them)",
+                    name,
+                    architecture(hf),
+                )
         self.weight_version = 0  # the policy version of the loaded weights (update_weights' ``version``)
 
     @classmethod
@@ -344,14 +398,14 @@ class SGLangRollout(RolloutEngine):
         raw = self.life.call(
             f"generate_sequences of {len(input_ids)} requests (prompt lengths {_lengths(input_ids)})",
             lambda: self.engine.generate(
-                input_ids=input_ids, sampling_params=sampling, return_logprob=params.logprobs
+                input_ids=input_ids, sampling_params=sampling, **self._request_kwargs(params)
             ),
         )
         if isinstance(raw, Mapping):  # a single request comes back as a dict, a batch as a list
             raw = [raw]
         if len(raw) != len(input_ids):
             raise RuntimeError(f"SGLang returned {len(raw)} outputs for {len(input_ids)} requests")
-        outputs = [output_to_generation(r, want_log_probs=params.logprobs) for r in raw]
+        outputs = [self._output(r, params, len(ids)) for r, ids in zip(raw, input_ids)]
         for o in outputs:
             o.versions = [version] * len(o.token_ids)
         generated = sum(len(o.token_ids) for o in outputs)
@@ -387,14 +441,27 @@ class SGLangRollout(RolloutEngine):
             self.engine.async_generate(
                 input_ids=input_ids[0] if single else input_ids,
                 sampling_params=sampling[0] if single else sampling,
-                return_logprob=params.logprobs,
+                **self._request_kwargs(params),
             ),
         )
         raw = [raw] if isinstance(raw, Mapping) else list(raw)
         if len(raw) != params.n:
             raise RuntimeError(f"SGLang returned {len(raw)} outputs for {params.n} samples")
-        outs = [output_to_generation(r, want_log_probs=params.logprobs) for r in raw]
+        outs = [self._output(r, params, len(ids)) for r in raw]
         return outs if params.n > 1 else outs[0]
+
+    def _request_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """The ``Engine.generate`` / ``async_generate`` keywords besides the prompts and sampling params."""
+        kwargs: dict[str, Any] = {"return_logprob": params.logprobs}
+        if self._routes is not None:
+            # meta_info["routed_experts"], every position from the first (routed_experts_start_len=0)
+            kwargs["return_routed_experts"] = True
+        return kwargs
+
+    def _output(self, raw: Mapping[str, Any], params: SamplingParams, prompt_length: int) -> GenerationOutput:
+        return output_to_generation(
+            raw, want_log_probs=params.logprobs, routes=self._routes, prompt_length=prompt_length
+        )
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(
@@ -596,6 +663,14 @@ class SGLangRollout(RolloutEngine):
                 "enable_deterministic_inference (SGLangRolloutConfig.deterministic=False); SGLang ignores "
                 "sampling_seed then, so seeded requests are not reproducible"
             )
+
+
+def _hf_config(model_path: str) -> dict[str, Any] | None:
+    """The model's ``config.json`` (None where ``model_path`` is not a local folder holding one)."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text())
 
 
 def _lengths(id_lists: list[list[int]]) -> str:
