@@ -49,6 +49,7 @@ from workers.models.loading import build_on_meta, can_build_on_meta
 from workers.models.meta_init import full_tensors, use_placeholders
 from workers.rollout.base import RolloutEngine, rollout_dtype, rollout_seed
 from workers.rollout.batch import prompt_rows, rollout_dataproto
+from workers.rollout.native.graphs import REPLAYS, DecodeGraphs, graph_refusal
 from workers.rollout.native.model import NativeCausalLM
 from workers.rollout.native.sampler import BatchSampler
 from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta, token_id_list
@@ -71,6 +72,13 @@ class EngineConfig:
     detokenize: bool = True  # fill GenerationOutput.text when a tokenizer is present
     step_in_thread: bool = True  # async API: run each step on a worker thread
     compile: bool = False  # torch.compile the layer blocks around attention (NativeCausalLM.compile_blocks)
+    # decode steps replayed as CUDA graphs (graphs.py): None (auto) = on with a CUDA device for the models that
+    # can be captured (not under tensor parallelism, not a mixture of experts); True asks for them and raises
+    # naming why they cannot be had
+    cuda_graphs: bool | None = None
+    # "cuda": capture; "eager": run the same static, bucketed step uncaptured (no CUDA here: the CPU tests; on a
+    # GPU: tells a capture problem from a static-step problem)
+    graph_replay: str = "cuda"
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -79,6 +87,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"EngineConfig.max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.graph_replay not in REPLAYS:
+            raise ValueError(f"EngineConfig.graph_replay must be one of {REPLAYS}, got {self.graph_replay!r}")
 
 
 class Request:
@@ -171,6 +181,7 @@ class NativeEngine(RolloutEngine):
         )
         if self.config.compile:
             self.model.compile_blocks()
+        self.graphs = self._decode_graphs()
         # global rank of TP rank 0, the rank whose sampled tokens every TP rank takes
         self._sample_src = dist.get_global_rank(tp_group, 0) if self.model.tp_group is not None else None
         self.max_model_len = max_len
@@ -219,7 +230,17 @@ class NativeEngine(RolloutEngine):
             "prefill_time_s": 0.0,
             "decode_time_s": 0.0,  # wall time of decode forwards + sampling (synchronised by .tolist())
             "decode_kv_tokens": 0,  # cache positions attended over all decode steps (for bandwidth math)
+            "graph_captures": 0,  # decode graphs captured (graphs.py), their seconds and replays
+            "graph_capture_s": 0.0,
+            "graph_replays": 0,
         }
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        want, replay = self.config.cuda_graphs, self.config.graph_replay
+        if want is None:  # auto: where they can be had
+            capturable = replay == "eager" or self.model.device.type == "cuda"
+            want = capturable and graph_refusal(self.model) is None
+        return DecodeGraphs(self.model, replay) if want else None
 
     @classmethod
     def from_pretrained(
@@ -429,22 +450,32 @@ class NativeEngine(RolloutEngine):
             self.stats["prompt_tokens"] += sum(len(r.prompt) for r in chunk)
             self.stats["prefill_tokens"] += total
             self.stats["prefill_forwards"] += 1
-            self._accept(chunk, self._make_sampler(chunk), logits, finished)
+            self._take(chunk, *self._sample(chunk, self._make_sampler(chunk), logits), finished)
             self.stats["prefill_time_s"] += time.perf_counter() - t0
         self._decode_sampler = None
 
     def _decode(self, finished: list[Request]) -> None:
         running = self._running
         t0 = time.perf_counter()
-        logits = self.model.decode([r.tokens[-1] for r in running], [r.seq_len for r in running])
-        for r in running:
-            r.seq_len += 1
-        if self.model.last_routes is not None:
-            for r, step_routes in zip(running, self.model.last_routes.cpu().split(1)):
-                r.routes.append(step_routes)
         if self._decode_sampler is None:
             self._decode_sampler = self._make_sampler(running)
-        self._accept(running, self._decode_sampler, logits, finished)
+        sampler = self._decode_sampler
+        tokens, positions = [r.tokens[-1] for r in running], [r.seq_len for r in running]
+        if self.graphs is not None:
+            sampled = self.graphs.decode(tokens, positions, sampler, self._uniforms(running, sampler))
+            graph_stats = self.graphs.stats
+            self.stats["graph_captures"] = graph_stats["captures"]
+            self.stats["graph_capture_s"] = graph_stats["capture_s"]
+            self.stats["graph_replays"] = graph_stats["replays"]
+        else:
+            logits = self.model.decode(tokens, positions)
+            if self.model.last_routes is not None:
+                for r, step_routes in zip(running, self.model.last_routes.cpu().split(1)):
+                    r.routes.append(step_routes)
+            sampled = self._sample(running, sampler, logits)
+        for r in running:
+            r.seq_len += 1
+        self._take(running, *sampled, finished)
         self.stats["decode_time_s"] += time.perf_counter() - t0
         self.stats["decode_steps"] += 1
         self.stats["decode_kv_tokens"] += sum(r.seq_len for r in running)
@@ -457,9 +488,18 @@ class NativeEngine(RolloutEngine):
             self.model.device,
         )
 
-    def _accept(self, reqs: list[Request], sampler: BatchSampler, logits, finished: list[Request]) -> None:
-        uniforms = None if sampler.all_greedy else [r.rng.random() if r.rng else 0.0 for r in reqs]
-        tokens, logps = sampler.sample(logits, uniforms)
+    @staticmethod
+    def _uniforms(reqs: list[Request], sampler: BatchSampler) -> list[float] | None:
+        """One draw from each request's own stream (a seeded request samples alike in any batch)."""
+        return None if sampler.all_greedy else [r.rng.random() if r.rng else 0.0 for r in reqs]
+
+    def _sample(
+        self, reqs: list[Request], sampler: BatchSampler, logits
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sampler.sample(logits, self._uniforms(reqs, sampler))
+
+    def _take(self, reqs: list[Request], tokens, logps, finished: list[Request]) -> None:
+        """Append each request's sampled token and log-prob; finish the requests that stop."""
         if self._sample_src is not None:
             # One broadcast of (token, log-prob) pairs; float64 holds both exactly.
             both = torch.stack((tokens.double(), logps.double()))
@@ -645,6 +685,7 @@ class NativeEngine(RolloutEngine):
             for j in range(len(rows))
         ]
         steps0 = self.stats["decode_steps"]
+        graphs0 = dict(self.graphs.stats) if self.graphs is not None else {}
         outs = [group[0] for group in self.generate_batch(rows, row_params)]
         generated = sum(len(o.token_ids) for o in outs)
         elapsed = time.perf_counter() - t0
@@ -658,6 +699,8 @@ class NativeEngine(RolloutEngine):
                 "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             }
         )
+        if self.graphs is not None:
+            meta.update(self.graphs.metrics(since=graphs0))
         return rollout_dataproto(
             prompts, source, rows, outs, pad_token_id=pad, response_length=response_length, meta=meta
         )
@@ -673,6 +716,8 @@ class NativeEngine(RolloutEngine):
         ``update_weights`` with every parameter is needed before generating again)."""
         with self._model_lock:
             self._require_idle("release_memory")
+            if self.graphs is not None:  # they read the cache (and the weights) being freed
+                self.graphs.clear()
             self.model.free_kv()
             if weights:
                 self.model.free_weights()

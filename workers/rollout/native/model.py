@@ -790,14 +790,12 @@ class NativeCausalLM:
         ``[B, vocab]``."""
         s = self.spec
         B = len(tokens)
-        nkv, g, hd, T_max = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim, self.max_model_len
+        nkv, g, hd = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
         dev = self.device
         groups = self._row_groups([p + 1 for p in positions], self.GROUP_COST_TOKENS, self.MIN_GROUP_ROWS)
         T = max(t for _, _, t in groups)
         tokens_t = torch.tensor(tokens, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        cos = self.cos[pos][:, None, :]
-        sin_signed = self.sin_signed[pos][:, None, :]
         # Row b sees cache positions <= positions[b]; later ones are stale or belong to nobody.
         steps = torch.arange(T, device=dev)[None, :]
         mask = torch.zeros(B, T, dtype=self.dtype, device=dev)
@@ -813,29 +811,74 @@ class NativeCausalLM:
                 lo = 0 if w is None else max(0, min(positions[a:e]) - w + 1)
                 rows = m[a:e, None, None, lo:t].expand(e - a, nkv, 1, t - lo)
                 masks[w].append((lo, rows.reshape((e - a) * nkv, 1, t - lo)))
+
+        def attend(q, kc, vc, window):  # q [B*nkv, g, hd] -> [B*nkv, g, hd], group by group
+            attn = torch.empty(B * nkv, g, hd, dtype=self.dtype, device=dev)
+            for (a, e, t), (lo, m) in zip(groups, masks[window]):
+                keys = kc[a:e, :, lo:t].flatten(0, 1)  # [rows*nkv, t - lo, hd], a view
+                values = vc[a:e, :, lo:t].flatten(0, 1)
+                self._attend_rows(q[a * nkv : e * nkv], keys, values, m, out=attn[a * nkv : e * nkv])
+            return attn
+
+        return self._decode_layers(tokens_t, pos, attend)
+
+    def decode_static(self, tokens: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """``decode`` with fixed shapes and no host reads, the form a CUDA graph captures (``graphs.py``):
+        ``tokens``/``pos`` are device tensors ``[B]`` (the rows of slots ``0..B-1``; padding rows too, which write
+        their position of their free slot), attention reads cache positions ``0..kv_len-1`` of every row
+        (``kv_len`` > every position) under a mask made on the device. Same logits as ``decode`` within float
+        rounding (it pads every row to ``kv_len`` where ``decode`` groups rows by length)."""
+        s = self.spec
+        B = tokens.shape[0]
+        nkv = s.num_kv_heads
+        steps = torch.arange(kv_len, device=self.device)[None, :]
+        masks: dict[int | None, torch.Tensor] = {}
+        for w in {*self.windows}:
+            hide = steps > pos[:, None]
+            if w is not None:
+                hide = hide | (steps <= pos[:, None] - w)
+            m = torch.zeros(B, kv_len, dtype=self.dtype, device=self.device).masked_fill_(hide, float("-inf"))
+            masks[w] = m[:, None, None, :].expand(B, nkv, 1, kv_len).reshape(B * nkv, 1, kv_len)
+
+        def attend(q, kc, vc, window):
+            keys = kc[:B, :, :kv_len].flatten(0, 1)
+            values = vc[:B, :, :kv_len].flatten(0, 1)
+            return self._attend_rows(q, keys, values, masks[window])
+
+        return self._decode_layers(tokens, pos, attend)
+
+    def _attend_rows(self, q, keys, values, mask, out=None):
+        """One query per (row, kv head): ``q [R, g, hd]`` over ``keys``/``values`` ``[R, t, hd]`` with an additive
+        ``mask [R, 1, t]``; softmax statistics in float32."""
+        scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=self.spec.head_dim**-0.5)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        return torch.bmm(probs, values, out=out)
+
+    def _decode_layers(self, tokens: torch.Tensor, pos: torch.Tensor, attend: Callable) -> torch.Tensor:
+        """The decode forward of one token per row (slots ``0..B-1``) at positions ``pos``: writes each row's
+        keys/values at its position, ``attend(q, k_cache[layer], v_cache[layer], window)`` does the rest of
+        attention; float32 logits ``[B, vocab]``."""
+        s = self.spec
+        B = tokens.shape[0]
+        nkv, g, hd, T_max = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim, self.max_model_len
+        dev = self.device
+        cos = self.cos[pos][:, None, :]
+        sin_signed = self.sin_signed[pos][:, None, :]
         # Flat row index of (slot b, kv head j, position p) in a layer's cache viewed as [-1, head_dim].
         cache_rows = (
             (torch.arange(B, device=dev)[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * T_max
             + pos[:, None]
         ).reshape(-1)
-        scale = hd**-0.5
         k_cache, v_cache = self._kv_cache()
         assert self.embed is not None, "weights released"
         self._start_routes()
-        h = F.embedding(tokens_t, self.embed)
+        h = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             q, k, v = self.qkv_block(h, layer, cos, sin_signed)
             kc, vc = k_cache[li], v_cache[li]
             kc.view(-1, hd).index_copy_(0, cache_rows, k.reshape(B * nkv, hd))
             vc.view(-1, hd).index_copy_(0, cache_rows, v.reshape(B * nkv, hd))
-            q = q.reshape(B * nkv, g, hd)
-            attn = torch.empty(B * nkv, g, hd, dtype=self.dtype, device=dev)
-            for (a, e, t), (lo, m) in zip(groups, masks[self.windows[li]]):
-                keys = kc[a:e, :, lo:t].flatten(0, 1)  # [rows*nkv, t - lo, hd], a view
-                values = vc[a:e, :, lo:t].flatten(0, 1)
-                scores = torch.baddbmm(m, q[a * nkv : e * nkv], keys.transpose(1, 2), alpha=scale)
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-                torch.bmm(probs, values, out=attn[a * nkv : e * nkv])
+            attn = attend(q.reshape(B * nkv, g, hd), kc, vc, self.windows[li])
             h = self.out_block(h, attn.view(B, s.q_size), layer)
         self._end_routes()
         return self._logits(h)

@@ -21,6 +21,8 @@ recomputes; greedy rows (T = 0) report ``log_softmax(logits)[token]`` (temperatu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 # Top-p without top-k first looks for the nucleus among this many most likely tokens (one topk call) and
@@ -37,12 +39,40 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, 0], (logits - top).exp_().sum(dim=-1).log_().neg_()
 
 
+def clip_uniforms(uniforms: list[float]) -> list[float]:
+    return [min(x, _U_MAX) for x in uniforms]
+
+
+def temperature_sample(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    u: torch.Tensor,
+    greedy_mask: torch.Tensor | None,
+    truncate: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [B, V]`` float32, per-row ``temps [B, 1]`` (greedy rows 1), uniforms ``u [B, 1]`` in [0, 1) ->
+    (tokens [B], log-probs [B]): the inverse CDF of ``softmax(logits / T)`` (after ``truncate``, which zeroes the
+    probabilities top-k/top-p cut) at ``u``, in one pass over the vocabulary for the cumulative sum and no sort;
+    rows set in ``greedy_mask`` take the argmax. Fixed shapes and no host reads: the decode step's CUDA graph
+    captures it as it is (``graphs.py``)."""
+    logp = torch.log_softmax(logits / temps, dim=-1)
+    probs = logp.exp()
+    if truncate is not None:
+        probs = truncate(probs)
+    cdf = probs.cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    if greedy_mask is not None:
+        tokens = torch.where(greedy_mask, logits.argmax(dim=-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
 class BatchSampler:
     """Holds the per-row settings of one batch; build once per batch composition, call ``sample`` per step."""
 
     def __init__(self, temperatures: list[float], top_ks: list[int], top_ps: list[float], device):
         self.n = len(temperatures)
         greedy = [t == 0 for t in temperatures]
+        self.greedy_rows = greedy
         self.all_greedy = all(greedy)
         self.any_greedy = any(greedy)
         if self.all_greedy:
@@ -67,25 +97,27 @@ class BatchSampler:
         if self.all_greedy:
             return greedy_sample(logits)
         assert uniforms is not None, "a batch with sampled rows needs one uniform number per row"
-        logp = torch.log_softmax(logits / self.temps, dim=-1)  # greedy rows: temperature 1
-        probs = logp.exp()
-        vocab = probs.shape[-1]
-        if self.max_k or self.use_top_p:
-            n_cand = max(self.max_k, NUCLEUS_CANDIDATES if self.use_top_p and self.p_only else 0)
-            cand = probs.topk(min(n_cand, vocab), dim=-1).values  # sorted, highest first
-            if self.max_k:
-                kth = cand.gather(1, self.k_index.clamp(max=cand.shape[-1] - 1))
-                kth = torch.where(self.k_rows, kth, 0.0)
-                probs = torch.where(probs >= kth, probs, 0.0)
-                cand = torch.where(cand >= kth, cand, 0.0)
-            if self.use_top_p:
-                probs = self._nucleus(probs, cand)
-        cdf = probs.cumsum(dim=-1)
-        u = torch.tensor([min(x, _U_MAX) for x in uniforms], device=logits.device)[:, None]
-        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=vocab - 1)
-        if self.greedy_mask is not None:  # set exactly when some rows are greedy
-            tokens = torch.where(self.greedy_mask, logits.argmax(dim=-1), tokens)
-        return tokens, logp.gather(1, tokens[:, None])[:, 0]
+        u = torch.tensor(clip_uniforms(uniforms), device=logits.device)[:, None]
+        truncate = self._truncate if self.max_k or self.use_top_p else None
+        return temperature_sample(logits, self.temps, u, self.greedy_mask, truncate)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether some row is cut by top-k or top-p (its candidate count depends on the batch's settings)."""
+        return not self.all_greedy and bool(self.max_k or self.use_top_p)
+
+    def _truncate(self, probs: torch.Tensor) -> torch.Tensor:
+        """Zero the tokens each row's top-k and top-p cut (rows without them untouched)."""
+        n_cand = max(self.max_k, NUCLEUS_CANDIDATES if self.use_top_p and self.p_only else 0)
+        cand = probs.topk(min(n_cand, probs.shape[-1]), dim=-1).values  # sorted, highest first
+        if self.max_k:
+            kth = cand.gather(1, self.k_index.clamp(max=cand.shape[-1] - 1))
+            kth = torch.where(self.k_rows, kth, 0.0)
+            probs = torch.where(probs >= kth, probs, 0.0)
+            cand = torch.where(cand >= kth, cand, 0.0)
+        if self.use_top_p:
+            probs = self._nucleus(probs, cand)
+        return probs
 
     def _nucleus(self, probs: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         """Zero every token below its row's nucleus threshold (rows with top_p = 1 untouched)."""
