@@ -547,6 +547,18 @@ def device_counts(cfg: RecipeConfig) -> dict[str, int]:
     return {"train": n, "rollout": n, "total": n}
 
 
+def uses_gpu(cfg: RecipeConfig) -> bool:
+    """Whether the workers run on GPUs: ``trainer.device`` cuda, or auto where torch sees a CUDA device (the run
+    itself refuses cuda where it sees none: ``recipes.trainer.run.resolve_device``)."""
+    if cfg.trainer.device == "cpu":
+        return False
+    if cfg.trainer.device == "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def needs_reference(cfg: RecipeConfig) -> bool:
     # the hybrid advantage's OPD teacher is the reference model conditioned on a hint
     return bool(

@@ -1,7 +1,7 @@
 """The checks of the role sections whose dataclasses are the workers' own (``workers/config.py``): ``actor`` (its
 strategy and Megatron sizes against its devices, PPO batches, LoRA, a mixture of experts' routing replay) and
-``rollout`` (samples per prompt, lengths, the engine and its tensor parallelism). ``recipes.config.validate`` runs
-them beside the recipe sections' own ``check`` methods (``recipes.sections``)."""
+``rollout`` (samples per prompt, lengths, the engine, its tensor parallelism and CUDA graphs).
+``recipes.config.validate`` runs them beside the recipe sections' own ``check`` methods (``recipes.sections``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from recipes.sections import (
     samples_per_prompt,
     train_engine_can,
     uses_critic,
+    uses_gpu,
 )
 from workers.rollout.registry import rollout_engine_class
 
@@ -65,6 +66,31 @@ def _check_rollout_engine(errors: list[str], cfg: RecipeConfig) -> None:
         errors.append(str(e))
         return
     errors.extend(engine.config_errors(cfg.model, cfg.rollout))
+
+
+def _check_rollout_graphs(errors: list[str], cfg: RecipeConfig) -> None:
+    """``rollout.cuda_graphs=true`` where the native engine cannot capture its decode step (no GPU, tensor
+    parallelism, a mixture of experts: ``workers.rollout.native.graphs.graph_refusal``); auto leaves them off
+    there. SGLang refuses the key itself (its ``config_errors``)."""
+    r = cfg.rollout
+    if r.cuda_graphs is not True:
+        return
+    if not uses_gpu(cfg):
+        errors.append(
+            f"rollout.cuda_graphs=true replays decode steps as CUDA graphs, but the run has no GPU "
+            f"(trainer.device={cfg.trainer.device}, torch sees no CUDA device); use rollout.cuda_graphs=auto or false"
+        )
+    if isinstance(r.tensor_model_parallel_size, int) and r.tensor_model_parallel_size > 1:
+        errors.append(
+            f"rollout.cuda_graphs=true cannot capture a tensor-parallel replica (rollout.tensor_model_parallel_size="
+            f"{r.tensor_model_parallel_size}: its all-reduces would be captured too); use rollout.cuda_graphs=auto "
+            "or false, or rollout.tensor_model_parallel_size=1"
+        )
+    if model_is_moe(cfg):
+        errors.append(
+            "rollout.cuda_graphs=true cannot capture a mixture of experts' decode step (expert groups of "
+            "data-dependent sizes); use rollout.cuda_graphs=auto or false"
+        )
 
 
 def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
@@ -173,7 +199,8 @@ def _check_lora(errors: list[str], cfg: RecipeConfig) -> None:
 
 
 def check_rollout(errors: list[str], cfg: RecipeConfig) -> None:
-    """``rollout``: samples per prompt, lengths that follow ``data.*``, the engine and its tensor parallelism."""
+    """``rollout``: samples per prompt, lengths that follow ``data.*``, the engine, its tensor parallelism and its
+    CUDA graphs."""
     r, d = cfg.rollout, cfg.data
     if r.n < 1:
         errors.append(f"rollout.n must be >= 1, got {r.n}")
@@ -188,6 +215,7 @@ def check_rollout(errors: list[str], cfg: RecipeConfig) -> None:
                 f"(the YAML makes rollout.{roll_key} follow it)"
             )
     _check_rollout_tp(errors, cfg)
+    _check_rollout_graphs(errors, cfg)
     _check_rollout_engine(errors, cfg)
 
 

@@ -100,6 +100,10 @@ class RolloutConfig:
     # native engine: torch.compile the layer blocks around attention (~7 s on first use); on a 2-core CPU a tiny
     # model generates 0.77-0.86x as fast compiled (BENCHMARKS.md): it is for GPUs
     compile: bool = False
+    # native engine: decode steps replayed as CUDA graphs (docs/rollout_engines.md): auto = on with CUDA for a model
+    # the graphs can capture (not rollout.tensor_model_parallel_size>1, not a mixture of experts); true asks for them
+    # (a config error where they cannot be had: no GPU, TP>1, MoE, SGLang); false: off
+    cuda_graphs: bool | str = "auto"
     seed: int = 0
     # validation sampling: greedy by default so held-out accuracy is deterministic
     val_temperature: float = 0.0
@@ -109,6 +113,15 @@ class RolloutConfig:
         _at_least(self, 0.0, "temperature", "val_temperature")
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"dtype must be one of {list(ROLLOUT_DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.cuda_graphs, str) and self.cuda_graphs.lower() in ("true", "false"):
+            self.cuda_graphs = self.cuda_graphs.lower() == "true"  # a quoted 'true' in a YAML file
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):
+            raise ValueError(f"cuda_graphs must be auto, true or false, got {self.cuda_graphs!r}")
+
+    @property
+    def engine_cuda_graphs(self) -> bool | None:
+        """``cuda_graphs`` as the native engine's ``EngineConfig.cuda_graphs``: None for auto."""
+        return None if self.cuda_graphs == "auto" else bool(self.cuda_graphs)
 
 
 @dataclass

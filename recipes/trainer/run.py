@@ -31,7 +31,7 @@ from pathlib import Path
 import ray
 
 from recipes.config import ConfigError, load_config, save_config, to_yaml
-from recipes.sections import RecipeConfig, device_counts
+from recipes.sections import RecipeConfig, device_counts, uses_gpu
 from recipes.tasks import make_dataset
 from recipes.trainer.run_folder import prepare_run_folder
 from workers.config import ModelConfig
@@ -100,14 +100,13 @@ def cli(main) -> None:
 
 
 def resolve_device(cfg: RecipeConfig) -> bool:
-    """True when the workers use GPUs (trainer.device: auto picks CUDA when torch sees one)."""
-    if cfg.trainer.device == "cpu":
-        return False
-    import torch
+    """True when the workers use GPUs (trainer.device: auto picks CUDA when torch sees one; `uses_gpu`)."""
+    if cfg.trainer.device == "cuda":
+        import torch
 
-    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda, but torch sees no CUDA device")
-    return torch.cuda.is_available()
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda, but torch sees no CUDA device")
+    return uses_gpu(cfg)
 
 
 def resolve_model(cfg: RecipeConfig) -> str:

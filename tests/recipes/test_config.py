@@ -282,6 +282,96 @@ def test_rollout_engine_is_checked_before_ray(monkeypatch):
     )
 
 
+def test_rollout_cuda_graphs_reads_auto_true_and_false(tmp_path):
+    """``rollout.cuda_graphs``: a word or a bool, from the command line and from YAML (a quoted 'true' too); the
+    native engine's ``EngineConfig.cuda_graphs`` is None for auto; anything else is an error naming the key."""
+    for value, want, engine in [("true", True, True), ("false", False, False), ("auto", "auto", None)]:
+        cfg = load_config("grpo", [f"rollout.cuda_graphs={value}", "trainer.device=cuda"])
+        assert cfg.rollout.cuda_graphs == want and type(cfg.rollout.cuda_graphs) is type(want)
+        assert cfg.rollout.engine_cuda_graphs is engine
+        saved = save_config(cfg, tmp_path / f"{value}.yaml")  # the saved run config loads back the same
+        assert load_config("grpo", config_path=saved).rollout.cuda_graphs == want
+    assert load_config("grpo").rollout.cuda_graphs == "auto"
+    for yaml_value, want in [("true", True), ("false", False), ("'true'", True), ("auto", "auto")]:
+        path = tmp_path / "graphs.yaml"
+        path.write_text(f"trainer:\n  device: cuda\nrollout:\n  cuda_graphs: {yaml_value}\n")
+        got = load_config("grpo", config_path=path, check=False).rollout.cuda_graphs  # a file of two keys
+        assert got == want and type(got) is type(want), yaml_value
+    assert "rollout.cuda_graphs must be auto, true or false, got 'yes2'" in _errors(
+        ["rollout.cuda_graphs=yes2"]
+    )
+    assert "'rollout.cuda_graphs'" in _errors(["rollout.cuda_graphs=1"])
+    with pytest.raises(ValueError, match="cuda_graphs must be auto, true or false"):
+        RolloutConfig(cuda_graphs="on_cuda")
+
+
+TP2 = [
+    "trainer.n_gpus_per_node=4",
+    "trainer.save_freq=-1",
+    "actor.strategy=megatron",
+    "actor.megatron.tensor_model_parallel_size=2",
+    "rollout.tensor_model_parallel_size=2",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.device=cpu"],
+            "rollout.cuda_graphs=true replays decode steps as CUDA graphs, but the run has no",
+        ),
+        (["trainer.device=auto"], "the run has no GPU (trainer.device=auto, torch sees no CUDA device)"),
+        (
+            ["trainer.device=cuda", *TP2],
+            "rollout.cuda_graphs=true cannot capture a tensor-parallel replica (rollout.tensor_model_parallel_size=2",
+        ),
+        (
+            ["trainer.device=cuda", "model.tiny_arch=moe"],
+            "rollout.cuda_graphs=true cannot capture a mixture of experts' decode step",
+        ),
+        (
+            ["trainer.device=cuda", "rollout.name=sglang"],
+            "rollout.cuda_graphs=true replays the native engine's decode steps as CUDA graphs; rollout.name=sglang "
+            "does not take it (SGLang captures its own CUDA graphs on a GPU unless its disable_cuda_graph server",
+        ),
+    ],
+)
+def test_rollout_cuda_graphs_true_is_refused_where_they_cannot_be_had_and_auto_passes(
+    monkeypatch, overrides, message
+):
+    """No GPU (trainer.device=cpu, or auto where torch sees none), a TP>1 rollout replica, a mixture of experts,
+    SGLang (its own graphs): ``rollout.cuda_graphs=true`` is a config error before Ray starts; auto is not (the
+    engine leaves the graphs off there), nor is false."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    real_find_spec = (
+        importlib.util.find_spec
+    )  # SGLang counts as installed: its own error is not the point here
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: object() if n == "sglang" else real_find_spec(n, *a)
+    )
+    msg = _errors([*overrides, "rollout.cuda_graphs=true"])
+    assert message in msg and "use rollout.cuda_graphs=auto or false" in msg
+    # trainer.device=cuda counts as a GPU here (the run refuses it where torch sees none: resolve_device)
+    assert ("the run has no GPU" in msg) == (overrides[0] != "trainer.device=cuda"), msg
+    for value, want in (("auto", "auto"), ("false", False)):
+        assert load_config("grpo", [*overrides, f"rollout.cuda_graphs={value}"]).rollout.cuda_graphs == want
+
+
+def test_rollout_cuda_graphs_true_passes_with_a_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (
+        load_config("grpo", ["rollout.cuda_graphs=true"]).rollout.cuda_graphs is True
+    )  # trainer.device=auto
+    assert (
+        load_config("grpo", ["rollout.cuda_graphs=true", "trainer.device=cuda"]).rollout.cuda_graphs is True
+    )
+
+
 def test_the_recipe_schema_carries_the_recipes_own_rules():
     assert type(load_config("grpo")) is GRPOConfig and type(load_config("ppo")) is PPOConfig
     errors: list[str] = []

@@ -174,3 +174,26 @@ def test_rollout_dtype_auto_keeps_the_training_dtype_on_cpu_and_a_named_dtype_wi
         ValueError, match=r"dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\]"
     ):
         RolloutConfig(dtype="int8")
+
+
+def test_native_engine_from_config_takes_rollout_cuda_graphs(tmp_path):
+    """``rollout.cuda_graphs`` reaches ``EngineConfig.cuda_graphs`` (auto -> None): false and auto build no graphs
+    on the CPU (auto: graphs with a CUDA device), true asks for them by name and is refused on the CPU."""
+    from workers.rollout.native import NativeEngine
+
+    model = ModelConfig(path=T.make_model_dir(tmp_path / "m"))
+    on_cuda = torch.cuda.is_available()
+
+    def build(value):
+        return NativeEngine.from_config(
+            model, RolloutConfig(prompt_length=16, response_length=4, cuda_graphs=value), tokenizer=None
+        )
+
+    off, auto = build(False), build("auto")
+    assert off.config.cuda_graphs is False and off.graphs is None
+    assert auto.config.cuda_graphs is None and (auto.graphs is not None) == on_cuda
+    if on_cuda:
+        assert build(True).graphs is not None
+    else:
+        with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+            build(True)

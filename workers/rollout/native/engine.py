@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import random
 import threading
@@ -53,6 +54,8 @@ from workers.rollout.native.graphs import REPLAYS, DecodeGraphs, graph_refusal
 from workers.rollout.native.model import NativeCausalLM
 from workers.rollout.native.sampler import BatchSampler
 from workers.rollout.sampling import GenerationOutput, SamplingParams, sampling_from_meta, token_id_list
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -233,6 +236,7 @@ class NativeEngine(RolloutEngine):
             "graph_captures": 0,  # decode graphs captured (graphs.py), their seconds and replays
             "graph_capture_s": 0.0,
             "graph_replays": 0,
+            "graph_failures": 0,  # auto: a failed graph step turned the graphs off (a warning says why)
         }
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -279,6 +283,7 @@ class NativeEngine(RolloutEngine):
             response_length=rollout.response_length,
             seed=rollout_seed(rollout, rank),
             compile=rollout.compile,
+            cuda_graphs=rollout.engine_cuda_graphs,  # rollout.cuda_graphs: auto -> None
         )
         load = dict(dtype=cfg.dtype, attn_implementation=None, trust_remote_code=model.trust_remote_code)
         if not can_build_on_meta(model.path):
@@ -461,18 +466,16 @@ class NativeEngine(RolloutEngine):
             self._decode_sampler = self._make_sampler(running)
         sampler = self._decode_sampler
         tokens, positions = [r.tokens[-1] for r in running], [r.seq_len for r in running]
-        if self.graphs is not None:
-            sampled = self.graphs.decode(tokens, positions, sampler, self._uniforms(running, sampler))
-            graph_stats = self.graphs.stats
-            self.stats["graph_captures"] = graph_stats["captures"]
-            self.stats["graph_capture_s"] = graph_stats["capture_s"]
-            self.stats["graph_replays"] = graph_stats["replays"]
-        else:
+        uniforms = self._uniforms(running, sampler)
+        sampled = (
+            self._graph_decode(tokens, positions, sampler, uniforms) if self.graphs is not None else None
+        )
+        if sampled is None:
             logits = self.model.decode(tokens, positions)
             if self.model.last_routes is not None:
                 for r, step_routes in zip(running, self.model.last_routes.cpu().split(1)):
                     r.routes.append(step_routes)
-            sampled = self._sample(running, sampler, logits)
+            sampled = sampler.sample(logits, uniforms)
         for r in running:
             r.seq_len += 1
         self._take(running, *sampled, finished)
@@ -487,6 +490,30 @@ class NativeEngine(RolloutEngine):
             [r.params.top_p for r in reqs],
             self.model.device,
         )
+
+    def _graph_decode(self, tokens, positions, sampler, uniforms) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decode step through the graphs; None when they failed under ``cuda_graphs`` auto (then the engine
+        warns once and decodes eagerly from here on: auto means graphs where they work)."""
+        assert self.graphs is not None
+        try:
+            sampled = self.graphs.decode(tokens, positions, sampler, uniforms)
+        except Exception:
+            if self.config.cuda_graphs:  # asked for by name: the failure is the caller's to see
+                raise
+            logger.warning(
+                "native engine: the CUDA-graph decode step failed; decoding without graphs from now on "
+                "(EngineConfig.cuda_graphs=True raises this error instead)",
+                exc_info=True,
+            )
+            self.graphs.clear()
+            self.graphs = None
+            self.stats["graph_failures"] += 1
+            return None
+        graph_stats = self.graphs.stats
+        self.stats["graph_captures"] = graph_stats["captures"]
+        self.stats["graph_capture_s"] = graph_stats["capture_s"]
+        self.stats["graph_replays"] = graph_stats["replays"]
+        return sampled
 
     @staticmethod
     def _uniforms(reqs: list[Request], sampler: BatchSampler) -> list[float] | None:

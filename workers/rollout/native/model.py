@@ -478,6 +478,10 @@ class NativeCausalLM:
         self.record_routes = bool(self.spec.moe_layers)
         self.last_routes: torch.Tensor | None = None
         self._routes: list[torch.Tensor] | None = None
+        # decode_static's attention: "bmm" (scores, float32 softmax, weighted sum: three batched kernels) or
+        # "sdpa" (torch's fused attention with the length mask); which is faster on a GPU is for the GPU check's
+        # rollout_decode step to tell (benchmarks/bench_rollout.py --cuda-graphs on,on-sdpa)
+        self.static_attention = "bmm"
         # a layer's two blocks around attention, as the forward passes call them (compile_blocks swaps them)
         self.qkv_block: Callable = self._layer_qkv
         self.out_block: Callable = self._layer_out
@@ -830,20 +834,25 @@ class NativeCausalLM:
         rounding (it pads every row to ``kv_len`` where ``decode`` groups rows by length)."""
         s = self.spec
         B = tokens.shape[0]
-        nkv = s.num_kv_heads
+        nkv, g, hd = s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim
         steps = torch.arange(kv_len, device=self.device)[None, :]
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: dict[int | None, torch.Tensor] = {}  # per window: additive [B, 1, 1, kv_len], one per row
         for w in {*self.windows}:
             hide = steps > pos[:, None]
             if w is not None:
                 hide = hide | (steps <= pos[:, None] - w)
             m = torch.zeros(B, kv_len, dtype=self.dtype, device=self.device).masked_fill_(hide, float("-inf"))
-            masks[w] = m[:, None, None, :].expand(B, nkv, 1, kv_len).reshape(B * nkv, 1, kv_len)
+            masks[w] = m[:, None, None, :]
 
         def attend(q, kc, vc, window):
-            keys = kc[:B, :, :kv_len].flatten(0, 1)
-            values = vc[:B, :, :kv_len].flatten(0, 1)
-            return self._attend_rows(q, keys, values, masks[window])
+            keys, values = kc[:B, :, :kv_len], vc[:B, :, :kv_len]  # [B, nkv, kv_len, hd] views
+            if self.static_attention == "sdpa":  # a kv head's g query heads as g query rows: no GQA expansion
+                out = F.scaled_dot_product_attention(
+                    q.view(B, nkv, g, hd), keys, values, attn_mask=masks[window], scale=hd**-0.5
+                )
+                return out.reshape(B * nkv, g, hd)
+            mask = masks[window].expand(B, nkv, 1, kv_len).reshape(B * nkv, 1, kv_len)
+            return self._attend_rows(q, keys.flatten(0, 1), values.flatten(0, 1), mask)
 
         return self._decode_layers(tokens, pos, attend)
 

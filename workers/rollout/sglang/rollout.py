@@ -359,6 +359,12 @@ class SGLangRollout(RolloutEngine):
                 f"rollout.compile=true compiles the native engine; rollout.name={rollout.name} does not take it "
                 "(SGLang's own torch.compile is its enable_torch_compile server argument)"
             )
+        if rollout.cuda_graphs is True:  # SGLang captures its own CUDA graphs
+            errors.append(
+                f"rollout.cuda_graphs=true replays the native engine's decode steps as CUDA graphs; rollout.name="
+                f"{rollout.name} does not take it (SGLang captures its own CUDA graphs on a GPU unless its "
+                "disable_cuda_graph server argument says not to); use rollout.cuda_graphs=auto or false"
+            )
         return errors
 
     @classmethod
