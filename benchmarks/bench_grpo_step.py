@@ -11,7 +11,10 @@ the first (the first pays for CUDA kernels' first launches). The update's model 
 ``benchmarks/bench_train.py``'s (6 x matmul parameters x tokens + the lm_head at response positions + attention,
 x ppo_epochs), over ``timing_s/update_actor``, against a bf16 matmul peak measured in this process (fp32 on
 CPU). Memory (CUDA only): ``perf/max_memory_allocated_gib/gen`` and ``/update_actor`` (peaks reset per stage,
-`workers.device_memory`) against `estimate_colocated_step` for the settings in the run's ``config.yaml``.
+`workers.device_memory`) against `estimate_colocated_step` for the settings in the run's ``config.yaml`` (the
+decode graphs' pool counted when the rollout replays CUDA graphs: ``rollout.cuda_graphs`` auto is on with CUDA).
+Where the steps' metrics have them, the rollout's decode-graph metrics (``timing_s/graph_capture``,
+``rollout/num_graph_captures``, ``rollout/max_graph_memory_gib``) are printed and recorded per step.
 
 Writes ``--out`` (default outputs/bench_grpo_step.json).
 """
@@ -39,6 +42,9 @@ from workers.models.memory import estimate_colocated_step
 from workers.rollout.base import rollout_dtype
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step")
+# the native engine's decode CUDA graphs (workers/rollout/native/graphs.py), per step where the rollout logs them:
+# capture seconds (part of timing_s/gen), graphs captured, and the graphs' memory pool
+GRAPH_METRICS = ("timing_s/graph_capture", "rollout/num_graph_captures", "rollout/max_graph_memory_gib")
 
 
 def recipe_overrides(model_dir: str, run_dir: str, args) -> list[str]:
@@ -117,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     update_s = stage_s["update_actor"]
     mfu = flops / update_s / peak if update_s else None
 
+    # decode graphs: per step as logged (the first step captures most of them), or {} where the rollout logs none
+    graphs = {k: [st.get(k) for st in steps] for k in GRAPH_METRICS if any(k in st for st in steps)}
+    # rollout.cuda_graphs: auto (on with CUDA) unless the run's config says false
+    graphs_on = bool(graphs) or (gpu and getattr(cfg.rollout, "cuda_graphs", "auto") is not False)
+
     budget = cfg.actor.ppo_max_token_len_per_gpu
     est = estimate_colocated_step(
         config,
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=cfg.rollout.prompt_length + cfg.rollout.response_length,
         micro_batch_tokens=min(int(tokens), budget),
         micro_batch_response_tokens=min(int(resp_tokens), budget),
+        cuda_graphs=graphs_on,
     ).gib()
     memory = []
     for stage in ("gen", "update_actor"):
@@ -151,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     if diff is not None:
         print(f"rollout vs trainer log-probs: mean |diff| {diff:.4f} (rollout dtype vs training precision)")
+    if graphs:
+        print("decode CUDA graphs per step: " + "; ".join(
+            f"{k} " + ", ".join("-" if v is None else f"{v:.3g}" for v in vals) for k, vals in graphs.items()
+        ))  # fmt: skip
     if gpu:
         print_table(memory, ["stage", "measured_gib", "reserved_gib", "estimate_gib"])
     record = {
@@ -168,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_flops_measured": peak,
         "update_mfu": mfu,
         "rollout_logprob_diff_mean": diff,
+        "rollout_graphs": graphs,  # per step, from each step's metrics
+        "memory_estimate_cuda_graphs": graphs_on,
         "memory": memory,
         "memory_estimate_gib": est,
         "metrics": steps,

@@ -11,8 +11,11 @@ and is stopped at ``min(limit_s, time left)``; the statuses are ok, failed (rc),
 Order (what a GPU can tell us that nothing here can, most valuable first):
   1. facts            versions, the device, copy bandwidth and bf16 matmul rate (what the rest is quoted against)
   2. engine_parity    FSDP2 over NCCL, fp32 and bf16: log-probs and one update against Hugging Face
-  3. rollout_equal    native engine on CUDA, fp32: greedy tokens equal HF generate, token for token
-  4. rollout_decode   native engine, bf16, Qwen2-0.5B shape, batch 1..256: decode tok/s against the HBM bound
+  3. rollout_equal    native engine on CUDA, fp32, eager and with CUDA graphs: greedy tokens equal HF generate,
+                      token for token
+  4. rollout_decode   native engine, bf16, Qwen2-0.5B shape, batch 1..256, decode steps eager and replayed as CUDA
+                      graphs with either attention form (--cuda-graphs off,on,on-sdpa; one call each beside one HF
+                      run per row): decode tok/s against the HBM bound, the graphs' capture seconds and memory
   5. grpo_step        recipes.grpo colocated on one GPU at the 0.5B shape: stage times, tokens/s, the
                       update's MFU, peak memory per stage against workers/models/memory.py's estimate
   6. train_mfu        the engine's train step alone at 8 x 1024 (varlen vs HF SDPA vs a padded HF step)
@@ -70,6 +73,7 @@ def steps() -> list[Step]:
         "tests/workers/engine/test_fsdp_engine.py",
         "tests/workers/test_memory_estimate.py",
         "tests/workers/rollout/test_native_interfaces.py",
+        "tests/workers/rollout/test_native_graphs.py",
     ]
     return [
         Step("facts", ["-m", "benchmarks.gpu_facts", "--out", "{work}/facts.json"], SAME, 60, 10,
@@ -78,7 +82,7 @@ def steps() -> list[Step]:
              "{work}/parity.json"),
         Step("rollout_equal",
              ["-m", "benchmarks.bench_rollout", "--model", "qwen2-0.5b", "--dtype", "float32",
-              "--batch-sizes", "1,8", "--workloads", "mixed", "--repeats", "1",
+              "--batch-sizes", "1,8", "--workloads", "mixed", "--repeats", "1", "--cuda-graphs", "off,on",
               "--out", "{work}/rollout_equal.json"],
              ["-m", "benchmarks.bench_rollout", "--model", "small", "--batch-sizes", "1,4",
               "--workloads", "mixed", "--repeats", "1", "--response-max", "24",
@@ -87,10 +91,11 @@ def steps() -> list[Step]:
         Step("rollout_decode",
              ["-m", "benchmarks.bench_rollout", "--model", "qwen2-0.5b", "--dtype", "bfloat16",
               "--batch-sizes", "1,8,32,64,128,256", "--workloads", "fixed", "--fixed-new", "128",
-              "--repeats", "2", "--out", "{work}/rollout_decode.json"],
+              "--repeats", "1", "--cuda-graphs", "off,on,on-sdpa", "--out", "{work}/rollout_decode.json"],
              ["-m", "benchmarks.bench_rollout", "--model", "small", "--batch-sizes", "1,8",
-              "--workloads", "fixed", "--fixed-new", "16", "--repeats", "1", "--out", "{work}/rollout_decode.json"],
-             150, 40, "{work}/rollout_decode.json"),
+              "--workloads", "fixed", "--fixed-new", "16", "--repeats", "1", "--cuda-graphs", "off,eager,eager-sdpa",
+              "--out", "{work}/rollout_decode.json"],
+             200, 40, "{work}/rollout_decode.json"),  # one HF + one call per mode a row: was 2 + 2 at --repeats 2
         Step("grpo_step", ["-m", "benchmarks.bench_grpo_step", "--steps", "4", "--out", "{work}/grpo_step.json"],
              ["-m", "benchmarks.bench_grpo_step", "--preset", "tiny", "--steps", "2", "--out",
               "{work}/grpo_step.json"],

@@ -97,7 +97,7 @@ DOCS_ROWS: list[tuple[str, RunSettings]] = [
 ]  # fmt: skip
 DOCS_COLUMNS = [
     "model", "model.dtype", "reference", "activation ckpt", "KV slots", "train state", "fsdp gather",
-    "reference GiB", "rollout weights", "KV cache", "activations", "gen", "update_actor",
+    "reference GiB", "rollout weights", "KV cache", "decode graphs", "activations", "gen", "update_actor",
     "ppo_max_token_len_per_gpu", "fewest devices",
 ]  # fmt: skip
 
@@ -134,7 +134,8 @@ def docs_row(preset: str, settings: RunSettings, counts=None) -> dict[str, str]:
                 preset, str(settings.param_dtype).removeprefix("torch."), _yes(settings.reference),
                 _yes(settings.activation_checkpointing), f"{settings.max_num_seqs} x {settings.max_model_len}",
                 *(f"{b / GIB:.1f}" for b in (e.train_state, e.fsdp_gather, e.reference, e.rollout_weights,
-                                             e.kv_cache, e.activations, e.gen, e.update_actor)),
+                                             e.kv_cache, e.decode_graphs, e.activations, e.gen,
+                                             e.update_actor)),
                 f"{sizing.max_token_len:,}" if sizing.fits else "does not fit",
                 str(fewest) if fewest is not None else "none",
             ],
@@ -159,7 +160,8 @@ def report(sizing: Sizing, model: str, fewest: int | None) -> None:
         f"{s.devices}); model.dtype {s.to_dict()['param_dtype']}, compute {s.to_dict()['compute_dtype']}, rollout "
         f"{s.to_dict()['rollout_dtype']}; reference {_yes(s.reference)}; activation checkpointing "
         f"{_yes(s.activation_checkpointing)}; KV {s.max_num_seqs} slots x {s.max_model_len} "
-        f"({s.prompt_length} prompt + {s.response_length} response); rollout tp {s.rollout_tp}"
+        f"({s.prompt_length} prompt + {s.response_length} response); rollout tp {s.rollout_tp}; decode CUDA "
+        f"graphs {_yes(s.cuda_graphs)}"
     )
     rows = [{"term": k, "GiB": v} for k, v in e.items() if k not in ("params", "gen", "update_actor")]
     rows += [
@@ -207,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--response-length", type=int, default=3072, help="data.max_response_length")
     p.add_argument("--rollout-tp", type=int, default=1, help="rollout.tensor_model_parallel_size")
     p.add_argument("--keep-cache", action="store_true", help="rollout.free_cache_engine=false")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rollout.cuda_graphs (auto: on with CUDA; the term is 0 under rollout tp > 1 or for a MoE)",
+    )
     p.add_argument("--docs", action="store_true", help="print docs/sizing.md's table and exit")
     p.add_argument("--out", default="outputs/size_run.json")
     args = p.parse_args(argv)
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         activation_checkpointing=args.activation_checkpointing,
         rollout_tp=args.rollout_tp,
         free_cache_engine=not args.keep_cache,
+        cuda_graphs=args.cuda_graphs,
     )
     counts = param_counts(config)
     sizing = size_colocated_run(config, args.gib, settings, margin=args.margin, step=args.step, counts=counts)

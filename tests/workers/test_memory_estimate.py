@@ -22,6 +22,7 @@ from workers.models.memory import (
     RunSettings,
     activation_bytes,
     chunk_tokens,
+    decode_graph_bytes,
     estimate_colocated_step,
     estimate_run,
     kv_bytes,
@@ -71,7 +72,8 @@ def test_train_state_is_sixteen_bytes_per_fp32_parameter_sharded_and_stages_add_
     autocast = estimate_colocated_step(config, compute_dtype=torch.bfloat16, max_num_seqs=4, max_model_len=32,
                                        micro_batch_tokens=64, micro_batch_response_tokens=32)  # fmt: skip
     assert autocast.fsdp_gather == 2 * p  # one rank under autocast: a bf16 copy of every weight
-    assert one.gen == one.rollout_weights + one.kv_cache + one.sampling_logits  # trainer offloaded
+    # trainer offloaded; the decode graphs' pool is held while generating (cuda_graphs defaults to on)
+    assert one.gen == one.rollout_weights + one.kv_cache + one.sampling_logits + one.decode_graphs
     resident = estimate_colocated_step(config, max_num_seqs=4, max_model_len=32, micro_batch_tokens=64,
                                        micro_batch_response_tokens=32, trainer_offloaded_in_gen=False)  # fmt: skip
     assert resident.gen == one.gen + one.train_state
@@ -87,6 +89,38 @@ def test_train_state_is_sixteen_bytes_per_fp32_parameter_sharded_and_stages_add_
         long.activations - one.activations
         == 4 * chunk_tokens(v) * layers + 3 * 4 * (chunk_tokens(v) - 32) * v
     )
+
+
+def test_decode_graphs_pool_is_logits_plus_sampler_temporaries_plus_one_steps_layer_intermediates():
+    config = _config()  # V 512, H 64, I 160, 4 heads, 2 kv heads
+    S, L, rb = 6, 48, 2  # max_num_seqs, max_model_len, bf16 rollout
+    kw = dict(rollout_dtype=torch.bfloat16, max_num_seqs=S, max_model_len=L, micro_batch_tokens=64,
+              micro_batch_response_tokens=32)  # fmt: skip
+    on = estimate_colocated_step(config, **kw)  # cuda_graphs defaults to on
+    # logits, log_softmax, exp, cumsum (fp32 [S, V] each); the key mask ([S, L] rb, its bool source, its copy per
+    # kv head); the larger of attention (scores rb, fp32 softmax, its rb cast: [S * heads, L]) and the MLP (4 [S, I])
+    sampler = 4 * 4 * S * 512
+    mask = S * L * (rb + 1 + 2 * rb)
+    attention, mlp = S * 4 * L * (2 * rb + 4), 4 * S * 160 * rb
+    assert attention > mlp
+    assert on.decode_graphs == decode_graph_bytes(config, S, L, torch.bfloat16) == sampler + mask + attention
+    assert on.terms("gen")["decode_graphs"] == on.decode_graphs
+    off = estimate_colocated_step(config, cuda_graphs=False, **kw)
+    assert off.decode_graphs == 0 and "decode_graphs" in off.terms("gen")
+    assert (
+        on.gen - off.gen == on.decode_graphs and on.update_actor == off.update_actor
+    )  # freed with the cache
+    kept = estimate_colocated_step(config, free_cache_engine=False, **kw)  # the cache and its graphs stay
+    assert kept.update_actor - on.update_actor == on.kv_cache + on.decode_graphs
+    assert kept.terms("update_actor")["decode_graphs"] == on.decode_graphs
+    # auto turns them off where the engine cannot capture: rollout tp > 1, a mixture of experts
+    assert estimate_colocated_step(config, rollout_tp=2, **kw).decode_graphs == 0
+    assert decode_graph_bytes(_moe_config(), S, L, torch.bfloat16) == 0
+    # RunSettings carries the switch (rollout.cuda_graphs)
+    settings = RunSettings(devices=1, max_num_seqs=S, prompt_length=8, response_length=L - 8,
+                           rollout_dtype=torch.bfloat16)  # fmt: skip
+    assert estimate_run(config, settings, 64).decode_graphs == on.decode_graphs
+    assert estimate_run(config, replace(settings, cuda_graphs=False), 64).decode_graphs == 0
 
 
 def _moe_config(**overrides):
@@ -305,9 +339,10 @@ def test_the_sizing_answer_names_the_term_that_does_not_fit():
     config = _config(tie=False)
     too_small = size_colocated_run(config, 0.0005, _sizing_settings(), step=64)
     assert not too_small.fits and too_small.reason.startswith("gen ")
-    # a KV cache that fits generation but leaves no room for one sequence's update when it is kept
+    # a KV cache (and its decode graphs' pool) that fits generation but leaves no room for one sequence's update
+    # when it is kept
     kv = size_colocated_run(
-        config, 0.02, _sizing_settings(max_num_seqs=650, free_cache_engine=False), step=64
+        config, 0.02, _sizing_settings(max_num_seqs=475, free_cache_engine=False), step=64
     )
     assert kv.fits is False and kv.reason.startswith("update_actor ")
     assert kv.reason.split(": ", 1)[1].startswith("kv_cache")  # the largest term first

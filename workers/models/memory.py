@@ -34,6 +34,31 @@ sharing the training state, ``pb`` / ``cb`` / ``rb`` the bytes of the param / co
                                                        generates; released between rollouts unless
                                                        rollout.free_cache_engine is false (then held in the update)
     sampling logits 4 * max_num_seqs * V               one fp32 [slots, V] row of logits per running request
+    decode graphs   cuda_graphs: 4 * 4 * S * V + S * L * (rb + 1 + kv_heads * rb) + max(S * heads * L * (2 rb + 4),
+                    4 * S * I * rb)                    (S = max_num_seqs, L = max_model_len) the native engine's
+                                                       CUDA-graph memory pool (workers/rollout/native/graphs.py),
+                                                       held from the first decode step to the end of the
+                                                       generation (released with the KV cache): every graph's
+                                                       temporaries, at the largest batch bucket (S rows) and key
+                                                       bucket (L). The sampling graph's peak is at its cumulative
+                                                       sum (sampler.temperature_sample): the fp32 logits, the
+                                                       log-softmax, its exp and the cumsum, 4 fp32 [S, V] buffers
+                                                       (logits / T is freed once the log-softmax is made; greedy
+                                                       graphs peak at 2: logits and logits - max). Plus one
+                                                       decode step's layer intermediates, in the pool's other
+                                                       blocks: the key mask ([S, L] in rb, its bool source and
+                                                       its per-kv-head copy), alive the whole forward, and the
+                                                       larger of attention's scores in rb, their fp32 softmax and
+                                                       its rb cast ([S * heads, L] each) and the MLP's gate/up,
+                                                       activation and product (4 [S, I] in rb). 0 where auto
+                                                       turns graphs off: rollout_tp > 1, a mixture of experts.
+                                                       Not counted: a batch with top-k / top-p rows keeps each
+                                                       forward graph's fp32 [b, V] logits as its output (one per
+                                                       bucket used), and a generation whose running batch grows
+                                                       bucket by bucket (prompts prefilled over several steps)
+                                                       may keep the smaller buckets' blocks in the pool beside the
+                                                       largest's; the GPU check logs the pool it measured
+                                                       (rollout/max_graph_memory_gib)
     activations     tokens * sum over layers of the per-token bytes below + 3 * min(response tokens, chunk) * V * 4
                     + V * H * 4
                     dense layer: (4 H + 2 Q + 3 I) * cb
@@ -54,10 +79,10 @@ sharing the training state, ``pb`` / ``cb`` / ``rb`` the bytes of the param / co
                     layers keep only their input, tokens * layers * H * cb, and one layer's full activations
                     (the largest) exist while it is recomputed in backward; the head term is unchanged
 
-and per stage: ``gen`` = reference + rollout weights + KV cache + the sampling logits, plus the train state
-unless the colocated trainer is offloaded while the engine generates (the hybrid engine's rollout role does);
-``update_actor`` = train state + reference + rollout weights + gather + activations of one micro-batch (+ the KV
-cache when it is not freed).
+and per stage: ``gen`` = reference + rollout weights + KV cache + the sampling logits + the decode graphs, plus
+the train state unless the colocated trainer is offloaded while the engine generates (the hybrid engine's
+rollout role does); ``update_actor`` = train state + reference + rollout weights + gather + activations of one
+micro-batch (+ the KV cache and the decode graphs when the cache is not freed).
 
 Where the code's choices enter: the FSDP engine keeps its parameters in ``model.dtype`` (float32 by default) and
 computes in bf16 on CUDA (``EngineConfig.mixed_precision`` None: FSDP2's ``MixedPrecisionPolicy(param_dtype=
@@ -71,12 +96,12 @@ Checked on an H200 (Qwen2-0.5B shape, 256 samples of <= 256 tokens, a 16,384-tok
 BENCHMARKS.md, the GPU check), before the chunked head: gen 4.34 GiB measured against 3.84 estimated,
 update_actor 73.6 against 71.6 when the vocabulary term was five fp32 [response tokens, V] buffers (46 GiB of it)
 and the one-rank gather term was two copies of the embedding (now the whole model's bf16 copy: +0.4 GiB). That
-is the only measured point: the MoE, sharded-reference, activation-checkpointing and rollout-tp terms are read
-from the code, not measured on a GPU. On the CPU, the tensors a tiny fp32 Qwen3-MoE forward saves for backward
+is the only measured point (without decode graphs): the MoE, sharded-reference, activation-checkpointing,
+rollout-tp and decode-graph terms are read from the code, not measured on a GPU. On the CPU, the tensors a tiny fp32 Qwen3-MoE forward saves for backward
 grow with k and Im, not E, as the MoE term says, but hold four intermediate-sized tensors per dense MLP and per
 routed expert where the model counts three (tests/workers/test_memory_estimate.py); the model keeps three, which
-the GPU point fits. Allocator fragmentation, the CUDA context and sampling temporaries are not
-modelled (`size_colocated_run` keeps a margin for them); a measured peak well above the estimate points at
+the GPU point fits. Allocator fragmentation, the CUDA context and the eager sampler's temporaries (decode
+graphs off) are not modelled (`size_colocated_run` keeps a margin for them); a measured peak well above the estimate points at
 something held that should not be.
 """
 
@@ -190,6 +215,21 @@ def activation_bytes(
     return tokens * per_token + head
 
 
+def decode_graph_bytes(config, seqs: int, max_len: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """The native engine's CUDA-graph memory pool of ``seqs`` slots of ``max_len`` positions in ``dtype`` (the
+    module docstring's decode graphs term); 0 where the engine captures none (``tp`` > 1, a mixture of experts:
+    ``graphs.graph_refusal``)."""
+    if tp > 1 or num_experts(config):
+        return 0
+    rb = dtype.itemsize
+    # the logits, their log_softmax, its exp and the cumsum: fp32 [S, V] each
+    logits_and_sampler = 4 * 4 * seqs * config.vocab_size
+    mask = seqs * max_len * (rb + 1 + config.num_key_value_heads * rb)
+    attention = seqs * config.num_attention_heads * max_len * (2 * rb + 4)
+    mlp = 4 * seqs * config.intermediate_size * rb
+    return logits_and_sampler + mask + max(attention, mlp)
+
+
 def kv_bytes(config, seqs: int, max_len: int, dtype: torch.dtype, tp: int = 1) -> int:
     """Static KV cache of ``seqs`` slots of ``max_len`` positions on one rank of a ``tp``-way replica (each rank
     holds its ``kv_heads / tp`` heads)."""
@@ -209,6 +249,7 @@ class MemoryEstimate:
     kv_cache: int
     sampling_logits: int
     activations: int
+    decode_graphs: int = 0  # the native engine's CUDA-graph pool (rollout.cuda_graphs on)
 
     trainer_offloaded_in_gen: bool = True
     kv_cache_in_update: bool = False  # rollout.free_cache_engine false: the cache stays allocated
@@ -216,11 +257,18 @@ class MemoryEstimate:
     @property
     def gen(self) -> int:
         resident = 0 if self.trainer_offloaded_in_gen else self.train_state
-        return resident + self.reference + self.rollout_weights + self.kv_cache + self.sampling_logits
+        return (
+            resident
+            + self.reference
+            + self.rollout_weights
+            + self.kv_cache
+            + self.sampling_logits
+            + self.decode_graphs
+        )
 
     @property
     def update_actor(self) -> int:
-        kv = self.kv_cache if self.kv_cache_in_update else 0
+        kv = self.kv_cache + self.decode_graphs if self.kv_cache_in_update else 0  # released together
         return (
             self.train_state
             + self.reference
@@ -233,11 +281,11 @@ class MemoryEstimate:
     def terms(self, stage: str) -> dict[str, int]:
         """The terms that make up ``stage`` ("gen" or "update_actor"), in bytes."""
         if stage == "gen":
-            names = ["reference", "rollout_weights", "kv_cache", "sampling_logits"]
+            names = ["reference", "rollout_weights", "kv_cache", "sampling_logits", "decode_graphs"]
             names = names if self.trainer_offloaded_in_gen else ["train_state", *names]
         elif stage == "update_actor":
             names = ["train_state", "reference", "rollout_weights", "fsdp_gather", "activations"]
-            names = [*names, "kv_cache"] if self.kv_cache_in_update else names
+            names = [*names, "kv_cache", "decode_graphs"] if self.kv_cache_in_update else names
         else:
             raise ValueError(f"stage must be 'gen' or 'update_actor', got {stage!r}")
         return {n: getattr(self, n) for n in names}
@@ -269,12 +317,15 @@ def estimate_colocated_step(
     activation_checkpointing: bool = False,
     rollout_tp: int = 1,
     free_cache_engine: bool = True,
+    cuda_graphs: bool = True,
     counts: ParamCounts | None = None,
 ) -> MemoryEstimate:
     """The estimate for one rank of a colocated step (actor + rollout engine [+ reference]) of the causal LM
     ``config``; ``micro_batch_*``: the largest micro-batch of the update (its real tokens and the response
-    tokens among them); ``rollout_tp``: rollout.tensor_model_parallel_size; ``counts``: `param_counts(config)`
-    when the caller has it (it builds the model on the meta device)."""
+    tokens among them); ``rollout_tp``: rollout.tensor_model_parallel_size; ``cuda_graphs``: the native engine
+    replays its decode steps as CUDA graphs (rollout.cuda_graphs; auto turns them on with CUDA, where this
+    estimate applies, except under rollout tp > 1 or for a mixture of experts, which the term knows);
+    ``counts``: `param_counts(config)` when the caller has it (it builds the model on the meta device)."""
     if rollout_tp < 1 or config.num_key_value_heads % rollout_tp:
         raise ValueError(f"rollout_tp={rollout_tp} must be >= 1 and divide num_key_value_heads")
     if rollout_tp > 1 and num_experts(config):
@@ -302,6 +353,11 @@ def estimate_colocated_step(
             cb,
             activation_checkpointing=activation_checkpointing,
         ),
+        decode_graphs=(
+            decode_graph_bytes(config, max_num_seqs, max_model_len, rollout_dtype, rollout_tp)
+            if cuda_graphs
+            else 0
+        ),
         trainer_offloaded_in_gen=trainer_offloaded_in_gen,
         kv_cache_in_update=not free_cache_engine,
     )
@@ -328,6 +384,8 @@ class RunSettings:
     activation_checkpointing: bool = False  # model.activation_checkpointing
     rollout_tp: int = 1  # rollout.tensor_model_parallel_size
     free_cache_engine: bool = True  # rollout.free_cache_engine
+    # rollout.cuda_graphs (auto: on with CUDA; off under rollout tp > 1 or for a MoE)
+    cuda_graphs: bool = True
 
     @property
     def max_model_len(self) -> int:
@@ -393,6 +451,7 @@ def estimate_run(config, s: RunSettings, tokens: int, counts: ParamCounts | None
         activation_checkpointing=s.activation_checkpointing,
         rollout_tp=s.rollout_tp,
         free_cache_engine=s.free_cache_engine,
+        cuda_graphs=s.cuda_graphs,
         counts=counts,
     )
 

@@ -32,7 +32,8 @@ numbers); the call returns them as ``old_log_probs``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -40,7 +41,7 @@ from algorithms import KL_PENALTY_NAMES, agg_loss, compute_kl_loss, get_policy_l
 from controller import Dispatch, Inputs, register
 from dataproto import DataProto
 from workers.config import ActorConfig, ModelConfig, RolloutConfig
-from workers.engine import LossContext
+from workers.engine import LossContext, TrainEngine
 from workers.engine.base import as_lora_engine
 from workers.engine.moe_forward import OLD_ROUTES, ROLLOUT_ROUTES
 from workers.engine.registry import train_engine_class
@@ -48,7 +49,6 @@ from workers.roles.common import (
     ACTOR_MESH,
     FORWARD_KEYS,
     EngineRoleWorker,
-    MicroBatchKwargs,
     StepMetrics,
     engine_config,
     log_prob_settings,
@@ -113,25 +113,13 @@ class ActorWorker(EngineRoleWorker, WeightSyncMember):
 
     # -- the reference, with LoRA: the frozen base ---------------------------------------------------------------
 
-    def _reference_log_probs(
-        self,
-        method: str,
-        inputs: Mapping[str, torch.Tensor],
-        temperature: float,
-        micro: MicroBatchKwargs,
-        replay_routes: str | None = None,
-    ) -> torch.Tensor:
-        engine = self._require_engine(method)
+    def _reference_mode(self, engine: TrainEngine, method: str) -> AbstractContextManager:
         if not self.actor_config.lora.enabled:
             raise RuntimeError(
                 f"{self.tag}: {method}: the actor scores as the reference only with actor.lora (its frozen base "
                 "model); without LoRA the reference is a RefWorker of its own"
             )
-        with as_lora_engine(engine, f"{self.tag}: {method}").base_model_mode():
-            out = engine.compute_log_prob(
-                inputs, temperature=temperature, replay_routes=replay_routes, **micro
-            )
-            return out["log_probs"]
+        return as_lora_engine(engine, f"{self.tag}: {method}").base_model_mode()
 
     # -- forward ----------------------------------------------------------------------------------------------
 

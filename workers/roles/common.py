@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, TypedDict
 
 import torch
@@ -268,12 +269,18 @@ class EngineRoleWorker(Worker):
         replay_routes: str | None = None,
     ) -> torch.Tensor:
         """The reference's log-probs of ``inputs`` (`workers.roles.reference.compute_ref_log_prob`): this
-        role's engine as it is (a LoRA actor overrides it with its base model); ``replay_routes``: the column of
-        expert routes its routers use (None: they choose)."""
+        role's engine in its `_reference_mode`; ``replay_routes``: the column of expert routes its routers use
+        (None: they choose)."""
         engine = self._require_engine(method)
-        return engine.compute_log_prob(inputs, temperature=temperature, replay_routes=replay_routes, **micro)[
-            "log_probs"
-        ]
+        with self._reference_mode(engine, method):
+            out = engine.compute_log_prob(
+                inputs, temperature=temperature, replay_routes=replay_routes, **micro
+            )
+        return out["log_probs"]
+
+    def _reference_mode(self, engine: TrainEngine, method: str) -> AbstractContextManager:
+        """How this role's engine scores as the reference: as it is (a LoRA actor: its frozen base model)."""
+        return nullcontext()
 
     def _require_engine(self, method: str) -> TrainEngine:
         """The engine, brought back first if a colocated role offloaded it (`offload_engine`)."""
