@@ -222,6 +222,10 @@ def measure_native(name, mode, engine, prompts, budgets, repeats, device, bandwi
         "rows_equal_hf": f"{same}/{B}",
         "native_decode_steps": delta["decode_steps"],
         "native_prefill_tokens": delta["prefill_tokens"],
+        # prefill stays eager (SDPA over length groups; flash attention on CUDA): its share of a call says
+        # whether a varlen prefill kernel would be worth having
+        "native_prefill_s": delta["prefill_time_s"],
+        "native_decode_s": delta["decode_time_s"],
     }
     if engine.graphs is not None:
         minus = min(c[0] - c[3] for c in calls)

@@ -64,6 +64,8 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: collection order within a rank
 
 
+# optional: an xdist hook, and pytest must still run where xdist is not installed (the GPU image)
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """xdist names a test's group by appending ``@<group>`` to its id; where it cannot (pytest >= 9.1 with xdist 3.8),
     every test would be scheduled alone and the SGLang tests run side by side. Stop instead of running that."""
