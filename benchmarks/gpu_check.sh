@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_check.sh                # on the GPU machine (carry .gpu_wheels); results under $OUT
 #
 # The GPU image (see the device library's KINDS.md): Python 3.12 with torch 2.11.0+cu130, transformers 5.17.0,
-# tokenizers 0.23.2, numpy 2.5, safetensors, pyarrow, pandas, peft, accelerate, pytest, pytest-timeout,
+# tokenizers 0.23.2, numpy 2.5, safetensors, pyarrow, pandas, peft, accelerate, pytest, pytest-timeout, pytest-xdist,
 # aiohttp, grpcio, xxhash, ...; no Ray, OmegaConf or megatron-core. A run carries at most 64 MiB: Ray's wheel
 # (79 MB) travels as ray-slim.tar.xz (21 MB at xz -9: its Java jars, RLlib, Serve, Tune, Train and LLM packages
 # dropped, which hyflow never imports, and the native binaries stripped of their symbol tables), unpacked
@@ -24,7 +24,7 @@ PY312=${PY312:-$(for p in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.1
   "$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v "$p"; break; }; done)}
 # the image's versions (KINDS.md's pip list); torch: the same release (PyPI's build, which runs on the CPU)
 IMAGE_PKGS=(torch==2.11.0 transformers==5.17.0 tokenizers==0.23.2 numpy==2.5.2 safetensors==0.8.0
-  accelerate==1.15.0 peft pyarrow pandas pytest pytest-timeout xxhash tensorboard matplotlib rich tqdm pyyaml
+  accelerate==1.15.0 peft pyarrow pandas pytest pytest-timeout pytest-xdist xxhash tensorboard matplotlib rich tqdm pyyaml
   click filelock msgpack protobuf requests packaging aiohttp grpcio attrs typing-extensions psutil)
 REHEARSE_VENV=${REHEARSE_VENV:-$HOME/.cache/hyflow/gpu-rehearse-py312}
 

@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: collection order within a rank
 
 
-# optional: an xdist hook, and pytest must still run where xdist is not installed (the GPU image)
+# optional: an xdist hook, and pytest must still run where xdist is not installed
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """xdist names a test's group by appending ``@<group>`` to its id; where it cannot (pytest >= 9.1 with xdist 3.8),

@@ -74,9 +74,9 @@ def test_facts_and_engine_parity_at_cpu_sizes(tmp_path):
 
 
 def test_the_suite_runs_without_pytest_xdist():
-    """The GPU image has pytest but not pytest-xdist (benchmarks/gpu_check.sh): its ``pytest_gpu`` step and the
-    rehearsal's core tests load tests/conftest.py, whose xdist hook must then be optional. Before, pytest stopped
-    with an INTERNALERROR (unknown hook) and ran no test."""
+    """A machine with pytest but without pytest-xdist (the GPU check's rehearsal lacked it) loads tests/conftest.py,
+    whose xdist hook must then be optional. Before, pytest stopped with an INTERNALERROR (unknown hook) and ran no
+    test."""
     import subprocess
     import sys
     from pathlib import Path
