@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     # decode graphs: per step as logged (the first step captures most of them), or {} where the rollout logs none
     graphs = {k: [st.get(k) for st in steps] for k in GRAPH_METRICS if any(k in st for st in steps)}
     # rollout.cuda_graphs: auto (on with CUDA) unless the run's config says false
-    graphs_on = bool(graphs) or (gpu and getattr(cfg.rollout, "cuda_graphs", "auto") is not False)
+    graphs_on = bool(graphs) or (gpu and cfg.rollout.cuda_graphs is not False)
 
     budget = cfg.actor.ppo_max_token_len_per_gpu
     est = estimate_colocated_step(

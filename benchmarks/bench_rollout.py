@@ -35,7 +35,7 @@ run, measured once. The warm-up runs every engine once (kernel selection, first 
 captures are its own: ``graph_captures`` and ``graph_capture_s`` over the row's calls, ``native_s`` is the best
 call's whole wall time (with ``--repeats 1``: the capture included), ``native_s_minus_capture`` the best call's
 wall time less the seconds it spent capturing, ``native_first_s`` the first call's (which captures); on CUDA
-``graph_memory_bytes`` is the graphs' memory pool after the row (``graphs.stats["memory_bytes"]``).
+``graph_memory_bytes`` is the graphs' memory pool after the row (``engine.stats["graph_memory_bytes"]``).
 
 Prints a table and writes ``outputs/bench_rollout.json``.
 """
@@ -239,7 +239,7 @@ def measure_native(name, mode, engine, prompts, budgets, repeats, device, bandwi
             graphs_held=len(engine.graphs.captured),
         )
         if on_gpu:
-            row["graph_memory_bytes"] = engine.graphs.stats["memory_bytes"]
+            row["graph_memory_bytes"] = engine.stats["graph_memory_bytes"]
     decode_tokens = delta["generated_tokens"] - B  # each request's first token comes from its prefill
     decode_s = delta["decode_time_s"] - delta["graph_capture_s"]  # a capture is no decode step
     if decode_s > 0:

@@ -18,11 +18,30 @@ from recipes.trainer.run import start_run
 from workers.agents.examples.word_count import write_dataset
 
 
+def train_two_moe_steps(recipe, name: str, tmp_path, *overrides: str) -> list[dict]:
+    """Two training steps of recipe ``name`` (its module ``recipe``) on the tiny MoE, briefly; their metric rows."""
+    cfg = load_config(
+        name,
+        [
+            *BRIEF_GRPO,
+            "model.tiny_arch=moe",
+            *overrides,
+            "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
+    history = recipe.train(cfg, start_run(cfg, name, start_ray=False))["history"]
+    steps = [row for row in history if row["step"] >= 1]
+    assert len(steps) == 2
+    return steps
+
+
 @pytest.mark.parametrize("replay", ["rollout", "old_log_prob"])
 def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, replay):
-    overrides = [
-        *BRIEF_GRPO,
-        "model.tiny_arch=moe",
+    steps = train_two_moe_steps(
+        grpo,
+        "grpo",
+        tmp_path,
         f"actor.moe.routing_replay={replay}",
         f"actor.moe.reference_replay={str(replay == 'rollout').lower()}",  # the KL's reference on the same experts
         "algorithm.old_log_prob=recompute",  # the old log-prob pass runs (and replays, or gives its routes)
@@ -30,13 +49,7 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
         "sft.total_steps=20",
         "sft.optim.total_steps=20",
         "sft.optim.warmup_steps=2",
-        "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
-    ]
-    cfg = load_config("grpo", overrides)
-    history = grpo.train(cfg, start_run(cfg, "grpo", start_ray=False))["history"]
-    steps = [row for row in history if row["step"] >= 1]
-    assert len(steps) == 2
+    )
     for row in steps:
         assert row["actor/moe/route_mismatch"] == 0.0
         assert row["actor/moe/unreplayed_share"] == 0.0  # every trained position had a route to replay
@@ -53,19 +66,14 @@ def test_grpo_trains_the_tiny_moe_with_routing_replay(ray_session, tmp_path, rep
 def test_ppo_trains_the_tiny_moe_with_an_moe_critic(ray_session, tmp_path):
     """PPO on the tiny MoE: the critic is the same mixture of experts with a value head, and the actor replays
     the rollout's routes."""
-    overrides = [
-        *BRIEF_GRPO,
-        "model.tiny_arch=moe",
+    steps = train_two_moe_steps(
+        ppo,
+        "ppo",
+        tmp_path,
         "actor.moe.routing_replay=rollout",
         "critic.ppo_mini_batch_size=2",
         "sft.total_steps=2",
-        "trainer.total_training_steps=2",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
-    ]
-    cfg = load_config("ppo", overrides)
-    history = ppo.train(cfg, start_run(cfg, "ppo", start_ray=False))["history"]
-    steps = [row for row in history if row["step"] >= 1]
-    assert len(steps) == 2
+    )
     for row in steps:
         assert row["actor/moe/route_mismatch"] == 0.0 and row["actor/moe/unreplayed_share"] == 0.0
         assert row["critic/vf_loss"] > 0 and row["critic/grad_norm"] > 0

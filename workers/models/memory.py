@@ -36,29 +36,14 @@ sharing the training state, ``pb`` / ``cb`` / ``rb`` the bytes of the param / co
     sampling logits 4 * max_num_seqs * V               one fp32 [slots, V] row of logits per running request
     decode graphs   cuda_graphs: 4 * 4 * S * V + S * L * (rb + 1 + kv_heads * rb) + max(S * heads * L * (2 rb + 4),
                     4 * S * I * rb)                    (S = max_num_seqs, L = max_model_len) the native engine's
-                                                       CUDA-graph memory pool (workers/rollout/native/graphs.py),
-                                                       held from the first decode step to the end of the
-                                                       generation (released with the KV cache): every graph's
-                                                       temporaries, at the largest batch bucket (S rows) and key
-                                                       bucket (L). The sampling graph's peak is at its cumulative
-                                                       sum (sampler.temperature_sample): the fp32 logits, the
-                                                       log-softmax, its exp and the cumsum, 4 fp32 [S, V] buffers
-                                                       (logits / T is freed once the log-softmax is made; greedy
-                                                       graphs peak at 2: logits and logits - max). Plus one
-                                                       decode step's layer intermediates, in the pool's other
-                                                       blocks: the key mask ([S, L] in rb, its bool source and
-                                                       its per-kv-head copy), alive the whole forward, and the
-                                                       larger of attention's scores in rb, their fp32 softmax and
-                                                       its rb cast ([S * heads, L] each) and the MLP's gate/up,
-                                                       activation and product (4 [S, I] in rb). 0 where auto
-                                                       turns graphs off: rollout_tp > 1, a mixture of experts.
-                                                       Not counted: a batch with top-k / top-p rows keeps each
-                                                       forward graph's fp32 [b, V] logits as its output (one per
-                                                       bucket used), and a generation whose running batch grows
-                                                       bucket by bucket (prompts prefilled over several steps)
-                                                       may keep the smaller buckets' blocks in the pool beside the
-                                                       largest's; the GPU check logs the pool it measured
-                                                       (rollout/max_graph_memory_gib)
+                                                       CUDA-graph pool (workers/rollout/native/graphs.py), held
+                                                       through the generation: the sampler's peak of 4 fp32
+                                                       [S, V] buffers (logits, log-softmax, exp, cumsum) and one
+                                                       step's key mask plus the larger of attention's scores and
+                                                       the MLP's intermediates. 0 where auto leaves graphs off
+                                                       (rollout_tp > 1, a mixture of experts). Not counted: the
+                                                       [b, V] logits a top-k/top-p graph keeps per bucket, and
+                                                       smaller buckets' blocks kept beside the largest's
     activations     tokens * sum over layers of the per-token bytes below + 3 * min(response tokens, chunk) * V * 4
                     + V * H * 4
                     dense layer: (4 H + 2 Q + 3 I) * cb

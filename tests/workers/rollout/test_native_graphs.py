@@ -336,7 +336,7 @@ def test_cuda_graphs_fp32_greedy_equal_hf_generate_and_no_graphs():
     plain = outputs(engine_of(model, False, device="cuda"), prompts, GREEDY)
     assert_same_samples(plain, graphed)
     assert [o.token_ids for o in graphed] == [hf_greedy_cuda(model, p, 24) for p in prompts]
-    assert graphed_engine.stats["graph_captures"] > 0 and graphed_engine.graphs.stats["memory_bytes"] > 0
+    assert graphed_engine.stats["graph_captures"] > 0 and graphed_engine.stats["graph_memory_bytes"] > 0
 
 
 @pytest.mark.gpu

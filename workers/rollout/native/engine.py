@@ -184,7 +184,6 @@ class NativeEngine(RolloutEngine):
         )
         if self.config.compile:
             self.model.compile_blocks()
-        self.graphs = self._decode_graphs()
         # global rank of TP rank 0, the rank whose sampled tokens every TP rank takes
         self._sample_src = dist.get_global_rank(tp_group, 0) if self.model.tp_group is not None else None
         self.max_model_len = max_len
@@ -233,18 +232,20 @@ class NativeEngine(RolloutEngine):
             "prefill_time_s": 0.0,
             "decode_time_s": 0.0,  # wall time of decode forwards + sampling (synchronised by .tolist())
             "decode_kv_tokens": 0,  # cache positions attended over all decode steps (for bandwidth math)
-            "graph_captures": 0,  # decode graphs captured (graphs.py), their seconds and replays
+            "graph_captures": 0,  # decode graphs captured (graphs.py), their seconds, replays and pool memory
             "graph_capture_s": 0.0,
             "graph_replays": 0,
+            "graph_memory_bytes": 0,
             "graph_failures": 0,  # auto: a failed graph step turned the graphs off (a warning says why)
         }
+        self.graphs = self._decode_graphs()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         want, replay = self.config.cuda_graphs, self.config.graph_replay
         if want is None:  # auto: where they can be had
             capturable = replay == "eager" or self.model.device.type == "cuda"
             want = capturable and graph_refusal(self.model) is None
-        return DecodeGraphs(self.model, replay) if want else None
+        return DecodeGraphs(self.model, replay, stats=self.stats) if want else None
 
     @classmethod
     def from_pretrained(
@@ -509,10 +510,6 @@ class NativeEngine(RolloutEngine):
             self.graphs = None
             self.stats["graph_failures"] += 1
             return None
-        graph_stats = self.graphs.stats
-        self.stats["graph_captures"] = graph_stats["captures"]
-        self.stats["graph_capture_s"] = graph_stats["capture_s"]
-        self.stats["graph_replays"] = graph_stats["replays"]
         return sampled
 
     @staticmethod
@@ -711,8 +708,7 @@ class NativeEngine(RolloutEngine):
             replace(params, n=1, seed=None if params.seed is None else params.seed + j)
             for j in range(len(rows))
         ]
-        steps0 = self.stats["decode_steps"]
-        graphs0 = dict(self.graphs.stats) if self.graphs is not None else {}
+        stats0 = dict(self.stats)
         outs = [group[0] for group in self.generate_batch(rows, row_params)]
         generated = sum(len(o.token_ids) for o in outs)
         elapsed = time.perf_counter() - t0
@@ -722,12 +718,12 @@ class NativeEngine(RolloutEngine):
                 "pad_token_id": pad,
                 "timing_s/gen": elapsed,
                 "rollout/generated_tokens": generated,
-                "rollout/decode_steps": self.stats["decode_steps"] - steps0,
+                "rollout/decode_steps": self.stats["decode_steps"] - stats0["decode_steps"],
                 "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             }
         )
         if self.graphs is not None:
-            meta.update(self.graphs.metrics(since=graphs0))
+            meta.update(self.graphs.metrics(since=stats0))
         return rollout_dataproto(
             prompts, source, rows, outs, pad_token_id=pad, response_length=response_length, meta=meta
         )

@@ -94,7 +94,7 @@ class DecodeGraphs:
     """Captures and replays ``model``'s decode step per bucket (see the module docstring). Not thread-safe:
     the engine calls it under its model lock."""
 
-    def __init__(self, model: NativeCausalLM, replay: str = "cuda"):
+    def __init__(self, model: NativeCausalLM, replay: str = "cuda", stats: dict | None = None):
         if replay not in REPLAYS:
             raise ValueError(f"replay must be one of {REPLAYS}, got {replay!r}")
         refusal = graph_refusal(model)
@@ -115,7 +115,10 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, str], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if replay == "cuda" else None
         self._sampler: BatchSampler | None = None  # the sampler whose settings the buffers hold
-        self.stats = {"captures": 0, "capture_s": 0.0, "replays": 0, "memory_bytes": 0}
+        # counted into the engine's stats (``stats``) when it passes them: one record, no copies
+        self.stats = stats if stats is not None else {}
+        for key in ("graph_captures", "graph_capture_s", "graph_replays", "graph_memory_bytes"):
+            self.stats.setdefault(key, 0)
 
     @property
     def captured(self) -> list[tuple[int, int, str]]:
@@ -125,7 +128,7 @@ class DecodeGraphs:
     def clear(self) -> None:
         """Drop every graph and its memory pool (before the weights or the KV cache are freed)."""
         self._graphs = {}
-        self.stats["memory_bytes"] = 0
+        self.stats["graph_memory_bytes"] = 0
         if self._pool is not None:
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -133,11 +136,11 @@ class DecodeGraphs:
         """The ``generate_sequences`` metrics of the graphs since the stats were ``since``: captures and their
         seconds (part of ``timing_s/gen``), replays, graphs held and the memory their pool took."""
         return {
-            "timing_s/graph_capture": self.stats["capture_s"] - since["capture_s"],
-            "rollout/num_graph_captures": self.stats["captures"] - since["captures"],
-            "rollout/num_graph_replays": self.stats["replays"] - since["replays"],
+            "timing_s/graph_capture": self.stats["graph_capture_s"] - since["graph_capture_s"],
+            "rollout/num_graph_captures": self.stats["graph_captures"] - since["graph_captures"],
+            "rollout/num_graph_replays": self.stats["graph_replays"] - since["graph_replays"],
             "rollout/max_graphs_held": len(self._graphs),
-            "rollout/max_graph_memory_gib": self.stats["memory_bytes"] / 2**30,
+            "rollout/max_graph_memory_gib": self.stats["graph_memory_bytes"] / 2**30,
         }
 
     def decode(
@@ -165,7 +168,7 @@ class DecodeGraphs:
                 self._sampler = sampler
         graph = self._graph(b, t, mode)
         graph.run()
-        self.stats["replays"] += 1
+        self.stats["graph_replays"] += 1
         if mode == "logits":  # top-k / top-p rows: the forward was replayed, sampling runs here
             return sampler.sample(graph.outputs[0][:B], uniforms)
         return graph.outputs[0][:B], graph.outputs[1][:B]
@@ -183,11 +186,10 @@ class DecodeGraphs:
             return graph
         if any(g.addresses != addresses for g in self._graphs.values()):
             self.clear()  # the weights or the cache moved: every graph reads stale addresses
-            self._sampler = None
         t0 = time.perf_counter()
         graph = self._capture(b, t, mode, addresses)
-        self.stats["captures"] += 1
-        self.stats["capture_s"] += time.perf_counter() - t0
+        self.stats["graph_captures"] += 1
+        self.stats["graph_capture_s"] += time.perf_counter() - t0
         self._graphs[b, t, mode] = graph
         return graph
 
@@ -226,5 +228,5 @@ class DecodeGraphs:
         # thread_local: the engine steps on a worker thread while other threads of the process may use CUDA
         with torch.cuda.graph(cuda_graph, pool=self._pool, capture_error_mode="thread_local"):
             out = step()
-        self.stats["memory_bytes"] += max(0, torch.cuda.memory_reserved() - reserved)
+        self.stats["graph_memory_bytes"] += max(0, torch.cuda.memory_reserved() - reserved)
         return _Graph(cuda_graph.replay, list(out), addresses, handle=cuda_graph)
