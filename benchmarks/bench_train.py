@@ -6,12 +6,17 @@ a Qwen2.5-0.5B-shaped model (hidden 896, 24 layers, 14 heads / 2 KV heads, vocab
 precision, batch 8 x 1024; ``--model-path`` points either run at a real checkpoint instead.
 
 Contenders, one optimizer step each (forward + backward of a token-mean policy-gradient loss + AdamW):
-  * engine/varlen   the engine: padding removed, sequences packed, per-sequence causal attention
-                    (`hyflow_varlen`), logits only at response positions;
+  * engine/sdpa     the engine: padding removed, sequences packed (`hyflow_varlen`), each sequence (or a
+                    padded group of short ones) its own SDPA call (``model.packed_attention=sdpa``, the CPU's
+                    auto), log-probs only at response positions;
+  * engine/flex     (CUDA) the same packing, one compiled FlexAttention call over the row's block mask
+                    (``packed_attention=flex``, CUDA's auto);
+  * engine/flash    (CUDA) the same packing, torch's varlen FlashAttention (``packed_attention=flash``);
   * engine/hf-sdpa  the engine, packed, but HF's own packed attention (a dense block-diagonal mask: the
                     scores between different sequences are computed and discarded);
   * padded-hf       baseline: a plain HF forward on the padded [B, P+R] batch, logits everywhere.
-and the forward-only `compute_log_prob` of the engine.
+and the forward-only `compute_log_prob` of the engine (its device's auto kernel). A contender whose first step
+fails (a kernel the installed torch lacks) is reported with its error instead of a time.
 
 Model FLOPs per step (what MFU counts; the same useful work for every contender):
     6 * N_layers * T            dense matmuls of the decoder layers over the T real tokens
@@ -185,6 +190,24 @@ def padded_step_fn(model_path: str, batch: dict, device: torch.device, lr: float
     return step
 
 
+def flex_score_visits(lengths: list[int]) -> dict:
+    """The scores FlexAttention's block mask visits for the packed row of ``lengths`` (partial and full 128 x 128
+    blocks), against the causal scores that exist (sum of S(S+1)/2) and those a padded batch computes (B x L^2):
+    what the flex kernel's work is, told without a GPU."""
+    from workers.models.packed_kernels import FLEX_BLOCK, packed_block_mask
+
+    bounds = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    mask = packed_block_mask(bounds, (), None, "cpu")
+    visited = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) * FLEX_BLOCK**2
+    causal = sum(n * (n + 1) // 2 for n in lengths)
+    return {
+        "visited_scores": visited,
+        "causal_scores": causal,
+        "visited_over_causal": visited / causal,
+        "padded_batch_scores": len(lengths) * max(lengths) ** 2,
+    }
+
+
 def run(args) -> dict:
     device = du.default_device()
     gpu = device.type == "cuda"
@@ -202,19 +225,29 @@ def run(args) -> dict:
         resp_tokens = int(batch["attention_mask"][:, -resp:].sum())
         flops = train_flops(cfg, seq_lens, resp_tokens)
         optim = OptimConfig(lr=1e-5, grad_clip=1.0)
-        engines = {
-            "engine/varlen": FSDPEngine(EngineConfig(model_path=model_path, optim=optim)),
-            "engine/hf-sdpa": FSDPEngine(
-                EngineConfig(model_path=model_path, optim=optim, attn_implementation="sdpa")
-            ),
+        kernels = ["sdpa", "flex", "flash"] if gpu else ["sdpa"]
+        configs = {
+            f"engine/{k}": EngineConfig(model_path=model_path, optim=optim, packed_attention=k)
+            for k in kernels
         }
-        n_params = engines["engine/varlen"].num_params
-        contenders: dict[str, Callable[[], object]] = {
-            name: functools.partial(e.train_step, batch, pg_loss, max_token_len=args.max_token_len)
-            for name, e in engines.items()
-        }
+        configs["engine/hf-sdpa"] = EngineConfig(
+            model_path=model_path, optim=optim, attn_implementation="sdpa"
+        )
+        contenders: dict[str, Callable[[], object]] = {}
+        failed: dict[str, str] = {}
+        for name, config in configs.items():
+            try:
+                engine = FSDPEngine(config)
+                step = functools.partial(engine.train_step, batch, pg_loss, max_token_len=args.max_token_len)
+                step()  # compiles what the kernel compiles; a kernel this torch lacks fails here
+            except Exception as e:  # noqa: BLE001 -- reported in the table and the JSON, the others still timed
+                failed[name] = f"{type(e).__name__}: {e}"[:300]
+                continue
+            contenders[name] = step
+        auto = FSDPEngine(EngineConfig(model_path=model_path, optim=None))
+        n_params = auto.num_params
         contenders["padded-hf"] = padded_step_fn(model_path, batch, device, 1e-5)
-        contenders["engine/log_prob (fwd)"] = lambda: engines["engine/varlen"].compute_log_prob(
+        contenders[f"engine/log_prob (fwd, {auto.packed_attention})"] = lambda: auto.compute_log_prob(
             batch, max_token_len=args.max_token_len
         )
         peak = measure_peak(device)
@@ -235,6 +268,8 @@ def run(args) -> dict:
                 "MFU": f / sec / peak,
             }
         )
+    rows += [{"contender": name, "error": error} for name, error in failed.items()]
+    flex_visits = flex_score_visits([int(n) for n in seq_lens])
     return {
         "device": str(device) if not gpu else torch.cuda.get_device_name(0),
         "threads": torch.get_num_threads(),
@@ -246,6 +281,7 @@ def run(args) -> dict:
         "model_flops_per_step": flops,
         "peak_flops_measured": peak,
         "flops_formula": "6*N_layers*T + 6*V*d*T_resp + 12*L*d*sum(S_i^2); forward-only /3",
+        "flex_score_visits": flex_visits,
         "rows": rows,
     }
 
@@ -277,8 +313,13 @@ def main() -> None:
         f"{result['batch']}: {result['real_tokens']} real of {result['padded_grid_tokens']} padded tokens; "
         f"peak {result['peak_flops_measured'] / 1e9:.1f} GFLOP/s (measured matmul)"
     )
-    print_table(result["rows"], ["contender", "step_s", "tokens/s", "TFLOP/s", "MFU"])
+    print_table(result["rows"], ["contender", "step_s", "tokens/s", "TFLOP/s", "MFU", "error"])
     print(f"model FLOPs: {result['flops_formula']}")
+    visits = result["flex_score_visits"]
+    print(
+        f"flex block mask: visits {visits['visited_scores']:,} scores for {visits['causal_scores']:,} causal ones "
+        f"({visits['visited_over_causal']:.2f}x); a padded batch computes {visits['padded_batch_scores']:,}"
+    )
     path = write_json("bench_train", result)
     print(f"wrote {path}")
 

@@ -79,7 +79,7 @@ case "${1:-}" in
     rc=$?
     # the core tests under the image's versions: engine, native rollout, weight sync, recipe configs
     "$PY" -m pytest -q -p no:cacheprovider -x tests/workers/engine/test_fsdp_engine.py \
-      tests/workers/rollout/test_native_interfaces.py tests/workers/rollout/test_native_graphs.py \
+      tests/workers/engine/test_packed_kernels.py tests/workers/rollout/test_native_interfaces.py tests/workers/rollout/test_native_graphs.py \
       tests/workers/weight_sync tests/recipes/test_config.py \
       2>&1 | tee "$OUT/pytest_core.log" | tail -5
     exit $(( rc || ${PIPESTATUS[0]} ))

@@ -19,6 +19,10 @@ class ModelConfig:
     # the samples of one prompt in a training micro-batch share one forward/backward of that prompt (exact: the
     # same log-probs and gradients; hyflow_varlen attention, i.e. not with flash_attention_2 or sliding windows)
     share_prompts: bool = True
+    # the kernel that attends packed sequences (workers/models/packed_kernels.py): auto = sdpa on the CPU (fastest
+    # there), flex on CUDA (FlexAttention over a block mask, compiled; takes shared prompts); flash = torch's varlen
+    # FlashAttention (CUDA, bf16, turns share_prompts off); docs/recipes.md says which was measured faster
+    packed_attention: str = "auto"
     trust_remote_code: bool = False
 
 

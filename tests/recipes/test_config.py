@@ -454,3 +454,24 @@ def test_model_compile_with_the_megatron_engine_is_a_config_error_naming_the_rol
     assert len(errors) == 2
     assert all("model.compile=true compiles the FSDP engine's layers" in e for e in errors)
     assert "actor.strategy='megatron'" in errors[0] and "critic.strategy='megatron'" in errors[1]
+
+
+def test_model_packed_attention_reaches_the_engine_and_cuda_kernels_need_a_gpu(monkeypatch):
+    """``model.packed_attention``: auto/sdpa anywhere, flex and flash only where the run has a GPU (torch has no
+    CPU backward for either), an unknown kernel named; the role's EngineConfig carries the choice."""
+    import torch
+
+    from workers.roles.common import engine_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for kernel in ("auto", "sdpa"):
+        cfg = load_config("grpo", [f"model.packed_attention={kernel}"])
+        assert engine_config(cfg.model, optim=None).packed_attention == kernel
+    for kernel in ("flex", "flash"):
+        msg = _errors([f"model.packed_attention={kernel}"])
+        assert f"model.packed_attention='{kernel}' trains on CUDA only" in msg and "use auto or sdpa" in msg
+        cfg = load_config("grpo", [f"model.packed_attention={kernel}", "trainer.device=cuda"])
+        assert engine_config(cfg.model, optim=None).packed_attention == kernel
+    assert "model.packed_attention='paged'; choose one of ['auto', 'sdpa', 'flex', 'flash']" in _errors(
+        ["model.packed_attention=paged"]
+    )

@@ -95,6 +95,9 @@ class EngineConfig:
     attn_implementation: str = "auto"  # auto: flash_attention_2 if installed on CUDA, else hyflow_varlen
     # rows of a micro-batch with one prompt share its forward/backward (hyflow_varlen attention only; exact)
     share_prompts: bool = True
+    # the kernel of hyflow_varlen's packed rows (workers/models/packed_kernels.py): auto = sdpa on the CPU, flex
+    # on CUDA; flash = torch's varlen FlashAttention (CUDA, bf16, no shared prompts)
+    packed_attention: str = "auto"
     use_fsdp: bool | None = None  # None: FSDP2 when torch.distributed has world size > 1
     reshard_after_forward: bool = True
     seed: int = 0  # same on every rank: a fresh value head is initialised identically everywhere

@@ -52,6 +52,7 @@ from workers.engine.vocab_head import head_computes_log_probs
 from workers.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from workers.models.loading import build_on_meta, can_build_on_meta, is_value_model, load_model
 from workers.models.meta_init import materialize
+from workers.models.packed_kernels import resolve_packed_kernel
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -145,12 +146,17 @@ class FSDPEngine(EngineSteps):
                     attn = "flash_attention_2"
                 except ImportError:
                     pass
+        # the kernel of hyflow_varlen's packed rows (None: another attention implementation attends)
+        self.packed_attention: str | None = None
         if attn == VARLEN_ATTENTION:
             register_varlen_attention()
+            self.packed_attention = resolve_packed_kernel(
+                config.packed_attention, self.device, trains=config.optim is not None
+            )
         self.attn_implementation = attn
-        # shared prompts need attention that keeps each response from its siblings: hyflow_varlen's, without
-        # sliding windows (checked once the model is built)
-        self.share_prompts = config.share_prompts and attn == VARLEN_ATTENTION
+        # shared prompts need attention that keeps each response from its siblings: hyflow_varlen's sdpa or flex
+        # kernel, without sliding windows (checked once the model is built)
+        self.share_prompts = config.share_prompts and self.packed_attention in ("sdpa", "flex")
 
         build = _BuildArgs(
             value_head=config.value_head,
@@ -314,11 +320,13 @@ class FSDPEngine(EngineSteps):
         moe = MoEForward(self.model, packed, micro, replay_routes) if self.is_moe else None
         with self._autocast(), moe.routing() if moe is not None else contextlib.nullcontext():
             if self.is_value_model:
-                out = self.model(**packed.model_kwargs())
+                out = self.model(**packed.model_kwargs(self.packed_attention))
                 values = out.logits[0, :, 0].index_select(0, packed.keep_index).float()
                 return {"values": scatter_response(values, packed.response_valid)}, moe
             with head_computes_log_probs(self.model, packed.labels, temperature, calculate_entropy):
-                out = self.model(**packed.model_kwargs(), logits_to_keep=packed.keep_index)
+                out = self.model(
+                    **packed.model_kwargs(self.packed_attention), logits_to_keep=packed.keep_index
+                )
         pair = out.logits[0]  # [n, 2]: log-probs and entropies of the kept (response-predicting) positions
         result = {"log_probs": scatter_response(pair[:, 0], packed.response_valid)}
         if calculate_entropy:

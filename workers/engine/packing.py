@@ -205,9 +205,9 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def model_kwargs(self) -> dict:
+    def model_kwargs(self, kernel: str | None = None) -> dict:
         """Keyword arguments for an HF forward: no 2D mask, no cache, FlashAttention-style varlen metadata (and
-        the shared-prompt branches, which only ``hyflow_varlen`` attention reads)."""
+        the shared-prompt branches and the packed-attention ``kernel``, which only ``hyflow_varlen`` reads)."""
         kwargs: dict[str, Any] = dict(
             input_ids=self.input_ids,
             position_ids=self.position_ids,
@@ -220,6 +220,8 @@ class PackedBatch:
         )
         if self.branches is not None:
             kwargs["hyflow_branches"] = self.branches
+        if kernel is not None:
+            kwargs["hyflow_kernel"] = kernel
         return kwargs
 
 

@@ -20,6 +20,10 @@ Shared prompts (``hyflow_branches``, from `workers.engine.packing.pack_sequences
 may hold one prompt followed by several responses to it (a GRPO group), each response a *branch* that sees the
 prompt and itself but no other branch, so the prompt is computed once for the whole group. ``hyflow_branches``
 holds, per segment, the lengths of its branches (empty for a plain sequence).
+
+Which kernel attends a packed row is the engine's ``model.packed_attention``, passed as ``hyflow_kernel``:
+``sdpa`` (the calls above; the CPU's), ``flex`` (one FlexAttention call over a block mask, CUDA's default) or
+``flash`` (torch's varlen FlashAttention); `workers/models/packed_kernels.py` says what each takes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from workers.models.packed_kernels import attends, flash_packed, flex_packed, token_layout
 
 VARLEN_ATTENTION = "hyflow_varlen"
 
@@ -74,6 +80,9 @@ def varlen_sdpa_attention_forward(
     """Attention over a packed row [1, heads, T, head_dim]; returns [1, T, heads, head_dim] like HF's sdpa."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     branches = kwargs.pop("hyflow_branches", None) or ()
+    kernel = (
+        kwargs.pop("hyflow_kernel", None) or "sdpa"
+    )  # packed_kernels.PACKED_KERNELS, resolved by the engine
     packed = (
         attention_mask is None
         and causal
@@ -99,8 +108,23 @@ def varlen_sdpa_attention_forward(
             **kwargs,
         )
     total = query.shape[2]
-    bounds = _segment_bounds(kwargs, total)
-    plan = attention_plan(tuple(bounds), sliding_window, tuple(branches))
+    bounds = tuple(_segment_bounds(kwargs, total))
+    if kernel != "sdpa" and dropout:
+        raise ValueError(
+            f"model.packed_attention={kernel!r} has no attention dropout (the model asks {dropout})"
+        )
+    if kernel == "flex":
+        out = flex_packed(query, key, value, bounds, tuple(branches), sliding_window, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    if kernel == "flash":
+        if any(branches):
+            raise ValueError(
+                "workers/models/attention.py: model.packed_attention='flash' cannot attend shared-prompt "
+                "branches (the engine turns share_prompts off for it)"
+            )
+        out = flash_packed(query, key, value, bounds, sliding_window, scaling)
+        return out.transpose(1, 2).contiguous(), None
+    plan = attention_plan(bounds, sliding_window, tuple(branches))
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for group in plan.groups:
@@ -157,25 +181,12 @@ class AttentionPlan:
 
 
 def segment_mask(length: int, branch_lengths: tuple[int, ...], width: int) -> torch.Tensor:
-    """[width, width] bool: query q may attend key k of a segment of ``length`` tokens (padded to ``width``) --
-    k <= q, and with ``branch_lengths`` (a shared prompt then its branches) k is in the prompt or in q's own
-    branch."""
+    """[width, width] bool: query q may attend key k of a segment of ``length`` tokens (padded to ``width``, the
+    padding seeing every key before it) -- k <= q, and with ``branch_lengths`` (a shared prompt then its
+    branches) k is in the prompt or in q's own branch (`packed_kernels.attends`)."""
+    layout = token_layout((0, length), (branch_lengths,), width, pad_doc=0)
     steps = torch.arange(width)
-    allowed = steps[None, :] <= steps[:, None]
-    if branch_lengths:
-        prompt = length - sum(branch_lengths)
-        if prompt < 1 or min(branch_lengths) < 1:
-            raise ValueError(
-                f"a shared-prompt segment of {length} tokens cannot hold branches {branch_lengths}"
-            )
-        # where each token's own branch starts (a prompt token: 0, the whole causal prefix)
-        branch_start = torch.zeros(width, dtype=torch.long)
-        start = prompt
-        for n in branch_lengths:
-            branch_start[start : start + n] = start
-            start += n
-        allowed &= (steps[None, :] < prompt) | (steps[None, :] >= branch_start[:, None])
-    return allowed
+    return attends(layout, None, steps[:, None], steps[None, :])
 
 
 @functools.lru_cache(maxsize=16)

@@ -81,6 +81,7 @@ def engine_config(
         activation_checkpointing=model.activation_checkpointing,
         compile=model.compile,
         share_prompts=model.share_prompts,
+        packed_attention=model.packed_attention,
         attn_implementation=model.attn_implementation,
         seed=seed,
         trust_remote_code=model.trust_remote_code,
