@@ -100,6 +100,7 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
         errors.append(error)
     _check_lora(errors, cfg)
     _check_moe(errors, cfg)
+    _check_auto_token_budget(errors, cfg)
     for role in ("actor", "critic"):
         strategy = getattr(cfg, role).strategy
         if cfg.model.compile and not train_engine_can(strategy, "supports_compile"):
@@ -115,6 +116,27 @@ def check_actor(errors: list[str], cfg: RecipeConfig) -> None:
             cfg.data.train_batch_size,
             samples_per_prompt(cfg),
             data_parallel_sizes(cfg).train,
+        )
+
+
+def _check_auto_token_budget(errors: list[str], cfg: RecipeConfig) -> None:
+    """``actor.ppo_max_token_len_per_gpu: auto`` sizes a colocated FSDP actor beside the native rollout engine
+    (workers/models/memory.py models those): refused where the run holds what the model does not count."""
+    if cfg.actor.ppo_max_token_len_per_gpu != "auto" or not uses_gpu(cfg):
+        return  # on the CPU auto is a fixed budget (recipes/trainer/sizing.py)
+    unmodelled = []
+    if cfg.actor.strategy != "fsdp":
+        unmodelled.append(
+            f"actor.strategy={cfg.actor.strategy!r} (the model counts the FSDP engine's memory)"
+        )
+    if cfg.rollout.name != "native":
+        unmodelled.append(f"rollout.name={cfg.rollout.name!r} (the model counts the native engine's memory)")
+    if uses_critic(cfg) and cfg.trainer.placement == "colocated":
+        unmodelled.append("a colocated critic (the model counts no critic)")
+    if unmodelled:
+        errors.append(
+            "actor.ppo_max_token_len_per_gpu=auto sizes a colocated FSDP actor beside the native rollout engine; "
+            f"this run has {', '.join(unmodelled)}: set a token count"
         )
 
 

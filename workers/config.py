@@ -33,7 +33,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8  # prompts per optimizer step (multiplied by rollout.n, as in verl)
     ppo_micro_batch_size_per_gpu: int | None = 4  # rows per forward/backward when use_dynamic_bsz is off
     use_dynamic_bsz: bool = True  # micro-batches by token budget instead of row count
-    ppo_max_token_len_per_gpu: int = 4096  # token budget per micro-batch (dynamic batch size)
+    # token budget per micro-batch (dynamic batch size); auto: on a GPU the largest the memory model
+    # (workers/models/memory.py) fits on the device, resolved before Ray starts (docs/sizing.md); 4096 on the CPU
+    ppo_max_token_len_per_gpu: int | str = 4096
     ppo_epochs: int = 1
     shuffle: bool = False
     policy_loss: str = "vanilla"  # algorithms registry: "vanilla" (PPO clip), "gspo", ...
@@ -55,6 +57,11 @@ class ActorConfig:
 
     def __post_init__(self):
         _at_least(self, 0.0, "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+        budget = self.ppo_max_token_len_per_gpu
+        if isinstance(budget, str) and budget.isdigit():
+            self.ppo_max_token_len_per_gpu = budget = int(budget)  # a quoted number in a YAML file
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"ppo_max_token_len_per_gpu must be a token count >= 1 or auto, got {budget!r}")
 
 
 @dataclass

@@ -34,6 +34,7 @@ from recipes.config import ConfigError, load_config, save_config, to_yaml
 from recipes.sections import RecipeConfig, device_counts, uses_gpu
 from recipes.tasks import make_dataset
 from recipes.trainer.run_folder import prepare_run_folder
+from recipes.trainer.sizing import resolve_token_budget
 from workers.config import ModelConfig
 from workers.engine.checkpoint import CheckpointError
 from workers.models import load_tokenizer
@@ -235,6 +236,9 @@ def start_run(cfg: RecipeConfig, recipe: str, start_ray: bool = True) -> Run:
     prepare_run_folder(cfg, run_dir)  # another run's results are never overwritten silently
     run_dir.mkdir(parents=True, exist_ok=True)
     write_run_config(cfg, run_dir)  # model.path and critic.model_path as given (a Hub id stays an id)
+    budget = resolve_token_budget(cfg, model_path, use_gpu)  # after the write: the saved config keeps auto
+    if budget:
+        logger.warning(budget)
     cfg.critic.model_path = critic_path
     train_files, val_files = resolve_data(cfg, run_dir)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)

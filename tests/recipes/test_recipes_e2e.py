@@ -43,7 +43,11 @@ PLACEMENT = {
     ],
 }
 RECIPES = {
-    "grpo": (grpo, ["actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true"]),
+    # the token budget from the memory model (recipes/trainer/sizing.py): on the CPU a fixed one
+    "grpo": (
+        grpo,
+        ["actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true", "actor.ppo_max_token_len_per_gpu=auto"],
+    ),
     "ppo": (
         ppo,
         ["actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=4", "algorithm.use_kl_in_reward=true"],
@@ -122,6 +126,9 @@ def test_recipe_runs_and_writes_everything(ray_session, tmp_path, recipe, placem
         assert not list((ckpt / role).glob("*.tmp"))
     # the run directory: resolved config, per-step metrics, TensorBoard events, the curves
     assert (run_dir / "config.yaml").is_file()
+    if recipe == "grpo":  # auto is saved as auto: a resumed run sizes itself on its own device
+        saved = load_config(recipe, config_path=run_dir / "config.yaml", check=False)
+        assert saved.actor.ppo_max_token_len_per_gpu == "auto"
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2]
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -152,6 +152,11 @@ def micro_batch_kwargs(
 
 def ppo_micro_batch_kwargs(section) -> MicroBatchKwargs:
     """`micro_batch_kwargs` of a trained role's section (actor / critic: ``ppo_*_per_gpu``)."""
+    if not isinstance(section.ppo_max_token_len_per_gpu, int):
+        raise ValueError(
+            f"ppo_max_token_len_per_gpu={section.ppo_max_token_len_per_gpu!r} reached a worker unresolved: the "
+            "recipe driver turns auto into a token count (recipes/trainer/sizing.py); pass a number"
+        )
     return micro_batch_kwargs(
         section.use_dynamic_bsz, section.ppo_micro_batch_size_per_gpu, section.ppo_max_token_len_per_gpu
     )
