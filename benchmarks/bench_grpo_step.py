@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     graphs_on = bool(graphs) or (gpu and cfg.rollout.cuda_graphs is not False)
 
     budget = cfg.actor.ppo_max_token_len_per_gpu
-    assert isinstance(budget, int), budget  # --max-token-len is a number (auto would be resolved in the run only)
+    # --max-token-len is a number (auto is resolved inside the run only)
+    assert isinstance(budget, int), budget
     est = estimate_colocated_step(
         config,
         compute_dtype=torch.bfloat16 if gpu else torch.float32,  # the engine's mixed precision: on for CUDA
