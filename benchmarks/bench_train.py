@@ -12,6 +12,9 @@ Contenders, one optimizer step each (forward + backward of a token-mean policy-g
   * engine/flex     (CUDA) the same packing, one compiled FlexAttention call over the row's block mask
                     (``packed_attention=flex``, CUDA's auto);
   * engine/flash    (CUDA) the same packing, torch's varlen FlashAttention (``packed_attention=flash``);
+  * engine/auto+checkpointing  the device's auto kernel with activation checkpointing (its cost in time; on
+                    CUDA every contender's step_gib, what one step allocates above what is resident, shows
+                    what it saves);
   * engine/hf-sdpa  the engine, packed, but HF's own packed attention (a dense block-diagonal mask: the
                     scores between different sequences are computed and discarded);
   * padded-hf       baseline: a plain HF forward on the padded [B, P+R] batch, logits everywhere.
@@ -230,16 +233,27 @@ def run(args) -> dict:
             f"engine/{k}": EngineConfig(model_path=model_path, optim=optim, packed_attention=k)
             for k in kernels
         }
+        # the device's auto kernel with activation checkpointing: its time against its memory
+        configs["engine/auto+checkpointing"] = EngineConfig(
+            model_path=model_path, optim=optim, activation_checkpointing=True
+        )
         configs["engine/hf-sdpa"] = EngineConfig(
             model_path=model_path, optim=optim, attn_implementation="sdpa"
         )
         contenders: dict[str, Callable[[], object]] = {}
         failed: dict[str, str] = {}
+        # CUDA: what one step allocates above what is resident before it (every engine here stays resident)
+        step_gib: dict[str, float] = {}
         for name, config in configs.items():
             try:
                 engine = FSDPEngine(config)
                 step = functools.partial(engine.train_step, batch, pg_loss, max_token_len=args.max_token_len)
                 step()  # compiles what the kernel compiles; a kernel this torch lacks fails here
+                if gpu:
+                    torch.cuda.reset_peak_memory_stats()
+                    resident = torch.cuda.memory_allocated()
+                    step()
+                    step_gib[name] = (torch.cuda.max_memory_allocated() - resident) / 2**30
             except Exception as e:  # noqa: BLE001 -- reported in the table and the JSON, the others still timed
                 failed[name] = f"{type(e).__name__}: {e}"[:300]
                 continue
@@ -266,6 +280,7 @@ def run(args) -> dict:
                 "tokens/s": sum(seq_lens) / sec,
                 "TFLOP/s": f / sec / 1e12,
                 "MFU": f / sec / peak,
+                **({"step_gib": step_gib[name]} if name in step_gib else {}),
             }
         )
     rows += [{"contender": name, "error": error} for name, error in failed.items()]
@@ -313,7 +328,7 @@ def main() -> None:
         f"{result['batch']}: {result['real_tokens']} real of {result['padded_grid_tokens']} padded tokens; "
         f"peak {result['peak_flops_measured'] / 1e9:.1f} GFLOP/s (measured matmul)"
     )
-    print_table(result["rows"], ["contender", "step_s", "tokens/s", "TFLOP/s", "MFU", "error"])
+    print_table(result["rows"], ["contender", "step_s", "tokens/s", "TFLOP/s", "MFU", "step_gib", "error"])
     print(f"model FLOPs: {result['flops_formula']}")
     visits = result["flex_score_visits"]
     print(
