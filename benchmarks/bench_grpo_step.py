@@ -3,6 +3,7 @@ and each stage's peak device memory beside the project's estimate (``workers/mod
 
     python -m benchmarks.bench_grpo_step                          # CUDA: Qwen2-0.5B shape; CPU: tiny
     python -m benchmarks.bench_grpo_step --preset tiny --steps 2  # seconds on a CPU (the GPU check's rehearsal)
+    python -m benchmarks.bench_grpo_step --max-token-len auto     # the memory model's budget beside the peak
 
 ``python -m recipes.grpo`` runs as a user would run it (colocated actor + native rollout engine + reference on
 one device, the arithmetic task, a random-init model of the preset's shape with the tiny tokenizer, no
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -83,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=8 if gpu else 2)
     p.add_argument("--response-length", type=int, default=256 if gpu else 16)
     p.add_argument(
-        "--max-token-len", type=int, default=16384 if gpu else 4096, help="update micro-batch budget"
+        "--max-token-len",
+        default=str(16384 if gpu else 4096),
+        help="update micro-batch budget: a token count, or auto (the memory model's answer for this device, "
+        "which the recipe prints and this script records beside the measured peak)",
     )
     p.add_argument("--override", nargs="*", default=[], help="more recipe overrides key=value")
     p.add_argument("--timeout-s", type=float, default=None, help="stop the recipe after this long")
@@ -129,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     graphs_on = bool(graphs) or (gpu and cfg.rollout.cuda_graphs is not False)
 
     budget = cfg.actor.ppo_max_token_len_per_gpu
-    # --max-token-len is a number (auto is resolved inside the run only)
+    if budget == "auto":  # the saved config keeps auto; the recipe printed what it resolved to
+        said = re.search(
+            r"actor\.ppo_max_token_len_per_gpu=auto: (\d+) tokens", (work / "recipe.log").read_text()
+        )
+        if said is None:
+            print(f"the recipe did not say what auto resolved to; log: {work / 'recipe.log'}")
+            return 1
+        budget = int(said.group(1))
     assert isinstance(budget, int), budget
     est = estimate_colocated_step(
         config,
@@ -179,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall,
         "steps_logged": len(steps),
         "stage_median_s": stage_s,
+        "max_token_len": budget,  # the update's micro-batch budget (auto's answer where it was auto)
         "tokens_per_step": tokens,
         "response_tokens_per_step": resp_tokens,
         "throughput_tok_s": throughput,
