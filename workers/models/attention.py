@@ -80,9 +80,8 @@ def varlen_sdpa_attention_forward(
     """Attention over a packed row [1, heads, T, head_dim]; returns [1, T, heads, head_dim] like HF's sdpa."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     branches = kwargs.pop("hyflow_branches", None) or ()
-    kernel = (
-        kwargs.pop("hyflow_kernel", None) or "sdpa"
-    )  # packed_kernels.PACKED_KERNELS, resolved by the engine
+    # one of packed_kernels.PACKED_KERNELS, resolved by the engine (model.packed_attention)
+    kernel = kwargs.pop("hyflow_kernel", None) or "sdpa"
     packed = (
         attention_mask is None
         and causal
