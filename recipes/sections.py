@@ -29,7 +29,7 @@ from workers.engine.base import OptimConfig
 from workers.engine.registry import TRAIN_ENGINES, train_engine_class
 from workers.models.chat_templates import CHAT_TEMPLATES
 from workers.models.hub import model_path_problem
-from workers.models.packed_kernels import PACKED_KERNELS
+from workers.models.packed_kernels import resolve_packed_kernel
 from workers.models.tiny import TINY_ARCHS, TINY_MODEL_SIZES
 from workers.reward import load_custom_scorer
 from workers.rollout.registry import rollout_engine_class
@@ -165,16 +165,14 @@ class RecipeModelConfig(ModelConfig):
             errors.append(f"model.tiny_size={self.tiny_size!r}; choose one of {sorted(TINY_MODEL_SIZES)}")
         if self.path is None and self.tiny_arch not in TINY_ARCHS:
             errors.append(f"model.tiny_arch={self.tiny_arch!r}; choose one of {list(TINY_ARCHS)}")
-        if self.packed_attention not in PACKED_KERNELS:
-            errors.append(
-                f"model.packed_attention={self.packed_attention!r}; choose one of {list(PACKED_KERNELS)}"
+        import torch
+
+        try:  # the engine's own rule, for a device that trains
+            resolve_packed_kernel(
+                self.packed_attention, torch.device("cuda" if uses_gpu(cfg) else "cpu"), True
             )
-        elif self.packed_attention in ("flex", "flash") and not uses_gpu(cfg):
-            errors.append(
-                f"model.packed_attention={self.packed_attention!r} trains on CUDA only (torch has no "
-                f"{'FlexAttention backward' if self.packed_attention == 'flex' else 'varlen FlashAttention'} on "
-                f"the CPU) and this run has no GPU (trainer.device={cfg.trainer.device}); use auto or sdpa"
-            )
+        except ValueError as err:
+            errors.append(f"{err} (trainer.device={cfg.trainer.device})")
         if self.path is None and self.tiny_chat_template not in CHAT_TEMPLATES:
             errors.append(
                 f"model.tiny_chat_template={self.tiny_chat_template!r}; choose one of {sorted(CHAT_TEMPLATES)}"

@@ -37,13 +37,13 @@ def resolve_packed_kernel(kernel: str, device: torch.device, trains: bool) -> st
         return "flex" if device.type == "cuda" else "sdpa"
     if kernel == "flash" and device.type != "cuda":
         raise ValueError(
-            f"model.packed_attention='flash' is torch's varlen FlashAttention, CUDA only (the engine is on "
-            f"{device.type}); use 'auto' or 'sdpa'"
+            f"model.packed_attention='flash' trains on CUDA only: torch's varlen FlashAttention is CUDA only "
+            f"(the engine is on {device.type}); use auto or sdpa"
         )
     if kernel == "flex" and device.type != "cuda" and trains:
         raise ValueError(
-            "model.packed_attention='flex' cannot train on the CPU: torch's FlexAttention has no CPU backward; "
-            "use 'auto' or 'sdpa'"
+            "model.packed_attention='flex' trains on CUDA only: torch's FlexAttention has no CPU backward; use "
+            "auto or sdpa"
         )
     return kernel
 
