@@ -15,6 +15,7 @@ import torch
 from recipes.config import ConfigError
 from recipes.sections import RecipeConfig, device_counts, needs_reference, reference_is_actor
 from recipes.worker_sections import model_is_moe
+from workers.models import resolve_dtype
 from workers.models.memory import GIB, RunSettings, size_colocated_run
 
 AUTO = "auto"
@@ -29,9 +30,10 @@ def run_settings(cfg: RecipeConfig) -> RunSettings:
         graphs = tp == 1 and not model_is_moe(cfg)
     return RunSettings(
         devices=device_counts(cfg)["train"],
-        param_dtype=getattr(torch, cfg.model.dtype),
+        param_dtype=resolve_dtype(cfg.model.dtype),
         compute_dtype=torch.bfloat16,  # the FSDP engine's mixed precision on CUDA
-        rollout_dtype=torch.bfloat16 if cfg.rollout.dtype == "auto" else getattr(torch, cfg.rollout.dtype),
+        # rollout.dtype auto is bfloat16 on CUDA (workers.rollout.base.rollout_dtype), and this is a GPU run
+        rollout_dtype=resolve_dtype("bfloat16" if cfg.rollout.dtype == "auto" else cfg.rollout.dtype),
         reference=needs_reference(cfg) and not reference_is_actor(cfg),
         max_num_seqs=cfg.rollout.max_num_seqs,
         prompt_length=cfg.rollout.prompt_length,

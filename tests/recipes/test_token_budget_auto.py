@@ -63,6 +63,13 @@ def test_the_settings_are_the_runs_keys():
     assert not run_settings(lora).reference
 
 
+def test_the_settings_take_every_dtype_name_the_config_takes():
+    """model.dtype and rollout.dtype accept short names (bf16, fp16): the settings read them as the engines do."""
+    cfg = load_config("grpo", [*GPU_RUN, "model.dtype=bf16", "rollout.dtype=float16"])
+    s = run_settings(cfg)
+    assert s.param_dtype == torch.bfloat16 and s.rollout_dtype == torch.float16
+
+
 @pytest.mark.parametrize("gib", [80.0, 40.0])
 def test_auto_is_the_largest_budget_that_fits_the_device(qwen2_0_5b, gib):
     """The resolved budget's update fits the device less the margin, the next step's does not, and the config
