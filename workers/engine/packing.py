@@ -173,8 +173,9 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [1, T] real tokens of all sequences, back to back
     position_ids: torch.Tensor  # [1, T] 0..len-1 for each sequence
-    cu_seqlens: torch.Tensor  # [b + 1] int32 cumulative sequence lengths
-    max_seqlen: int
+    # (0, l0, l0+l1, ..., T): the segments' cumulative lengths, on the host, so attention never reads them back from
+    # the device (a device sync in every layer)
+    bounds: tuple[int, ...]
     keep_index: torch.Tensor  # [n] packed positions whose logits predict a real response token
     labels: torch.Tensor  # [n] the response tokens those logits predict
     response_valid: torch.Tensor  # [b, R] bool, True on real response tokens (attention_mask of the response)
@@ -186,6 +187,15 @@ class PackedBatch:
     # [b, P+R] the packed index of each real token of the micro-batch (a shared prompt's rows all point at its one
     # copy), -1 on padding: the way back from packed order
     packed_index: torch.Tensor | None = None
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[segments + 1] int32 ``bounds`` on the batch's device (FlashAttention's varlen metadata)."""
+        return torch.tensor(self.bounds, dtype=torch.int32, device=self.input_ids.device)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max((e - s for s, e in zip(self.bounds[:-1], self.bounds[1:])), default=0)
 
     def pack_column(self, column: torch.Tensor) -> torch.Tensor:
         """A per-token ``[b, P+R, ...]`` column of the micro-batch in packed order, ``[T, ...]``."""
@@ -208,20 +218,22 @@ class PackedBatch:
     def model_kwargs(self, kernel: str | None = None) -> dict:
         """Keyword arguments for an HF forward: no 2D mask, no cache, FlashAttention-style varlen metadata (and
         the shared-prompt branches and the packed-attention ``kernel``, which only ``hyflow_varlen`` reads)."""
+        cu, longest = self.cu_seqlens, self.max_seqlen
         kwargs: dict[str, Any] = dict(
             input_ids=self.input_ids,
             position_ids=self.position_ids,
             attention_mask=None,
             use_cache=False,
-            cu_seq_lens_q=self.cu_seqlens,
-            cu_seq_lens_k=self.cu_seqlens,
-            max_length_q=self.max_seqlen,
-            max_length_k=self.max_seqlen,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=longest,
+            max_length_k=longest,
         )
         if self.branches is not None:
             kwargs["hyflow_branches"] = self.branches
         if kernel is not None:
             kwargs["hyflow_kernel"] = kernel
+            kwargs["hyflow_bounds"] = self.bounds
         return kwargs
 
 
@@ -279,13 +291,10 @@ def pack_sequences(
         shared = _share_prompts(input_ids, mask, prompt_len, response_valid, labels, total)
         if shared is not None:
             return shared
-    cu = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
-    cu[1:] = lengths.cumsum(0)
     return PackedBatch(
         input_ids=flat_ids[None],
         position_ids=positions[None],
-        cu_seqlens=cu,
-        max_seqlen=int(lengths.max()) if b else 0,
+        bounds=(0, *lengths.cumsum(0).tolist()),
         keep_index=keep_index,
         labels=labels,
         response_valid=response_valid,
@@ -342,12 +351,10 @@ def _share_prompts(
         for i in range(len(input_ids))
         for j in range(lens[i])
     ]
-    seg_lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     return PackedBatch(
         input_ids=torch.cat(pieces)[None],
         position_ids=torch.cat(positions)[None],
-        cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
-        max_seqlen=max(seg_lens),
+        bounds=tuple(bounds),
         keep_index=torch.tensor(keep, dtype=torch.long, device=device),
         labels=labels,
         response_valid=response_valid,

@@ -42,10 +42,13 @@ from workers.models.packed_kernels import attends, flash_packed, flex_packed, to
 VARLEN_ATTENTION = "hyflow_varlen"
 
 
-def _segment_bounds(kwargs: dict, total_len: int) -> list[int]:
-    """Cumulative sequence boundaries [0, l0, l0+l1, ..., T] of the packed row."""
+def _segment_bounds(kwargs: dict, total_len: int, host: tuple[int, ...] | None = None) -> list[int]:
+    """Cumulative sequence boundaries [0, l0, l0+l1, ..., T] of the packed row: ``host``, the engine's copy
+    (``hyflow_bounds``), else read back from ``cu_seq_lens_q`` or the positions (a device sync on a GPU)."""
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
+    if host is not None:
+        bounds = list(host)
+    elif cu is not None:
         bounds = [int(x) for x in cu.tolist()]
     else:
         position_ids = kwargs.get("position_ids")
@@ -82,6 +85,7 @@ def varlen_sdpa_attention_forward(
     branches = kwargs.pop("hyflow_branches", None) or ()
     # one of packed_kernels.PACKED_KERNELS, resolved by the engine (model.packed_attention)
     kernel = kwargs.pop("hyflow_kernel", None) or "sdpa"
+    host_bounds = kwargs.pop("hyflow_bounds", None)
     packed = (
         attention_mask is None
         and causal
@@ -107,7 +111,7 @@ def varlen_sdpa_attention_forward(
             **kwargs,
         )
     total = query.shape[2]
-    bounds = tuple(_segment_bounds(kwargs, total))
+    bounds = tuple(_segment_bounds(kwargs, total, host_bounds))
     if kernel != "sdpa" and dropout:
         raise ValueError(
             f"model.packed_attention={kernel!r} has no attention dropout (the model asks {dropout})"

@@ -195,6 +195,12 @@ def flex_packed(
     return out[:, :, :total]
 
 
+@functools.lru_cache(maxsize=8)
+def _device_bounds(bounds: tuple[int, ...], device: str) -> torch.Tensor:
+    """``bounds`` as int32 on ``device``: copied once per packed row, not once per layer."""
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
 def flash_packed(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -219,7 +225,7 @@ def flash_packed(
         else:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+    cu = _device_bounds(bounds, str(q.device))
     longest = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
     # (left, right) keys each query sees: HF's window w admits q - k < w, i.e. w - 1 to the left; -1: all
     left = window - 1 if window is not None else -1

@@ -213,6 +213,25 @@ def test_engine_forward_passes_with_flex_equal_the_sdpa_kernels(model_dir):
     )
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_every_layer_reads_the_rows_bounds_from_the_host(model_dir, monkeypatch, kernel):
+    """The engine hands attention the packed row's bounds as host data (``hyflow_bounds``), so no layer reads
+    them back from the device (on a GPU, a sync per layer that stalls the kernel queue)."""
+    import workers.models.attention as attention
+
+    real, hosts = attention._segment_bounds, []
+
+    def recording(kwargs, total, host=None):
+        hosts.append(host)
+        return real(kwargs, total, host)
+
+    monkeypatch.setattr(attention, "_segment_bounds", recording)
+    b = T.make_group_batch(groups=3, samples=4, seed=12)
+    engine = FSDPEngine(EngineConfig(model_path=model_dir, optim=None, packed_attention=kernel))
+    engine.compute_log_prob(b, max_token_len=40)
+    assert hosts and all(h is not None for h in hosts), hosts
+
+
 def test_engine_refuses_kernels_the_cpu_cannot_train_with(model_dir):
     with pytest.raises(ValueError, match="no CPU backward"):
         FSDPEngine(EngineConfig(model_path=model_dir, optim=OptimConfig(), packed_attention="flex"))
