@@ -289,8 +289,8 @@ def test_cuda_flex_shared_prompt_gradients_equal_the_sdpa_kernels():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["flex", "flash"])
 def test_cuda_engine_update_with_each_kernel_equals_the_sdpa_kernels(model_dir, kernel):
-    """One GRPO-shaped update in bf16 mixed precision: loss, log-probs and updated weights close to the sdpa
-    kernel's (flash with share_prompts turned off, as the engine does for it)."""
+    """One GRPO-shaped batch in bf16 mixed precision: the loss of its forward/backward and its log-probs close
+    to the sdpa kernel's (flash with share_prompts turned off, as the engine does for it)."""
     if not torch.cuda.is_available():
         pytest.skip("CUDA")
     b = T.make_group_batch(groups=3, samples=4, seed=12)
